@@ -1,0 +1,592 @@
+#include "memtide/allocator/caching_allocator.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+
+#include "memtide/core/assert.hpp"
+#include "memtide/core/error.hpp"
+#include "memtide/core/format.hpp"
+#include "memtide/core/log.hpp"
+#include "memtide/core/options.hpp"
+
+namespace memtide {
+namespace {
+
+// PyTorch's caching allocator constants; matching them keeps fragmentation behaviour familiar.
+constexpr std::size_t kRound = 512;
+constexpr std::size_t kSmallSize = 1ULL << 20;         // requests <= 1 MiB use the small pool
+constexpr std::size_t kSmallSegment = 2ULL << 20;      // small pool segment size
+constexpr std::size_t kMediumLimit = 10ULL << 20;      // requests < 10 MiB share 20 MiB segments
+constexpr std::size_t kMediumSegment = 20ULL << 20;
+constexpr std::size_t kLargeRound = 2ULL << 20;
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+std::uint64_t stream_id(Stream s) { return reinterpret_cast<std::uint64_t>(s.handle); }
+
+double wall_ns() {
+  return static_cast<double>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+}
+
+}  // namespace
+
+AllocatorConfig AllocatorConfig::from_options() {
+  const Options& o = options();
+  AllocatorConfig c;
+  c.max_bytes = o.max_bytes;
+  c.memory_fraction = o.memory_fraction;
+  c.record_history = o.record_history;
+  c.history_entries = static_cast<std::size_t>(o.history_entries);
+  c.phase_history = static_cast<std::size_t>(o.phase_history);
+  c.headroom_margin = o.headroom_margin;
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// DirectResource
+
+void* DirectResource::do_allocate(std::size_t bytes, Stream /*stream*/) { return device_.allocate(bytes); }
+void DirectResource::do_deallocate(void* ptr, Stream /*stream*/) { device_.deallocate(ptr, 0); }
+
+// ---------------------------------------------------------------------------------------------
+// CachingAllocator: construction and bookkeeping
+
+bool CachingAllocator::BlockLess::operator()(const Block* a, const Block* b) const noexcept {
+  if (a->stream.handle != b->stream.handle) return a->stream.handle < b->stream.handle;
+  if (a->size != b->size) return a->size < b->size;
+  return a->addr < b->addr;
+}
+
+CachingAllocator::CachingAllocator(Device& device, AllocatorConfig config)
+    : device_(device), config_(config), tracker_(config.phase_history) {
+  if (!(config_.memory_fraction > 0.0 && config_.memory_fraction <= 1.0)) {
+    throw InvalidArgument("CachingAllocator: memory_fraction " + std::to_string(config_.memory_fraction) +
+                          " is outside (0, 1]");
+  }
+  limit_ = compute_limit_locked();
+  tracker_.set_limit(limit_);
+  allocated_.reserve(4096);
+  if (config_.record_history) trace_.reserve(std::min<std::size_t>(config_.history_entries, 1 << 16));
+}
+
+CachingAllocator::~CachingAllocator() {
+  std::lock_guard lock(mutex_);
+  try {
+    process_pending_locked(/*wait=*/true);
+    if (!allocated_.empty()) {
+      MEMTIDE_LOG(warn, "CachingAllocator destroyed with " + std::to_string(allocated_.size()) +
+                            " live allocation(s) (" + format_bytes(static_cast<std::uint64_t>(stats_.allocated_bytes[0].current)) +
+                            "); their segments are not returned");
+    }
+    release_cached_locked();
+    for (Event e : spare_events_) device_.destroy_event(e);
+  } catch (const std::exception& e) {
+    MEMTIDE_LOG(error, std::string("CachingAllocator teardown: ") + e.what());
+  }
+}
+
+std::uint64_t CachingAllocator::compute_limit_locked() const {
+  const double total = static_cast<double>(device_.properties().total_memory);
+  auto limit = static_cast<std::uint64_t>(total * config_.memory_fraction);
+  if (config_.max_bytes != 0) limit = std::min(limit, config_.max_bytes);
+  return limit;
+}
+
+void CachingAllocator::update_stat(StatArray& a, bool small, std::int64_t delta) {
+  const int pool_index = small ? static_cast<int>(StatType::small_pool) : static_cast<int>(StatType::large_pool);
+  if (delta >= 0) {
+    a[0].increase(delta);
+    a[pool_index].increase(delta);
+  } else {
+    a[0].decrease(-delta);
+    a[pool_index].decrease(-delta);
+  }
+}
+
+CachingAllocator::Block* CachingAllocator::new_block_locked() {
+  if (!spare_blocks_.empty()) {
+    Block* b = spare_blocks_.back();
+    spare_blocks_.pop_back();
+    return b;
+  }
+  return &block_storage_.emplace_back();
+}
+
+void CachingAllocator::recycle_block_locked(Block* block) {
+  // Keep the stashed container nodes: the next block made from this one reuses them.
+  block->prev = block->next = nullptr;
+  block->allocated = false;
+  block->pending_events = 0;
+  block->uses.clear();
+  spare_blocks_.push_back(block);
+}
+
+Event CachingAllocator::take_event_locked() {
+  if (!spare_events_.empty()) {
+    Event e = spare_events_.back();
+    spare_events_.pop_back();
+    return e;
+  }
+  return device_.create_event(/*timing=*/false);
+}
+
+void CachingAllocator::trace_locked(TraceAction action, std::uintptr_t addr, std::size_t size, Stream stream) {
+  if (!config_.record_history) return;
+  TraceEntry e{action, addr, size, stream_id(stream), static_cast<std::int64_t>(wall_ns() / 1e3)};
+  if (trace_.size() < config_.history_entries) {
+    trace_.push_back(e);
+  } else {
+    trace_[trace_next_] = e;
+    trace_next_ = (trace_next_ + 1) % trace_.size();
+    trace_wrapped_ = true;
+  }
+}
+
+// A free block that shares its segment with other blocks counts as an inactive split.
+void CachingAllocator::insert_free_locked(Block* block) {
+  if (block->prev != nullptr || block->next != nullptr) {
+    update_stat(stats_.inactive_split, block->small, 1);
+    update_stat(stats_.inactive_split_bytes, block->small, static_cast<std::int64_t>(block->size));
+  }
+  FreeSet& set = pool(block->small);
+  if (!block->free_node.empty()) {
+    block->free_node.value() = block;
+    set.insert(std::move(block->free_node));
+  } else {
+    set.insert(block);
+  }
+}
+
+void CachingAllocator::remove_free_locked(Block* block) {
+  FreeSet& set = pool(block->small);
+  auto it = set.find(block);
+  MEMTIDE_ASSERT(it != set.end());
+  block->free_node = set.extract(it);
+  if (block->prev != nullptr || block->next != nullptr) {
+    update_stat(stats_.inactive_split, block->small, -1);
+    update_stat(stats_.inactive_split_bytes, block->small, -static_cast<std::int64_t>(block->size));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Allocation
+
+CachingAllocator::Block* CachingAllocator::find_free_locked(bool small, Stream stream, std::size_t size) {
+  FreeSet& set = pool(small);
+  Block key;
+  key.stream = stream;
+  key.size = size;
+  key.addr = 0;
+  auto it = set.lower_bound(&key);
+  if (it == set.end() || (*it)->stream != stream) return nullptr;
+  Block* b = *it;
+  remove_free_locked(b);
+  return b;
+}
+
+CachingAllocator::Block* CachingAllocator::alloc_segment_locked(bool small, Stream stream, std::size_t size) {
+  std::size_t seg = small ? kSmallSegment : size < kMediumLimit ? kMediumSegment : round_up(size, kLargeRound);
+  const auto reserved = static_cast<std::uint64_t>(stats_.reserved_bytes[0].current);
+  if (reserved + seg > limit_ && !small && seg != round_up(size, kLargeRound)) {
+    seg = round_up(size, kLargeRound);  // near the limit, a shared 20 MiB segment is a luxury
+  }
+  if (reserved + seg > limit_) return nullptr;
+  void* ptr = nullptr;
+  try {
+    ptr = device_.allocate(seg);
+  } catch (const OutOfMemory&) {
+    return nullptr;
+  }
+  ++stats_.num_device_alloc;
+  Block* b = new_block_locked();
+  b->addr = reinterpret_cast<std::uintptr_t>(ptr);
+  b->size = seg;
+  b->stream = stream;
+  b->small = small;
+  segments_[b->addr] = Segment{b, seg};
+  update_stat(stats_.segment, small, 1);
+  update_stat(stats_.reserved_bytes, small, static_cast<std::int64_t>(seg));
+  trace_locked(TraceAction::segment_alloc, b->addr, seg, stream);
+  return b;
+}
+
+CachingAllocator::Block* CachingAllocator::steal_segment_locked(bool small, Stream stream, std::size_t size) {
+  Block* best = nullptr;
+  for (Block* b : pool(small)) {
+    if (b->stream != stream && b->prev == nullptr && b->next == nullptr && b->size >= size &&
+        (best == nullptr || b->size < best->size)) {
+      best = b;
+    }
+  }
+  if (best == nullptr) return nullptr;
+  remove_free_locked(best);
+  // The new stream must not start before the old stream's queued work on this memory is done.
+  Event e = take_event_locked();
+  device_.record_event(e, best->stream);
+  device_.stream_wait_event(stream, e);
+  spare_events_.push_back(e);
+  best->stream = stream;
+  ++stats_.num_cross_stream_reuse;
+  return best;
+}
+
+void CachingAllocator::release_segment_locked(Block* head) {
+  const std::uintptr_t addr = head->addr;
+  const std::size_t size = head->size;
+  const bool small = head->small;
+  device_.deallocate(reinterpret_cast<void*>(addr), size);
+  ++stats_.num_device_free;
+  segments_.erase(addr);
+  update_stat(stats_.segment, small, -1);
+  update_stat(stats_.reserved_bytes, small, -static_cast<std::int64_t>(size));
+  trace_locked(TraceAction::segment_free, addr, size, head->stream);
+  recycle_block_locked(head);
+}
+
+void CachingAllocator::release_cached_locked() {
+  for (FreeSet* set : {&small_free_, &large_free_}) {
+    for (auto it = set->begin(); it != set->end();) {
+      Block* b = *it;
+      if (b->prev == nullptr && b->next == nullptr) {
+        it = set->erase(it);
+        b->free_node = {};
+        release_segment_locked(b);
+      } else {
+        ++it;
+      }
+    }
+  }
+  observe_locked();
+}
+
+CachingAllocator::Block* CachingAllocator::split_locked(Block* block, std::size_t size) {
+  const std::size_t remaining = block->size - size;
+  const bool split = block->small ? remaining >= kRound : remaining > kSmallSize;
+  if (!split) return block;
+  Block* rest = new_block_locked();
+  rest->addr = block->addr + size;
+  rest->size = remaining;
+  rest->stream = block->stream;
+  rest->small = block->small;
+  rest->prev = block;
+  rest->next = block->next;
+  if (rest->next != nullptr) rest->next->prev = rest;
+  block->next = rest;
+  block->size = size;
+  insert_free_locked(rest);
+  return block;
+}
+
+void* CachingAllocator::do_allocate(std::size_t bytes, Stream stream) {
+  if (bytes > (std::numeric_limits<std::size_t>::max() >> 1)) {
+    throw InvalidArgument("CachingAllocator: request of " + std::to_string(bytes) + " bytes is absurd");
+  }
+  const std::size_t size = round_up(bytes, kRound);
+  const bool small = size <= kSmallSize;
+  std::lock_guard lock(mutex_);
+  if (!pending_.empty()) process_pending_locked(/*wait=*/false);
+
+  Block* b = find_free_locked(small, stream, size);
+  if (b == nullptr) b = alloc_segment_locked(small, stream, size);
+  if (b == nullptr) b = steal_segment_locked(small, stream, size);
+  if (b == nullptr) {
+    ++stats_.num_alloc_retries;
+    process_pending_locked(/*wait=*/true);
+    release_cached_locked();
+    b = find_free_locked(small, stream, size);
+    if (b == nullptr) b = alloc_segment_locked(small, stream, size);
+  }
+  if (b == nullptr) throw_oom_locked(bytes, stream);
+
+  b = split_locked(b, size);
+  b->allocated = true;
+  b->requested = bytes;
+  if (!b->ptr_node.empty()) {
+    b->ptr_node.key() = b->addr;
+    b->ptr_node.mapped() = b;
+    allocated_.insert(std::move(b->ptr_node));
+  } else {
+    allocated_.emplace(b->addr, b);
+  }
+  update_stat(stats_.allocation, small, 1);
+  update_stat(stats_.active, small, 1);
+  update_stat(stats_.allocated_bytes, small, static_cast<std::int64_t>(b->size));
+  update_stat(stats_.active_bytes, small, static_cast<std::int64_t>(b->size));
+  update_stat(stats_.requested_bytes, small, static_cast<std::int64_t>(bytes));
+  observe_locked();
+  trace_locked(TraceAction::alloc, b->addr, b->size, stream);
+  return reinterpret_cast<void*>(b->addr);
+}
+
+void CachingAllocator::throw_oom_locked(std::size_t bytes, Stream stream) {
+  ++stats_.num_ooms;
+  trace_locked(TraceAction::oom, 0, bytes, stream);
+  MemInfo mem{};
+  try {
+    mem = device_.mem_info();
+  } catch (const Error&) {
+    // The message is still useful without the device's own view.
+  }
+  const auto allocated = static_cast<std::uint64_t>(stats_.allocated_bytes[0].current);
+  const auto reserved = static_cast<std::uint64_t>(stats_.reserved_bytes[0].current);
+  std::string msg = "memtide: out of memory on " + device_.properties().backend + " device " +
+                    std::to_string(device_.properties().index) + ": tried to allocate " + format_bytes(bytes) +
+                    ". Limit " + format_bytes(limit_) + "; allocated " + format_bytes(allocated) + ", reserved " +
+                    format_bytes(reserved) + " (" + format_bytes(reserved - allocated) +
+                    " cached in fragments too small or on other streams); device free " + format_bytes(mem.free) +
+                    " of " + format_bytes(mem.total) + ". Current phase: " + phase_name(tracker_.phase()) + ".";
+  const auto& history = tracker_.history();
+  if (!history.empty()) {
+    msg += " Peak allocated in the last iteration:";
+    const IterationRecord& last = history.back();
+    for (int i = 0; i < kPhaseCount; ++i) {
+      const PhaseWatermark& w = last.phases[i];
+      if (w.seen) msg += std::string(" ") + phase_name(static_cast<Phase>(i)) + " " + format_bytes(w.peak_allocated) + ";";
+    }
+  } else {
+    msg += " No training iteration has completed yet (no phase history).";
+  }
+  msg += " Lower the batch size, or raise MEMTIDE_MEMORY_FRACTION / MEMTIDE_MAX_BYTES if they are set.";
+  throw OutOfMemory(msg);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Free
+
+void CachingAllocator::do_deallocate(void* ptr, Stream /*stream*/) {
+  std::lock_guard lock(mutex_);
+  auto it = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == allocated_.end()) {
+    ++stats_.num_invalid_frees;
+    throw InvalidArgument("memtide: free of a pointer that is not allocated here (unknown or already freed)");
+  }
+  Block* b = it->second;
+  b->ptr_node = allocated_.extract(it);
+  b->allocated = false;
+  update_stat(stats_.allocation, b->small, -1);
+  update_stat(stats_.allocated_bytes, b->small, -static_cast<std::int64_t>(b->size));
+  update_stat(stats_.requested_bytes, b->small, -static_cast<std::int64_t>(b->requested));
+  trace_locked(TraceAction::free_requested, b->addr, b->size, b->stream);
+  observe_locked();
+
+  if (!b->uses.empty()) {
+    PendingFree pf{b, {}};
+    for (Stream s : b->uses) {
+      Event e = take_event_locked();
+      device_.record_event(e, s);
+      pf.events.push_back(e);
+    }
+    b->uses.clear();
+    b->pending_events = static_cast<int>(pf.events.size());
+    pending_.push_back(std::move(pf));
+    return;
+  }
+  free_block_locked(b);
+}
+
+void CachingAllocator::free_block_locked(Block* b) {
+  MEMTIDE_ASSERT(!b->allocated);
+  update_stat(stats_.active, b->small, -1);
+  update_stat(stats_.active_bytes, b->small, -static_cast<std::int64_t>(b->size));
+  trace_locked(TraceAction::free_completed, b->addr, b->size, b->stream);
+  b->pending_events = 0;
+  b->requested = 0;
+  // Coalesce with free neighbours; the lower-addressed block survives so a segment's head never
+  // changes.
+  if (Block* p = b->prev; p != nullptr && !p->allocated && p->pending_events == 0) {
+    remove_free_locked(p);
+    p->size += b->size;
+    p->next = b->next;
+    if (p->next != nullptr) p->next->prev = p;
+    recycle_block_locked(b);
+    b = p;
+  }
+  if (Block* n = b->next; n != nullptr && !n->allocated && n->pending_events == 0) {
+    remove_free_locked(n);
+    b->size += n->size;
+    b->next = n->next;
+    if (b->next != nullptr) b->next->prev = b;
+    recycle_block_locked(n);
+  }
+  insert_free_locked(b);
+}
+
+void CachingAllocator::process_pending_locked(bool wait) {
+  if (wait && !pending_.empty()) ++stats_.num_sync_all_streams;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    bool done = true;
+    for (Event e : it->events) {
+      if (wait) {
+        device_.event_synchronize(e);
+      } else if (!device_.event_query(e)) {
+        done = false;
+        break;
+      }
+    }
+    if (!done) {
+      ++it;
+      continue;
+    }
+    for (Event e : it->events) spare_events_.push_back(e);
+    Block* b = it->block;
+    it = pending_.erase(it);
+    free_block_locked(b);
+  }
+}
+
+void CachingAllocator::record_stream(void* ptr, Stream stream) {
+  std::lock_guard lock(mutex_);
+  auto it = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == allocated_.end()) throw InvalidArgument("memtide: record_stream on a pointer that is not allocated here");
+  Block* b = it->second;
+  if (stream == b->stream) return;  // its own stream is ordered already
+  if (std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) b->uses.push_back(stream);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Limits, stats, phases, snapshots
+
+void CachingAllocator::empty_cache() {
+  std::lock_guard lock(mutex_);
+  process_pending_locked(/*wait=*/false);
+  release_cached_locked();
+}
+
+void CachingAllocator::set_memory_fraction(double fraction) {
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    throw InvalidArgument("memory fraction " + std::to_string(fraction) + " is outside (0, 1]");
+  }
+  std::lock_guard lock(mutex_);
+  config_.memory_fraction = fraction;
+  limit_ = compute_limit_locked();
+  tracker_.set_limit(limit_);
+}
+
+void CachingAllocator::set_max_bytes(std::uint64_t bytes) {
+  std::lock_guard lock(mutex_);
+  config_.max_bytes = bytes;
+  limit_ = compute_limit_locked();
+  tracker_.set_limit(limit_);
+}
+
+std::uint64_t CachingAllocator::limit() const {
+  std::lock_guard lock(mutex_);
+  return limit_;
+}
+
+AllocatorStats CachingAllocator::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void CachingAllocator::reset_peak_stats() {
+  std::lock_guard lock(mutex_);
+  for (StatArray* a : {&stats_.allocation, &stats_.segment, &stats_.active, &stats_.inactive_split,
+                       &stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
+                       &stats_.inactive_split_bytes, &stats_.requested_bytes}) {
+    for (Stat& s : *a) s.reset_peak();
+  }
+}
+
+void CachingAllocator::reset_accumulated_stats() {
+  std::lock_guard lock(mutex_);
+  for (StatArray* a : {&stats_.allocation, &stats_.segment, &stats_.active, &stats_.inactive_split,
+                       &stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
+                       &stats_.inactive_split_bytes, &stats_.requested_bytes}) {
+    for (Stat& s : *a) s.reset_accumulated();
+  }
+  stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
+  stats_.num_device_alloc = stats_.num_device_free = stats_.num_invalid_frees = 0;
+  stats_.num_cross_stream_reuse = 0;
+}
+
+void CachingAllocator::mark_phase(Phase phase) {
+  std::lock_guard lock(mutex_);
+  tracker_.mark(phase, static_cast<std::uint64_t>(stats_.allocated_bytes[0].current),
+                static_cast<std::uint64_t>(stats_.reserved_bytes[0].current), wall_ns());
+}
+
+Phase CachingAllocator::phase() const {
+  std::lock_guard lock(mutex_);
+  return tracker_.phase();
+}
+
+Headroom CachingAllocator::headroom(Phase until, std::optional<std::uint64_t> margin) const {
+  std::lock_guard lock(mutex_);
+  return tracker_.headroom(until, static_cast<std::uint64_t>(stats_.allocated_bytes[0].current),
+                           margin.value_or(config_.headroom_margin));
+}
+
+PhaseReport CachingAllocator::phase_report() const {
+  std::lock_guard lock(mutex_);
+  PhaseReport r;
+  r.current = tracker_.phase();
+  r.iterations = tracker_.iterations();
+  r.running = tracker_.current();
+  r.history.assign(tracker_.history().begin(), tracker_.history().end());
+  return r;
+}
+
+void CachingAllocator::set_record_history(bool enabled) {
+  std::lock_guard lock(mutex_);
+  config_.record_history = enabled;
+  if (!enabled) {
+    trace_.clear();
+    trace_next_ = 0;
+    trace_wrapped_ = false;
+  }
+}
+
+std::optional<std::size_t> CachingAllocator::allocation_size(void* ptr) const {
+  std::lock_guard lock(mutex_);
+  auto it = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == allocated_.end()) return std::nullopt;
+  return it->second->size;
+}
+
+Snapshot CachingAllocator::snapshot() const {
+  std::lock_guard lock(mutex_);
+  Snapshot snap;
+  std::vector<const Segment*> order;
+  order.reserve(segments_.size());
+  for (const auto& [addr, seg] : segments_) order.push_back(&seg);
+  std::sort(order.begin(), order.end(), [](const Segment* a, const Segment* b) { return a->head->addr < b->head->addr; });
+  for (const Segment* seg : order) {
+    SegmentSnapshot s;
+    s.device = device_.properties().index;
+    s.address = seg->head->addr;
+    s.total_size = seg->size;
+    s.stream = stream_id(seg->head->stream);
+    s.small = seg->head->small;
+    for (const Block* b = seg->head; b != nullptr; b = b->next) {
+      BlockSnapshot bs;
+      bs.address = b->addr;
+      bs.size = b->size;
+      bs.requested_size = b->requested;
+      bs.state = b->allocated               ? BlockState::active_allocated
+                 : b->pending_events > 0    ? BlockState::active_pending_free
+                                            : BlockState::inactive;
+      if (bs.state == BlockState::active_allocated) s.allocated_size += b->size;
+      if (bs.state != BlockState::inactive) {
+        s.active_size += b->size;
+        s.requested_size += b->requested;
+      }
+      s.blocks.push_back(bs);
+    }
+    snap.segments.push_back(std::move(s));
+  }
+  std::vector<TraceEntry> trace;
+  if (trace_wrapped_) {
+    trace.assign(trace_.begin() + static_cast<std::ptrdiff_t>(trace_next_), trace_.end());
+    trace.insert(trace.end(), trace_.begin(), trace_.begin() + static_cast<std::ptrdiff_t>(trace_next_));
+  } else {
+    trace = trace_;
+  }
+  snap.device_traces.push_back(std::move(trace));
+  return snap;
+}
+
+}  // namespace memtide

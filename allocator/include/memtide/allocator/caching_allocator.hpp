@@ -1,0 +1,174 @@
+#pragma once
+/// @file
+/// CachingAllocator: stream-ordered caching of device memory, with per-phase watermarks.
+///
+/// Behaviour follows PyTorch's caching allocator so memtide can replace it: 512-byte rounding;
+/// requests up to 1 MiB come from 2 MiB "small" segments, up to 10 MiB from 20 MiB "large"
+/// segments, bigger ones get a segment rounded to 2 MiB; best fit per stream with splitting and
+/// coalescing; a limit (memory fraction or byte cap); on OOM, cached segments are released and the
+/// allocation retried before failing with a message that says where the memory went.
+///
+/// Stream ordering lives here and nowhere else:
+/// - a block freed on stream S is reused at once by allocations on S;
+/// - a cached segment moves to another stream T only when the allocator is at its limit, and T
+///   first waits on an event recorded on S (so T's work starts after S's last use);
+/// - a block used on extra streams (record_stream) is held at free time until events recorded on
+///   those streams complete.
+///
+/// Thread-safe; one mutex, held briefly. The steady-state fast path does no heap allocation.
+
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <unordered_map>
+#include <vector>
+
+#include "memtide/allocator/memory_resource.hpp"
+#include "memtide/allocator/phase_tracker.hpp"
+#include "memtide/allocator/snapshot.hpp"
+#include "memtide/allocator/stats.hpp"
+#include "memtide/device/device.hpp"
+
+namespace memtide {
+
+struct AllocatorConfig {
+  std::uint64_t max_bytes = 0;        ///< byte cap on reserved memory; 0 = none
+  double memory_fraction = 1.0;       ///< cap as a fraction of the device's total memory
+  bool record_history = false;        ///< keep a trace for snapshots
+  std::size_t history_entries = 100000;
+  std::size_t phase_history = 4;      ///< finished iterations remembered by the PhaseTracker
+  std::uint64_t headroom_margin = 256ULL << 20;
+
+  /// From the options table (MEMTIDE_MAX_BYTES, MEMTIDE_MEMORY_FRACTION, ...).
+  static AllocatorConfig from_options();
+};
+
+/// Per-phase watermarks of the running iteration and the remembered ones.
+struct PhaseReport {
+  Phase current = Phase::other;
+  std::uint64_t iterations = 0;
+  IterationRecord running;
+  std::vector<IterationRecord> history;
+};
+
+class CachingAllocator final : public DeviceMemoryResource {
+ public:
+  explicit CachingAllocator(Device& device, AllocatorConfig config = {});
+  /// Returns cached segments to the device. Blocks still allocated are leaked with a warning,
+  /// since work may still use them.
+  ~CachingAllocator() override;
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  /// Marks `ptr` as used on `stream` too: its memory is not reused until that stream's work
+  /// queued before the free has completed.
+  void record_stream(void* ptr, Stream stream);
+  /// Returns every fully free cached segment to the device (torch.cuda.empty_cache).
+  void empty_cache();
+  /// Limit = fraction * device memory (and max_bytes if set). Throws InvalidArgument outside (0, 1].
+  void set_memory_fraction(double fraction);
+  /// Byte cap on reserved memory; 0 removes it.
+  void set_max_bytes(std::uint64_t bytes);
+  [[nodiscard]] std::uint64_t limit() const;
+
+  [[nodiscard]] AllocatorStats stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+
+  /// Enters a training phase; also the iteration boundary (see PhaseTracker).
+  void mark_phase(Phase phase);
+  [[nodiscard]] Phase phase() const;
+  /// Bytes that can be borrowed now and held until `until` begins, keeping `margin`
+  /// (default: the configured headroom margin) free.
+  [[nodiscard]] Headroom headroom(Phase until, std::optional<std::uint64_t> margin = std::nullopt) const;
+  [[nodiscard]] PhaseReport phase_report() const;
+
+  /// Segments, blocks and (when recording) the trace, in memory_viz's model.
+  [[nodiscard]] Snapshot snapshot() const;
+  void set_record_history(bool enabled);
+
+  /// Size of the block holding `ptr` (rounded), or nullopt when `ptr` is not allocated here.
+  [[nodiscard]] std::optional<std::size_t> allocation_size(void* ptr) const;
+
+  [[nodiscard]] Device& device() noexcept { return device_; }
+
+ private:
+  struct Block;
+  struct BlockLess {
+    bool operator()(const Block* a, const Block* b) const noexcept;
+  };
+  using FreeSet = std::set<Block*, BlockLess>;
+  using PtrMap = std::unordered_map<std::uintptr_t, Block*>;
+  struct Block {
+    std::uintptr_t addr = 0;
+    std::size_t size = 0;
+    std::size_t requested = 0;
+    Stream stream{};
+    bool small = false;
+    bool allocated = false;
+    int pending_events = 0;      ///< outstanding record_stream events after free
+    Block* prev = nullptr;       ///< neighbours within the segment, in address order
+    Block* next = nullptr;
+    std::vector<Stream> uses;    ///< extra streams from record_stream
+    // Container nodes are kept with the block across removals so that reinsertion reuses them
+    // instead of allocating: this is what keeps the fast path free of malloc.
+    FreeSet::node_type free_node;
+    PtrMap::node_type ptr_node;
+  };
+  struct Segment {
+    Block* head = nullptr;
+    std::size_t size = 0;
+  };
+  struct PendingFree {
+    Block* block;
+    std::vector<Event> events;
+  };
+
+  void* do_allocate(std::size_t bytes, Stream stream) override;
+  void do_deallocate(void* ptr, Stream stream) override;
+
+  FreeSet& pool(bool small) { return small ? small_free_ : large_free_; }
+  Block* find_free_locked(bool small, Stream stream, std::size_t size);
+  Block* alloc_segment_locked(bool small, Stream stream, std::size_t size);
+  Block* steal_segment_locked(bool small, Stream stream, std::size_t size);
+  void release_cached_locked();
+  void release_segment_locked(Block* head);
+  Block* split_locked(Block* block, std::size_t size);
+  void free_block_locked(Block* block);
+  void insert_free_locked(Block* block);
+  void remove_free_locked(Block* block);
+  void process_pending_locked(bool wait);
+  Block* new_block_locked();
+  void recycle_block_locked(Block* block);
+  Event take_event_locked();
+  void update_stat(StatArray& a, bool small, std::int64_t delta);
+  void observe_locked() noexcept {
+    tracker_.observe(static_cast<std::uint64_t>(stats_.allocated_bytes[0].current),
+                     static_cast<std::uint64_t>(stats_.reserved_bytes[0].current));
+  }
+  void trace_locked(TraceAction action, std::uintptr_t addr, std::size_t size, Stream stream);
+  std::uint64_t compute_limit_locked() const;
+  [[noreturn]] void throw_oom_locked(std::size_t bytes, Stream stream);
+
+  Device& device_;
+  AllocatorConfig config_;
+  mutable std::mutex mutex_;
+  std::uint64_t limit_ = 0;
+  FreeSet small_free_;
+  FreeSet large_free_;
+  PtrMap allocated_;
+  std::unordered_map<std::uintptr_t, Segment> segments_;
+  std::deque<Block> block_storage_;
+  std::vector<Block*> spare_blocks_;
+  std::vector<PendingFree> pending_;
+  std::vector<Event> spare_events_;
+  AllocatorStats stats_;
+  PhaseTracker tracker_;
+  std::vector<TraceEntry> trace_;  ///< ring buffer when full
+  std::size_t trace_next_ = 0;
+  bool trace_wrapped_ = false;
+};
+
+}  // namespace memtide

@@ -1,0 +1,183 @@
+// The C ABI. Every entry point catches everything: an exception crossing into torch or a C
+// program would terminate the process.
+
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include "memtide/core/error.hpp"
+#include "memtide/core/log.hpp"
+#include "memtide/memtide.h"
+#include "memtide/runtime.hpp"
+
+using namespace memtide;
+
+namespace {
+
+thread_local std::string t_last_error;
+
+int fail(int code, const std::string& message) {
+  t_last_error = message;
+  MEMTIDE_LOG(error, message);
+  return code;
+}
+
+template <typename F>
+int guarded(const char* where, F&& body) noexcept {
+  try {
+    t_last_error.clear();
+    body();
+    return MEMTIDE_OK;
+  } catch (const OutOfMemory& e) {
+    return fail(MEMTIDE_OUT_OF_MEMORY, e.what());
+  } catch (const InvalidArgument& e) {
+    return fail(MEMTIDE_INVALID_ARGUMENT, std::string(where) + ": " + e.what());
+  } catch (const ConfigError& e) {
+    return fail(MEMTIDE_CONFIG_ERROR, e.what());
+  } catch (const std::exception& e) {
+    return fail(MEMTIDE_ERROR, std::string(where) + ": " + e.what());
+  } catch (...) {
+    return fail(MEMTIDE_ERROR, std::string(where) + ": unknown error");
+  }
+}
+
+Stream to_stream(memtide_stream_t s) { return Stream{static_cast<void*>(s)}; }
+
+}  // namespace
+
+extern "C" {
+
+void* memtide_malloc(size_t size, int device, memtide_stream_t stream) {
+  void* ptr = nullptr;
+  guarded("memtide_malloc", [&] { ptr = Runtime::get().allocator(device).allocate(size, to_stream(stream)); });
+  return ptr;
+}
+
+void memtide_free(void* ptr, size_t /*size*/, int device, memtide_stream_t stream) {
+  if (ptr == nullptr) return;
+  guarded("memtide_free", [&] { Runtime::get().allocator(device).deallocate(ptr, to_stream(stream)); });
+}
+
+void memtide_init(int device_count) {
+  guarded("memtide_init", [&] {
+    const int have = Runtime::get().device_count();
+    if (device_count != have) {
+      MEMTIDE_LOG(warn, "memtide_init: caller sees " + std::to_string(device_count) + " device(s), memtide sees " +
+                            std::to_string(have));
+    }
+  });
+}
+
+void memtide_empty_cache(void) {
+  guarded("memtide_empty_cache", [] {
+    for (CachingAllocator* a : Runtime::get().opened()) {
+      if (a != nullptr) a->empty_cache();
+    }
+  });
+}
+
+void memtide_set_memory_fraction(double fraction, int device) {
+  guarded("memtide_set_memory_fraction", [&] { Runtime::get().allocator(device).set_memory_fraction(fraction); });
+}
+
+void memtide_record_stream(void* ptr, memtide_stream_t stream) {
+  guarded("memtide_record_stream", [&] {
+    for (CachingAllocator* a : Runtime::get().opened()) {
+      if (a != nullptr && a->allocation_size(ptr)) {
+        a->record_stream(ptr, to_stream(stream));
+        return;
+      }
+    }
+    throw InvalidArgument("pointer is not allocated by memtide");
+  });
+}
+
+int memtide_phase_mark(memtide_phase_t phase) {
+  if (phase < MEMTIDE_PHASE_FORWARD || phase > MEMTIDE_PHASE_OTHER) {
+    return fail(MEMTIDE_INVALID_ARGUMENT, "memtide_phase_mark: phase " + std::to_string(static_cast<int>(phase)) +
+                                              " is not one of 0 (forward), 1 (backward), 2 (update), 3 (other)");
+  }
+  return guarded("memtide_phase_mark", [&] {
+    Runtime& rt = Runtime::get();
+    for (int d = 0; d < rt.device_count(); ++d) rt.allocator(d).mark_phase(static_cast<Phase>(phase));
+  });
+}
+
+int memtide_phase_mark_name(const char* name) {
+  const auto phase = parse_phase(name == nullptr ? "" : name);
+  if (!phase) {
+    return fail(MEMTIDE_INVALID_ARGUMENT, std::string("memtide_phase_mark_name: \"") + (name ? name : "(null)") +
+                                              "\" is not forward, backward, update or other");
+  }
+  return memtide_phase_mark(static_cast<memtide_phase_t>(*phase));
+}
+
+int memtide_headroom(int device, memtide_phase_t until, uint64_t* bytes_out) {
+  if (bytes_out == nullptr) return fail(MEMTIDE_INVALID_ARGUMENT, "memtide_headroom: bytes_out is null");
+  if (until < MEMTIDE_PHASE_FORWARD || until > MEMTIDE_PHASE_OTHER) {
+    return fail(MEMTIDE_INVALID_ARGUMENT, "memtide_headroom: bad phase " + std::to_string(static_cast<int>(until)));
+  }
+  return guarded("memtide_headroom",
+                 [&] { *bytes_out = Runtime::get().allocator(device).headroom(static_cast<Phase>(until)).bytes; });
+}
+
+int memtide_stat(int device, const char* name, int64_t* value_out) {
+  if (name == nullptr || value_out == nullptr) return fail(MEMTIDE_INVALID_ARGUMENT, "memtide_stat: null argument");
+  return guarded("memtide_stat", [&] {
+    const auto flat = flatten(Runtime::get().allocator(device).stats());
+    auto it = flat.find(name);
+    if (it == flat.end()) throw InvalidArgument(std::string("unknown statistic \"") + name + "\"");
+    *value_out = it->second;
+  });
+}
+
+int memtide_reset_peak_stats(int device) {
+  return guarded("memtide_reset_peak_stats", [&] { Runtime::get().allocator(device).reset_peak_stats(); });
+}
+
+int memtide_record_history(int enabled) {
+  return guarded("memtide_record_history", [&] {
+    Runtime& rt = Runtime::get();
+    for (int d = 0; d < rt.device_count(); ++d) rt.allocator(d).set_record_history(enabled != 0);
+  });
+}
+
+int memtide_dump_snapshot(const char* path) {
+  if (path == nullptr || *path == '\0') return fail(MEMTIDE_INVALID_ARGUMENT, "memtide_dump_snapshot: empty path");
+  return guarded("memtide_dump_snapshot", [&] {
+    Snapshot all;
+    for (CachingAllocator* a : Runtime::get().opened()) {
+      if (a == nullptr) {
+        all.device_traces.emplace_back();
+        continue;
+      }
+      Snapshot s = a->snapshot();
+      for (auto& seg : s.segments) all.segments.push_back(std::move(seg));
+      all.device_traces.push_back(std::move(s.device_traces.front()));
+    }
+    // Write beside the target and rename, so a reader never sees half a snapshot.
+    const std::string tmp = std::string(path) + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      if (!out) throw IoError(std::string("cannot open ") + tmp + " for writing: " + std::strerror(errno));
+      write_memory_viz_pickle(all, out);
+      out.flush();
+      if (!out) throw IoError(std::string("writing ") + tmp + " failed");
+    }
+    if (std::rename(tmp.c_str(), path) != 0) {
+      throw IoError(std::string("renaming ") + tmp + " to " + path + " failed: " + std::strerror(errno));
+    }
+  });
+}
+
+const char* memtide_last_error(void) { return t_last_error.c_str(); }
+
+const char* memtide_version(void) { return MEMTIDE_VERSION_STRING; }
+
+const char* memtide_backend(void) {
+  const char* name = "sim";
+  guarded("memtide_backend", [&] { name = Runtime::get().backend() == Backend::cuda ? "cuda" : "sim"; });
+  return name;
+}
+
+}  // extern "C"

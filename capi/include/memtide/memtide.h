@@ -1,0 +1,99 @@
+/**
+ * @file
+ * memtide's one public C header: the ABI that PyTorch, LD_PRELOAD users and any other framework
+ * call. No function here throws or aborts; failures return null or a negative code, and
+ * memtide_last_error() gives the message (per thread).
+ *
+ * PyTorch:
+ *   alloc = torch.cuda.memory.CUDAPluggableAllocator("libmemtide.so", "memtide_malloc", "memtide_free")
+ *   torch.cuda.memory.change_current_allocator(alloc)   # before the first CUDA allocation
+ */
+#ifndef MEMTIDE_MEMTIDE_H
+#define MEMTIDE_MEMTIDE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define MEMTIDE_API __attribute__((visibility("default")))
+#else
+#define MEMTIDE_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The same type as cudaStream_t, without requiring the CUDA headers. */
+struct CUstream_st;
+typedef struct CUstream_st* memtide_stream_t;
+
+/** Return codes. */
+enum {
+  MEMTIDE_OK = 0,
+  MEMTIDE_ERROR = -1,          /**< see memtide_last_error() */
+  MEMTIDE_OUT_OF_MEMORY = -2,
+  MEMTIDE_INVALID_ARGUMENT = -3,
+  MEMTIDE_CONFIG_ERROR = -4
+};
+
+/** Training phases, for memtide_phase_mark. */
+typedef enum {
+  MEMTIDE_PHASE_FORWARD = 0,
+  MEMTIDE_PHASE_BACKWARD = 1,
+  MEMTIDE_PHASE_UPDATE = 2,
+  MEMTIDE_PHASE_OTHER = 3
+} memtide_phase_t;
+
+/* ---- PyTorch CUDAPluggableAllocator -------------------------------------------------------- */
+
+/** Allocates `size` bytes on `device`, ordered on `stream`. Null on failure (the message says
+ *  why: requested, limit, allocated, reserved, free, phase, last iteration's peaks). */
+MEMTIDE_API void* memtide_malloc(size_t size, int device, memtide_stream_t stream);
+/** Frees memory from memtide_malloc. An unknown or double free is logged and counted, never
+ *  corrupts state. `size` and `stream` are those of the allocation (as torch passes them). */
+MEMTIDE_API void memtide_free(void* ptr, size_t size, int device, memtide_stream_t stream);
+/** torch's init hook: called once with the device count. */
+MEMTIDE_API void memtide_init(int device_count);
+/** torch's reset hook (torch.cuda.empty_cache): returns cached segments of every device. */
+MEMTIDE_API void memtide_empty_cache(void);
+/** torch's memory-fraction hook: limit = fraction * device memory. */
+MEMTIDE_API void memtide_set_memory_fraction(double fraction, int device);
+/** torch's record-stream hook: `ptr` is also used on `stream`. */
+MEMTIDE_API void memtide_record_stream(void* ptr, memtide_stream_t stream);
+
+/* ---- Phases and headroom ------------------------------------------------------------------- */
+
+/** Enters a training phase on every device. */
+MEMTIDE_API int memtide_phase_mark(memtide_phase_t phase);
+/** The same, by name: "forward", "backward", "update" or "other". */
+MEMTIDE_API int memtide_phase_mark_name(const char* name);
+/** Bytes that can be borrowed on `device` now and kept until `until` begins. */
+MEMTIDE_API int memtide_headroom(int device, memtide_phase_t until, uint64_t* bytes_out);
+
+/* ---- Stats and snapshots ------------------------------------------------------------------- */
+
+/** One statistic by PyTorch's name, e.g. "allocated_bytes.all.peak" or "num_ooms". */
+MEMTIDE_API int memtide_stat(int device, const char* name, int64_t* value_out);
+/** Resets the peaks of every statistic on `device`. */
+MEMTIDE_API int memtide_reset_peak_stats(int device);
+/** Turns the allocation trace on or off (also MEMTIDE_RECORD_HISTORY). */
+MEMTIDE_API int memtide_record_history(int enabled);
+/** Writes every device's segments and trace to `path` as a pickle that
+ *  pytorch.org/memory_viz and torch.cuda._memory_viz read. */
+MEMTIDE_API int memtide_dump_snapshot(const char* path);
+
+/* ---- Misc ---------------------------------------------------------------------------------- */
+
+/** The last error message on this thread ("" if none). Valid until the next memtide call. */
+MEMTIDE_API const char* memtide_last_error(void);
+/** "0.1.0". */
+MEMTIDE_API const char* memtide_version(void);
+/** "cuda" or "sim": the backend the global allocators use (resolves MEMTIDE_DEVICE=auto). */
+MEMTIDE_API const char* memtide_backend(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MEMTIDE_MEMTIDE_H */

@@ -1,0 +1,60 @@
+#pragma once
+/// @file
+/// The one options table. Every knob memtide has is a row here, read from the environment as
+/// `MEMTIDE_<KEY>` (upper case). A bad value fails fast with a ConfigError that names the
+/// variable, the value and what is accepted.
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace memtide {
+
+enum class LogLevel { error = 0, warn = 1, info = 2, debug = 3 };
+
+/// Every knob, with its default. Field names are the keys of the options table.
+struct Options {
+  std::string device = "auto";              ///< auto | cuda | sim
+  LogLevel log_level = LogLevel::warn;      ///< error | warn | info | debug
+  std::uint64_t sim_capacity = 80ULL << 30; ///< SimDevice memory (default: an 80 GiB H100)
+  bool sim_phantom = false;                 ///< SimDevice accounts time only, holds no bytes
+  double memory_fraction = 1.0;             ///< allocator limit as a fraction of device memory
+  std::uint64_t max_bytes = 0;              ///< allocator byte cap; 0 = none
+  bool record_history = false;              ///< keep an allocation trace for snapshots
+  std::uint64_t history_entries = 100000;   ///< trace ring-buffer length
+  std::uint64_t headroom_margin = 256ULL << 20;  ///< kept free when lending headroom
+  std::uint64_t phase_history = 4;          ///< iterations remembered for headroom
+  std::string preload_log = "memtide_preload.jsonl";  ///< LD_PRELOAD observer output file
+
+  /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
+  static Options from_env(const std::function<const char*(const char*)>& lookup);
+
+  /// Applies one `key=value` (key as in the table, lower case). Throws ConfigError.
+  void set(std::string_view key, std::string_view value);
+};
+
+/// One row of the table, for `memtide info` and docs.
+struct OptionInfo {
+  std::string key;       ///< table key, e.g. "memory_fraction"
+  std::string env;       ///< environment variable, e.g. "MEMTIDE_MEMORY_FRACTION"
+  std::string accepted;  ///< what values are accepted
+  std::string help;
+};
+
+/// The rows of the options table.
+const std::vector<OptionInfo>& option_table();
+
+/// The process-wide options, read from the environment on first use.
+/// Throws ConfigError on a bad value (and again on every later call, so it is never ignored).
+const Options& options();
+
+/// Replaces the process-wide options (tests, Python `memtide.configure`).
+void set_options(const Options& opts);
+
+/// Current values as strings, keyed by table key.
+std::map<std::string, std::string> describe(const Options& opts);
+
+}  // namespace memtide

@@ -1,0 +1,183 @@
+#include "memtide/core/options.hpp"
+
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+
+#include "memtide/core/error.hpp"
+#include "memtide/core/format.hpp"
+
+namespace memtide {
+namespace {
+
+std::string env_name(std::string_view key) {
+  std::string name = "MEMTIDE_";
+  for (char c : key) name += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return name;
+}
+
+[[noreturn]] void reject(std::string_view key, std::string_view value, std::string_view accepted) {
+  throw ConfigError(env_name(key) + "=\"" + std::string(value) + "\" is not accepted: expected " +
+                    std::string(accepted));
+}
+
+bool parse_bool(std::string_view key, std::string_view v) {
+  std::string s(v);
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s == "1" || s == "true" || s == "yes" || s == "on") return true;
+  if (s == "0" || s == "false" || s == "no" || s == "off") return false;
+  reject(key, v, "a boolean (1/0, true/false, yes/no, on/off)");
+}
+
+std::uint64_t parse_size(std::string_view key, std::string_view v, std::uint64_t min, std::uint64_t max) {
+  auto bytes = parse_bytes(v);
+  if (!bytes || *bytes < min || *bytes > max) {
+    reject(key, v, "a size in bytes from " + format_bytes(min) + " to " + format_bytes(max) +
+                       " (e.g. 4096, 512MiB, 8GiB)");
+  }
+  return *bytes;
+}
+
+std::uint64_t parse_count(std::string_view key, std::string_view v, std::uint64_t min, std::uint64_t max) {
+  std::uint64_t n = 0;
+  auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc{} || end != v.data() + v.size() || n < min || n > max) {
+    reject(key, v, "a whole number from " + std::to_string(min) + " to " + std::to_string(max));
+  }
+  return n;
+}
+
+struct Row {
+  const char* key;
+  const char* accepted;
+  const char* help;
+  std::function<void(Options&, std::string_view)> parse;
+  std::function<std::string(const Options&)> show;
+};
+
+const std::vector<Row>& rows() {
+  static const std::vector<Row> table = {
+      {"device", "auto | cuda | sim", "device backend; auto uses CUDA when a GPU is usable",
+       [](Options& o, std::string_view v) {
+         if (v != "auto" && v != "cuda" && v != "sim") reject("device", v, "auto, cuda or sim");
+         o.device = std::string(v);
+       },
+       [](const Options& o) { return o.device; }},
+      {"log_level", "error | warn | info | debug", "log verbosity (stderr)",
+       [](Options& o, std::string_view v) {
+         if (v == "error") o.log_level = LogLevel::error;
+         else if (v == "warn") o.log_level = LogLevel::warn;
+         else if (v == "info") o.log_level = LogLevel::info;
+         else if (v == "debug") o.log_level = LogLevel::debug;
+         else reject("log_level", v, "error, warn, info or debug");
+       },
+       [](const Options& o) {
+         static const char* names[] = {"error", "warn", "info", "debug"};
+         return std::string(names[static_cast<int>(o.log_level)]);
+       }},
+      {"sim_capacity", "size, 1MiB..1PiB", "SimDevice memory capacity",
+       [](Options& o, std::string_view v) { o.sim_capacity = parse_size("sim_capacity", v, 1ULL << 20, 1ULL << 50); },
+       [](const Options& o) { return format_bytes(o.sim_capacity); }},
+      {"sim_phantom", "boolean", "SimDevice phantom mode: time accounting only, no bytes held",
+       [](Options& o, std::string_view v) { o.sim_phantom = parse_bool("sim_phantom", v); },
+       [](const Options& o) { return std::string(o.sim_phantom ? "true" : "false"); }},
+      {"memory_fraction", "number in (0, 1]", "allocator limit as a fraction of device memory",
+       [](Options& o, std::string_view v) {
+         double f = 0.0;
+         auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), f);
+         if (ec != std::errc{} || end != v.data() + v.size() || !(f > 0.0 && f <= 1.0)) {
+           reject("memory_fraction", v, "a number in (0, 1]");
+         }
+         o.memory_fraction = f;
+       },
+       [](const Options& o) { return std::to_string(o.memory_fraction); }},
+      {"max_bytes", "size (0 = no cap)", "allocator byte cap",
+       [](Options& o, std::string_view v) { o.max_bytes = parse_size("max_bytes", v, 0, 1ULL << 50); },
+       [](const Options& o) { return o.max_bytes ? format_bytes(o.max_bytes) : std::string("none"); }},
+      {"record_history", "boolean", "record an allocation trace for snapshots",
+       [](Options& o, std::string_view v) { o.record_history = parse_bool("record_history", v); },
+       [](const Options& o) { return std::string(o.record_history ? "true" : "false"); }},
+      {"history_entries", "1..100000000", "trace entries kept (ring buffer)",
+       [](Options& o, std::string_view v) { o.history_entries = parse_count("history_entries", v, 1, 100000000); },
+       [](const Options& o) { return std::to_string(o.history_entries); }},
+      {"headroom_margin", "size", "bytes kept free when lending headroom to tiering",
+       [](Options& o, std::string_view v) { o.headroom_margin = parse_size("headroom_margin", v, 0, 1ULL << 50); },
+       [](const Options& o) { return format_bytes(o.headroom_margin); }},
+      {"phase_history", "1..1000", "iterations of phase watermarks remembered for headroom",
+       [](Options& o, std::string_view v) { o.phase_history = parse_count("phase_history", v, 1, 1000); },
+       [](const Options& o) { return std::to_string(o.phase_history); }},
+      {"preload_log", "file path", "where the LD_PRELOAD observer writes its timeline",
+       [](Options& o, std::string_view v) {
+         if (v.empty()) reject("preload_log", v, "a non-empty file path");
+         o.preload_log = std::string(v);
+       },
+       [](const Options& o) { return o.preload_log; }},
+  };
+  return table;
+}
+
+struct Global {
+  std::mutex mutex;
+  std::optional<Options> opts;
+};
+
+Global& global() {
+  static Global g;
+  return g;
+}
+
+}  // namespace
+
+Options Options::from_env(const std::function<const char*(const char*)>& lookup) {
+  Options o;
+  for (const Row& row : rows()) {
+    const std::string name = env_name(row.key);
+    if (const char* value = lookup(name.c_str()); value != nullptr) row.parse(o, value);
+  }
+  return o;
+}
+
+void Options::set(std::string_view key, std::string_view value) {
+  for (const Row& row : rows()) {
+    if (key == row.key) {
+      row.parse(*this, value);
+      return;
+    }
+  }
+  std::string known;
+  for (const Row& row : rows()) known += std::string(known.empty() ? "" : ", ") + row.key;
+  throw ConfigError("unknown memtide option \"" + std::string(key) + "\"; known options: " + known);
+}
+
+const std::vector<OptionInfo>& option_table() {
+  static const std::vector<OptionInfo> info = [] {
+    std::vector<OptionInfo> out;
+    for (const Row& row : rows()) out.push_back({row.key, env_name(row.key), row.accepted, row.help});
+    return out;
+  }();
+  return info;
+}
+
+const Options& options() {
+  Global& g = global();
+  std::lock_guard lock(g.mutex);
+  if (!g.opts) g.opts = Options::from_env([](const char* name) { return std::getenv(name); });
+  return *g.opts;
+}
+
+void set_options(const Options& opts) {
+  Global& g = global();
+  std::lock_guard lock(g.mutex);
+  g.opts = opts;
+}
+
+std::map<std::string, std::string> describe(const Options& opts) {
+  std::map<std::string, std::string> out;
+  for (const Row& row : rows()) out[row.key] = row.show(opts);
+  return out;
+}
+
+}  // namespace memtide

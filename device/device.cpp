@@ -1,0 +1,80 @@
+#include "memtide/device/device.hpp"
+
+#include "memtide/core/error.hpp"
+
+namespace memtide {
+
+// Argument checks live here, once, so the backends can assume sane input.
+
+void* Device::allocate(std::size_t bytes) {
+  if (bytes == 0) throw InvalidArgument("Device::allocate: zero bytes requested");
+  return do_allocate(bytes);
+}
+
+void Device::deallocate(void* ptr, std::size_t bytes) {
+  if (ptr == nullptr) return;
+  do_deallocate(ptr, bytes);
+}
+
+Stream Device::create_stream() { return do_create_stream(); }
+void Device::destroy_stream(Stream stream) {
+  if (stream.handle != nullptr) do_destroy_stream(stream);
+}
+Event Device::create_event(bool timing) { return do_create_event(timing); }
+void Device::destroy_event(Event event) {
+  if (event.valid()) do_destroy_event(event);
+}
+void Device::record_event(Event event, Stream stream) {
+  if (!event.valid()) throw InvalidArgument("Device::record_event: invalid event");
+  do_record_event(event, stream);
+}
+void Device::stream_wait_event(Stream stream, Event event) {
+  if (!event.valid()) throw InvalidArgument("Device::stream_wait_event: invalid event");
+  do_stream_wait_event(stream, event);
+}
+bool Device::event_query(Event event) {
+  if (!event.valid()) throw InvalidArgument("Device::event_query: invalid event");
+  return do_event_query(event);
+}
+void Device::event_synchronize(Event event) {
+  if (!event.valid()) throw InvalidArgument("Device::event_synchronize: invalid event");
+  do_event_synchronize(event);
+}
+float Device::event_elapsed_ms(Event start, Event end) {
+  if (!start.valid() || !end.valid()) throw InvalidArgument("Device::event_elapsed_ms: invalid event");
+  return do_event_elapsed_ms(start, end);
+}
+void Device::stream_synchronize(Stream stream) { do_stream_synchronize(stream); }
+void Device::synchronize() { do_synchronize(); }
+
+void Device::copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream stream) {
+  if (bytes == 0) return;
+  if (dst == nullptr || src == nullptr) throw InvalidArgument("Device::copy_async: null pointer");
+  do_copy_async(dst, src, bytes, kind, stream);
+}
+
+void Device::memset_async(void* ptr, int value, std::size_t bytes, Stream stream) {
+  if (bytes == 0) return;
+  if (ptr == nullptr) throw InvalidArgument("Device::memset_async: null pointer");
+  do_memset_async(ptr, value, bytes, stream);
+}
+
+void Device::host_register(void* ptr, std::size_t bytes) {
+  if (ptr == nullptr || bytes == 0) throw InvalidArgument("Device::host_register: null pointer or zero bytes");
+  do_host_register(ptr, bytes);
+}
+
+void Device::host_unregister(void* ptr) {
+  if (ptr != nullptr) do_host_unregister(ptr);
+}
+
+MemInfo Device::mem_info() { return do_mem_info(); }
+
+Backend parse_backend(const std::string& name) {
+  if (name == "auto") return Backend::automatic;
+  if (name == "cuda") return Backend::cuda;
+  if (name == "sim") return Backend::sim;
+  throw ConfigError("device backend \"" + name + "\" is not accepted: expected auto, cuda or sim");
+}
+
+}  // namespace memtide

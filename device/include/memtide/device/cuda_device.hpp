@@ -1,0 +1,41 @@
+#pragma once
+/// @file
+/// Device over the CUDA runtime. Only built when memtide is configured with CUDA; create it
+/// through `open_device`, which checks that a driver and GPU are present first.
+
+#include "memtide/device/device.hpp"
+
+namespace memtide {
+
+class CudaDevice final : public Device {
+ public:
+  /// Opens GPU `index`. Throws CudaError when it cannot be used.
+  explicit CudaDevice(int index);
+  ~CudaDevice() override = default;
+
+ private:
+  void* do_allocate(std::size_t bytes) override;
+  void do_deallocate(void* ptr, std::size_t bytes) override;
+  Stream do_create_stream() override;
+  void do_destroy_stream(Stream stream) override;
+  Event do_create_event(bool timing) override;
+  void do_destroy_event(Event event) override;
+  void do_record_event(Event event, Stream stream) override;
+  void do_stream_wait_event(Stream stream, Event event) override;
+  bool do_event_query(Event event) override;
+  void do_event_synchronize(Event event) override;
+  float do_event_elapsed_ms(Event start, Event end) override;
+  void do_stream_synchronize(Stream stream) override;
+  void do_synchronize() override;
+  void do_copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream stream) override;
+  void do_memset_async(void* ptr, int value, std::size_t bytes, Stream stream) override;
+  void do_host_register(void* ptr, std::size_t bytes) override;
+  void do_host_unregister(void* ptr) override;
+  MemInfo do_mem_info() override;
+
+  /// Makes this device current on the calling thread (CUDA's current device is per thread).
+  void activate() const;
+  int index_;
+};
+
+}  // namespace memtide

@@ -1,0 +1,148 @@
+#pragma once
+/// @file
+/// A simulated GPU on a virtual clock.
+///
+/// Device memory is held in host memory under a capacity cap (data mode) or not held at all
+/// (phantom mode: addresses are handed out, nothing is stored, any size fits a laptop). Every
+/// operation is executed at once, in issue order, which is one valid serialization of the CUDA
+/// program, and is given a start and end time on a virtual clock from a throughput model:
+///
+/// - an H2D and a D2H copy engine that run at the same time (full-duplex PCIe);
+/// - a compute engine for device-side work (D2D copies, memsets, kernels);
+/// - host DRAM bandwidth shared by DMA and CPU work (`host_work`), first come first served;
+/// - stream order and event order as CUDA defines them (the legacy default stream is treated as
+///   an ordinary stream).
+///
+/// The host has its own clock; it advances when the host waits (synchronize) or works
+/// (`host_work`, `advance_host`). An event has completed when the host clock has reached it.
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "memtide/device/device.hpp"
+
+namespace memtide {
+
+/// Throughput model. Defaults are one H100 of the Deep Optimizer States testbed: PCIe Gen5 at
+/// ~55 GB/s each way pinned, 16/9 GB/s pageable D2H/H2D, HBM3; host DRAM is a Sapphire Rapids
+/// socket (8 channels DDR5-4800, ~220 GB/s sustained).
+struct SimConfig {
+  std::size_t capacity = 80ULL << 30;
+  bool phantom = false;
+  double h2d_bytes_per_s = 55e9;
+  double d2h_bytes_per_s = 55e9;
+  double h2d_pageable_bytes_per_s = 9e9;
+  double d2h_pageable_bytes_per_s = 16e9;
+  double hbm_bytes_per_s = 3.0e12;
+  double host_dram_bytes_per_s = 220e9;
+  double op_latency_ns = 2000.0;  ///< launch + DMA setup per operation
+  int index = 0;
+};
+
+/// Time one engine or the host spent busy, for tests and the planner.
+struct SimEngineStats {
+  double busy_ns = 0;
+  double bytes = 0;
+  std::uint64_t ops = 0;
+};
+
+class SimDevice final : public Device {
+ public:
+  explicit SimDevice(SimConfig config = {});
+  ~SimDevice() override;
+
+  [[nodiscard]] const SimConfig& config() const noexcept { return config_; }
+  /// The host's virtual clock, in nanoseconds.
+  [[nodiscard]] double now_ns();
+  /// The host idles or computes for `ns` without touching DRAM.
+  void advance_host(double ns);
+  /// The host streams `dram_bytes` through DRAM at up to `max_bytes_per_s` (a CPU kernel), sharing
+  /// DRAM with in-flight DMA. Advances the host clock and returns the duration in ns.
+  double host_work(double dram_bytes, double max_bytes_per_s);
+  /// When the last operation queued on `stream` completes, in virtual ns.
+  [[nodiscard]] double stream_ready_ns(Stream stream);
+
+  [[nodiscard]] SimEngineStats h2d_stats();
+  [[nodiscard]] SimEngineStats d2h_stats();
+  [[nodiscard]] SimEngineStats compute_stats();
+
+  /// Bytes of device memory in use.
+  [[nodiscard]] std::size_t used_bytes();
+
+ private:
+  struct SimStream {
+    double ready_ns = 0;
+  };
+  struct SimEvent {
+    double time_ns = 0;
+  };
+  struct Engine {
+    double free_ns = 0;
+    SimEngineStats stats;
+  };
+  /// Host-DRAM usage as a step function of virtual time: rate in bytes/s from each key onwards.
+  class DramTimeline {
+   public:
+    explicit DramTimeline(double capacity) : capacity_(capacity) { steps_[0.0] = 0.0; }
+    /// Moves `bytes` starting at t0, at up to `max_rate`, where each byte moved costs
+    /// `dram_factor` bytes of DRAM traffic. Returns the end time.
+    double reserve(double t0, double bytes, double max_rate, double dram_factor);
+    void prune(double before);
+
+   private:
+    std::map<double, double>::iterator split_at(double t);
+    double capacity_;
+    std::map<double, double> steps_;
+  };
+
+  void* do_allocate(std::size_t bytes) override;
+  void do_deallocate(void* ptr, std::size_t bytes) override;
+  Stream do_create_stream() override;
+  void do_destroy_stream(Stream stream) override;
+  Event do_create_event(bool timing) override;
+  void do_destroy_event(Event event) override;
+  void do_record_event(Event event, Stream stream) override;
+  void do_stream_wait_event(Stream stream, Event event) override;
+  bool do_event_query(Event event) override;
+  void do_event_synchronize(Event event) override;
+  float do_event_elapsed_ms(Event start, Event end) override;
+  void do_stream_synchronize(Stream stream) override;
+  void do_synchronize() override;
+  void do_copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream stream) override;
+  void do_memset_async(void* ptr, int value, std::size_t bytes, Stream stream) override;
+  void do_host_register(void* ptr, std::size_t bytes) override;
+  void do_host_unregister(void* ptr) override;
+  MemInfo do_mem_info() override;
+
+  SimStream& stream_locked(Stream stream);
+  SimEvent& event_locked(Event event);
+  void check_device_range_locked(const void* ptr, std::size_t bytes, const char* what) const;
+  bool host_pinned_locked(const void* ptr, std::size_t bytes) const;
+  /// Schedules one operation on `engine` for `stream`; returns its end time.
+  double schedule_locked(SimStream& s, Engine& engine, double bytes, double rate, double dram_factor);
+  void set_host_now_locked(double t);
+
+  SimConfig config_;
+  std::mutex mutex_;
+  double host_now_ns_ = 0;
+  std::size_t used_ = 0;
+  std::uintptr_t next_phantom_ = 0;
+  struct Allocation {
+    std::size_t bytes;
+    std::unique_ptr<unsigned char, void (*)(void*)> data;
+  };
+  std::map<std::uintptr_t, Allocation> allocations_;
+  std::map<std::uintptr_t, std::size_t> registered_;
+  SimStream default_stream_;
+  std::unordered_map<void*, std::unique_ptr<SimStream>> streams_;
+  std::unordered_map<void*, std::unique_ptr<SimEvent>> events_;
+  Engine h2d_, d2h_, compute_;
+  DramTimeline dram_;
+};
+
+/// SimConfig from the options table (sim_capacity, sim_phantom).
+SimConfig sim_config_from_options();
+
+}  // namespace memtide

@@ -1,0 +1,343 @@
+#include "memtide/device/sim_device.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "memtide/core/error.hpp"
+#include "memtide/core/format.hpp"
+#include "memtide/core/options.hpp"
+
+namespace memtide {
+namespace {
+constexpr std::size_t kAlignment = 256;  // cudaMalloc's guarantee
+// Phantom addresses live far above any real heap so a stray dereference faults loudly.
+constexpr std::uintptr_t kPhantomBase = std::uintptr_t{0x6d74} << 32;
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// DramTimeline
+
+std::map<double, double>::iterator SimDevice::DramTimeline::split_at(double t) {
+  auto it = steps_.upper_bound(t);
+  auto prev = std::prev(it);  // steps_ always holds a key <= any t >= 0
+  if (prev->first == t) return prev;
+  return steps_.emplace_hint(it, t, prev->second);
+}
+
+double SimDevice::DramTimeline::reserve(double t0, double bytes, double max_rate, double dram_factor) {
+  if (bytes <= 0) return t0;
+  if (dram_factor <= 0) return t0 + bytes / max_rate * 1e9;
+  auto it = split_at(t0);
+  double remaining = bytes;
+  double t = t0;
+  for (;;) {
+    auto next = std::next(it);
+    const double seg_end = next == steps_.end() ? std::numeric_limits<double>::infinity() : next->first;
+    const double avail = std::max(0.0, capacity_ - it->second);
+    const double rate = std::min(max_rate, avail / dram_factor);  // bytes/s of the transfer
+    if (rate > 1.0) {
+      const double can = rate * (seg_end - t) / 1e9;
+      if (can >= remaining) {
+        const double end = t + remaining / rate * 1e9;
+        split_at(end);
+        it->second += rate * dram_factor;
+        return end;
+      }
+      remaining -= can;
+      it->second += rate * dram_factor;
+    }
+    t = seg_end;
+    it = next;
+  }
+}
+
+void SimDevice::DramTimeline::prune(double before) {
+  auto keep = std::prev(steps_.upper_bound(before));
+  steps_.erase(steps_.begin(), keep);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SimDevice
+
+SimDevice::SimDevice(SimConfig config) : config_(config), dram_(config.host_dram_bytes_per_s) {
+  props_.backend = "sim";
+  props_.name = std::string("SimDevice (H100 model, ") + (config.phantom ? "phantom" : "data") + ")";
+  props_.index = config.index;
+  props_.total_memory = config.capacity;
+  props_.copy_engines = 2;
+  next_phantom_ = kPhantomBase;
+}
+
+SimDevice::~SimDevice() = default;
+
+double SimDevice::now_ns() {
+  std::lock_guard lock(mutex_);
+  return host_now_ns_;
+}
+
+void SimDevice::set_host_now_locked(double t) {
+  if (t > host_now_ns_) {
+    host_now_ns_ = t;
+    dram_.prune(host_now_ns_);
+  }
+}
+
+void SimDevice::advance_host(double ns) {
+  std::lock_guard lock(mutex_);
+  set_host_now_locked(host_now_ns_ + std::max(0.0, ns));
+}
+
+double SimDevice::host_work(double dram_bytes, double max_bytes_per_s) {
+  if (!(max_bytes_per_s > 0)) throw InvalidArgument("SimDevice::host_work: rate must be positive");
+  std::lock_guard lock(mutex_);
+  const double start = host_now_ns_;
+  const double end = dram_.reserve(start, dram_bytes, max_bytes_per_s, 1.0);
+  set_host_now_locked(end);
+  return end - start;
+}
+
+double SimDevice::stream_ready_ns(Stream stream) {
+  std::lock_guard lock(mutex_);
+  return stream_locked(stream).ready_ns;
+}
+
+SimEngineStats SimDevice::h2d_stats() {
+  std::lock_guard lock(mutex_);
+  return h2d_.stats;
+}
+SimEngineStats SimDevice::d2h_stats() {
+  std::lock_guard lock(mutex_);
+  return d2h_.stats;
+}
+SimEngineStats SimDevice::compute_stats() {
+  std::lock_guard lock(mutex_);
+  return compute_.stats;
+}
+
+std::size_t SimDevice::used_bytes() {
+  std::lock_guard lock(mutex_);
+  return used_;
+}
+
+void* SimDevice::do_allocate(std::size_t bytes) {
+  const std::size_t rounded = round_up(bytes, kAlignment);
+  std::lock_guard lock(mutex_);
+  if (rounded > config_.capacity - used_) {
+    throw OutOfMemory("SimDevice " + std::to_string(config_.index) + ": cannot allocate " +
+                      format_bytes(bytes) + ": " + format_bytes(used_) + " of " +
+                      format_bytes(config_.capacity) + " in use");
+  }
+  std::uintptr_t addr = 0;
+  Allocation a{rounded, {nullptr, &std::free}};
+  if (config_.phantom) {
+    addr = next_phantom_;
+    next_phantom_ += rounded;
+  } else {
+    void* p = std::aligned_alloc(kAlignment, rounded);
+    if (p == nullptr) {
+      throw OutOfMemory("SimDevice: host memory backing " + format_bytes(bytes) + " could not be allocated");
+    }
+    a.data.reset(static_cast<unsigned char*>(p));
+    addr = reinterpret_cast<std::uintptr_t>(p);
+  }
+  allocations_.emplace(addr, std::move(a));
+  used_ += rounded;
+  return reinterpret_cast<void*>(addr);
+}
+
+void SimDevice::do_deallocate(void* ptr, std::size_t /*bytes*/) {
+  std::lock_guard lock(mutex_);
+  auto it = allocations_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == allocations_.end()) {
+    throw InvalidArgument("SimDevice::deallocate: pointer was not allocated by this device");
+  }
+  // Like cudaFree: wait for all queued work before the memory goes away.
+  double all_done = std::max(default_stream_.ready_ns, host_now_ns_);
+  for (auto& [h, s] : streams_) all_done = std::max(all_done, s->ready_ns);
+  set_host_now_locked(all_done);
+  used_ -= it->second.bytes;
+  allocations_.erase(it);
+}
+
+Stream SimDevice::do_create_stream() {
+  auto s = std::make_unique<SimStream>();
+  s->ready_ns = 0;
+  void* handle = s.get();
+  std::lock_guard lock(mutex_);
+  streams_.emplace(handle, std::move(s));
+  return Stream{handle};
+}
+
+void SimDevice::do_destroy_stream(Stream stream) {
+  std::lock_guard lock(mutex_);
+  if (streams_.erase(stream.handle) == 0) throw InvalidArgument("SimDevice::destroy_stream: unknown stream");
+}
+
+Event SimDevice::do_create_event(bool /*timing*/) {
+  auto e = std::make_unique<SimEvent>();
+  void* handle = e.get();
+  std::lock_guard lock(mutex_);
+  events_.emplace(handle, std::move(e));
+  return Event{handle};
+}
+
+void SimDevice::do_destroy_event(Event event) {
+  std::lock_guard lock(mutex_);
+  if (events_.erase(event.handle) == 0) throw InvalidArgument("SimDevice::destroy_event: unknown event");
+}
+
+SimDevice::SimStream& SimDevice::stream_locked(Stream stream) {
+  if (stream.handle == nullptr) return default_stream_;
+  auto it = streams_.find(stream.handle);
+  if (it == streams_.end()) throw InvalidArgument("SimDevice: unknown stream handle");
+  return *it->second;
+}
+
+SimDevice::SimEvent& SimDevice::event_locked(Event event) {
+  auto it = events_.find(event.handle);
+  if (it == events_.end()) throw InvalidArgument("SimDevice: unknown event handle");
+  return *it->second;
+}
+
+void SimDevice::do_record_event(Event event, Stream stream) {
+  std::lock_guard lock(mutex_);
+  SimStream& s = stream_locked(stream);
+  event_locked(event).time_ns = std::max(s.ready_ns, host_now_ns_);
+}
+
+void SimDevice::do_stream_wait_event(Stream stream, Event event) {
+  std::lock_guard lock(mutex_);
+  SimStream& s = stream_locked(stream);
+  s.ready_ns = std::max(s.ready_ns, event_locked(event).time_ns);
+}
+
+bool SimDevice::do_event_query(Event event) {
+  std::lock_guard lock(mutex_);
+  return event_locked(event).time_ns <= host_now_ns_;
+}
+
+void SimDevice::do_event_synchronize(Event event) {
+  std::lock_guard lock(mutex_);
+  set_host_now_locked(event_locked(event).time_ns);
+}
+
+float SimDevice::do_event_elapsed_ms(Event start, Event end) {
+  std::lock_guard lock(mutex_);
+  const SimEvent& a = event_locked(start);
+  const SimEvent& b = event_locked(end);
+  if (a.time_ns > host_now_ns_ || b.time_ns > host_now_ns_) {
+    throw InvalidArgument("SimDevice::event_elapsed_ms: event has not completed");
+  }
+  return static_cast<float>((b.time_ns - a.time_ns) / 1e6);
+}
+
+void SimDevice::do_stream_synchronize(Stream stream) {
+  std::lock_guard lock(mutex_);
+  set_host_now_locked(stream_locked(stream).ready_ns);
+}
+
+void SimDevice::do_synchronize() {
+  std::lock_guard lock(mutex_);
+  double t = default_stream_.ready_ns;
+  for (auto& [h, s] : streams_) t = std::max(t, s->ready_ns);
+  set_host_now_locked(t);
+}
+
+void SimDevice::check_device_range_locked(const void* ptr, std::size_t bytes, const char* what) const {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = allocations_.upper_bound(addr);
+  if (it != allocations_.begin()) {
+    --it;
+    if (addr >= it->first && addr + bytes <= it->first + it->second.bytes) return;
+  }
+  throw InvalidArgument(std::string("SimDevice: ") + what + " range of " + format_bytes(bytes) +
+                        " is not inside device memory allocated by this device");
+}
+
+bool SimDevice::host_pinned_locked(const void* ptr, std::size_t bytes) const {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = registered_.upper_bound(addr);
+  if (it == registered_.begin()) return false;
+  --it;
+  return addr >= it->first && addr + bytes <= it->first + it->second;
+}
+
+double SimDevice::schedule_locked(SimStream& s, Engine& engine, double bytes, double rate, double dram_factor) {
+  const double start = std::max({s.ready_ns, engine.free_ns, host_now_ns_}) + config_.op_latency_ns;
+  const double end = dram_.reserve(start, bytes, rate, dram_factor);
+  engine.free_ns = end;
+  engine.stats.busy_ns += end - start + config_.op_latency_ns;
+  engine.stats.bytes += bytes;
+  engine.stats.ops += 1;
+  s.ready_ns = end;
+  return end;
+}
+
+void SimDevice::do_copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream stream) {
+  std::lock_guard lock(mutex_);
+  SimStream& s = stream_locked(stream);
+  const double n = static_cast<double>(bytes);
+  switch (kind) {
+    case CopyKind::host_to_device: {
+      check_device_range_locked(dst, bytes, "H2D destination");
+      const bool pinned = host_pinned_locked(src, bytes);
+      // A pageable copy is staged through a pinned bounce buffer: three passes over host DRAM.
+      schedule_locked(s, h2d_, n, pinned ? config_.h2d_bytes_per_s : config_.h2d_pageable_bytes_per_s,
+                      pinned ? 1.0 : 3.0);
+      break;
+    }
+    case CopyKind::device_to_host: {
+      check_device_range_locked(src, bytes, "D2H source");
+      const bool pinned = host_pinned_locked(dst, bytes);
+      schedule_locked(s, d2h_, n, pinned ? config_.d2h_bytes_per_s : config_.d2h_pageable_bytes_per_s,
+                      pinned ? 1.0 : 3.0);
+      break;
+    }
+    case CopyKind::device_to_device:
+      check_device_range_locked(src, bytes, "D2D source");
+      check_device_range_locked(dst, bytes, "D2D destination");
+      schedule_locked(s, compute_, n, config_.hbm_bytes_per_s / 2.0, 0.0);  // read + write
+      break;
+  }
+  if (!config_.phantom) std::memmove(dst, src, bytes);
+}
+
+void SimDevice::do_memset_async(void* ptr, int value, std::size_t bytes, Stream stream) {
+  std::lock_guard lock(mutex_);
+  check_device_range_locked(ptr, bytes, "memset");
+  schedule_locked(stream_locked(stream), compute_, static_cast<double>(bytes), config_.hbm_bytes_per_s, 0.0);
+  if (!config_.phantom) std::memset(ptr, value, bytes);
+}
+
+void SimDevice::do_host_register(void* ptr, std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  if (host_pinned_locked(ptr, 1)) throw InvalidArgument("SimDevice::host_register: range already registered");
+  registered_[addr] = bytes;
+}
+
+void SimDevice::do_host_unregister(void* ptr) {
+  std::lock_guard lock(mutex_);
+  if (registered_.erase(reinterpret_cast<std::uintptr_t>(ptr)) == 0) {
+    throw InvalidArgument("SimDevice::host_unregister: pointer was not registered");
+  }
+}
+
+MemInfo SimDevice::do_mem_info() {
+  std::lock_guard lock(mutex_);
+  return MemInfo{config_.capacity - used_, config_.capacity};
+}
+
+SimConfig sim_config_from_options() {
+  const Options& o = options();
+  SimConfig c;
+  c.capacity = o.sim_capacity;
+  c.phantom = o.sim_phantom;
+  return c;
+}
+
+}  // namespace memtide
