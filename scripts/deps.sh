@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs what building and testing memtide needs, on a fresh Debian/Ubuntu machine or an
+# existing one: Debian packages (when missing, via apt-get) and a Python virtual environment in
+# .venv with torch and the build tools (via pip). Safe to run again: it only adds what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\033[1m[deps]\033[0m %s\n' "$*"; }
+
+APT_PACKAGES=(cmake ninja-build g++ pkg-config libgtest-dev libgmock-dev libbenchmark-dev)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ! python3 -m venv --help >/dev/null 2>&1; then missing+=(python3-venv); fi
+if ((${#missing[@]})); then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  log "installing Debian packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $($PY --version)"
+  $PY -m venv .venv
+fi
+# torch is the large one (~3 GB with its CUDA wheels); pip skips it when already present.
+PIP_PACKAGES=(torch numpy pytest nanobind scikit-build-core)
+if ! .venv/bin/python -c "import torch, numpy, pytest, nanobind, scikit_build_core" >/dev/null 2>&1; then
+  log "installing Python packages into .venv: ${PIP_PACKAGES[*]}"
+  start=$(date +%s)
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q --progress-bar off "${PIP_PACKAGES[@]}"
+  log "Python packages installed in $(( $(date +%s) - start )) s"
+fi
+
+# nvcc is optional: CudaDevice is built when it is on PATH or in the usual toolkit location.
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every test: the C++ suites under ASan+UBSan, the multi-threaded stress test under TSan, then
+# the Python and torch suites against the installed package. CUDA suites run when a GPU answers
+# and are skipped (with the reason) otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/deps.sh
+jobs=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+t0=$(date +%s)
+
+log "C++: configure + build (asan: -fsanitize=address,undefined)"
+cmake --preset asan >/dev/null
+cmake --build --preset asan -j "$jobs"
+log "C++: ctest under ASan+UBSan"
+ctest --preset asan -j "$jobs"
+
+log "C++: stress test under TSan"
+cmake --preset tsan >/dev/null
+cmake --build --preset tsan -j "$jobs" --target memtide_stress_test
+# setarch -R: TSan's shadow mapping cannot cope with high-entropy ASLR on newer kernels.
+setarch "$(uname -m)" -R build/tsan/tests/memtide_stress_test
+
+log "Python: install memtide into .venv and run pytest"
+CMAKE_BUILD_PARALLEL_LEVEL=$jobs .venv/bin/python -m pip install -q --no-build-isolation .
+.venv/bin/python -m pytest tests/python -q -rs
+
+log "all tests passed in $(( $(date +%s) - t0 )) s"

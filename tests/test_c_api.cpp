@@ -1,0 +1,124 @@
+// The C ABI as torch and C programs see it: links libmemtide.so only. The runtime is a process
+// singleton configured from the environment, so main() sets MEMTIDE_* before the first call.
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include "memtide/memtide.h"
+
+namespace {
+std::int64_t stat(const char* name) {
+  std::int64_t v = -1;
+  EXPECT_EQ(memtide_stat(0, name, &v), MEMTIDE_OK) << memtide_last_error();
+  return v;
+}
+}  // namespace
+
+TEST(CApi, VersionAndBackend) {
+  EXPECT_STREQ(memtide_version(), MEMTIDE_VERSION_STRING);
+  EXPECT_STREQ(memtide_backend(), "sim");
+}
+
+TEST(CApi, MallocFreeRoundTripAndStats) {
+  void* p = memtide_malloc(3 << 20, 0, nullptr);
+  ASSERT_NE(p, nullptr) << memtide_last_error();
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 3 << 20);
+  memtide_free(p, 3 << 20, 0, nullptr);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), 0);
+  EXPECT_EQ(memtide_malloc(0, 0, nullptr), nullptr);
+}
+
+TEST(CApi, BadFreeIsCountedNotFatal) {
+  const std::int64_t before = stat("num_invalid_frees");
+  int local = 0;
+  memtide_free(&local, 4, 0, nullptr);
+  EXPECT_NE(std::string(memtide_last_error()).find("not allocated"), std::string::npos);
+  EXPECT_EQ(stat("num_invalid_frees"), before + 1);
+  void* p = memtide_malloc(1024, 0, nullptr);
+  memtide_free(p, 1024, 0, nullptr);
+  memtide_free(p, 1024, 0, nullptr);
+  EXPECT_EQ(stat("num_invalid_frees"), before + 2);
+}
+
+TEST(CApi, OutOfMemoryReturnsNullWithTheReason) {
+  EXPECT_EQ(memtide_malloc(std::size_t{1} << 40, 0, nullptr), nullptr);
+  const std::string msg = memtide_last_error();
+  EXPECT_NE(msg.find("out of memory"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("1.00 TiB"), std::string::npos) << msg;
+}
+
+TEST(CApi, BadArgumentsAreErrorsWithMessages) {
+  EXPECT_EQ(memtide_phase_mark_name("sideways"), MEMTIDE_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(memtide_last_error()).find("sideways"), std::string::npos);
+  EXPECT_EQ(memtide_phase_mark(static_cast<memtide_phase_t>(std::atoi("9"))), MEMTIDE_INVALID_ARGUMENT);
+  std::int64_t v = 0;
+  EXPECT_EQ(memtide_stat(0, "no_such_stat", &v), MEMTIDE_INVALID_ARGUMENT);
+  EXPECT_EQ(memtide_stat(7, "num_ooms", &v), MEMTIDE_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(memtide_last_error()).find("out of range"), std::string::npos);
+  EXPECT_EQ(memtide_dump_snapshot(""), MEMTIDE_INVALID_ARGUMENT);
+  EXPECT_EQ(memtide_dump_snapshot("/nonexistent-dir/x.pickle"), MEMTIDE_ERROR);
+  EXPECT_NE(std::string(memtide_last_error()).find("nonexistent-dir"), std::string::npos);
+}
+
+TEST(CApi, PhasesDriveHeadroom) {
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(memtide_phase_mark_name("forward"), MEMTIDE_OK);
+    void* act = memtide_malloc(64 << 20, 0, nullptr);
+    ASSERT_EQ(memtide_phase_mark(MEMTIDE_PHASE_BACKWARD), MEMTIDE_OK);
+    memtide_free(act, 64 << 20, 0, nullptr);
+    ASSERT_EQ(memtide_phase_mark(MEMTIDE_PHASE_UPDATE), MEMTIDE_OK);
+  }
+  std::uint64_t until_forward = 0;
+  std::uint64_t until_update = 0;
+  ASSERT_EQ(memtide_headroom(0, MEMTIDE_PHASE_FORWARD, &until_forward), MEMTIDE_OK);
+  ASSERT_EQ(memtide_headroom(0, MEMTIDE_PHASE_UPDATE, &until_update), MEMTIDE_OK);
+  // Held through the next forward, a loan must leave room for 64 MiB of activations.
+  EXPECT_EQ(until_forward - until_update, std::uint64_t{64} << 20);
+  EXPECT_EQ(memtide_headroom(0, MEMTIDE_PHASE_FORWARD, nullptr), MEMTIDE_INVALID_ARGUMENT);
+}
+
+TEST(CApi, HooksForTorch) {
+  memtide_init(1);
+  void* p = memtide_malloc(12 << 20, 0, nullptr);
+  memtide_free(p, 12 << 20, 0, nullptr);
+  EXPECT_GT(stat("reserved_bytes.all.current"), 0);
+  memtide_empty_cache();
+  EXPECT_EQ(stat("reserved_bytes.all.current"), 0);
+  memtide_set_memory_fraction(0.5, 0);
+  EXPECT_EQ(memtide_malloc(std::size_t{600} << 20, 0, nullptr), nullptr);  // over half of 1 GiB
+  memtide_set_memory_fraction(1.0, 0);
+  void* q = memtide_malloc(600 << 20, 0, nullptr);
+  EXPECT_NE(q, nullptr) << memtide_last_error();
+  memtide_record_stream(q, nullptr);
+  memtide_free(q, 600 << 20, 0, nullptr);
+  ASSERT_EQ(memtide_reset_peak_stats(0), MEMTIDE_OK);
+  EXPECT_EQ(stat("allocated_bytes.all.peak"), 0);
+}
+
+TEST(CApi, DumpSnapshotWritesAPickle) {
+  ASSERT_EQ(memtide_record_history(1), MEMTIDE_OK);
+  void* p = memtide_malloc(5000, 0, nullptr);
+  const std::string path = ::testing::TempDir() + "memtide_capi_snapshot.pickle";
+  ASSERT_EQ(memtide_dump_snapshot(path.c_str()), MEMTIDE_OK) << memtide_last_error();
+  memtide_free(p, 5000, 0, nullptr);
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 20u);
+  EXPECT_EQ(static_cast<unsigned char>(bytes[0]), 0x80);
+  EXPECT_EQ(bytes.back(), '.');
+  std::remove(path.c_str());
+}
+
+int main(int argc, char** argv) {
+  // Before the first memtide call: the runtime reads its options once.
+  setenv("MEMTIDE_DEVICE", "sim", 1);
+  setenv("MEMTIDE_SIM_CAPACITY", "1GiB", 1);
+  setenv("MEMTIDE_HEADROOM_MARGIN", "0", 1);
+  setenv("MEMTIDE_LOG_LEVEL", "error", 1);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,127 @@
+// The Device contract, written once and run against every backend.
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <vector>
+
+#include "device_types.hpp"
+#include "memtide/core/error.hpp"
+
+using namespace memtide;
+using memtide::test::WithDevice;
+
+template <typename B>
+class DeviceContract : public WithDevice<B> {};
+TYPED_TEST_SUITE(DeviceContract, memtide::test::DeviceBackends, memtide::test::BackendNames);
+
+TYPED_TEST(DeviceContract, PropertiesDescribeTheDevice) {
+  const DeviceProperties& p = this->device().properties();
+  EXPECT_FALSE(p.name.empty());
+  EXPECT_GT(p.total_memory, 0u);
+  EXPECT_TRUE(p.backend == "sim" || p.backend == "cuda");
+  const MemInfo m = this->device().mem_info();
+  EXPECT_LE(m.free, m.total);
+}
+
+TYPED_TEST(DeviceContract, AllocateAlignsAndMemInfoFollows) {
+  Device& d = this->device();
+  const MemInfo before = d.mem_info();
+  void* p = d.allocate(3 << 20);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 256, 0u);
+  if (this->sim() != nullptr) {
+    EXPECT_EQ(d.mem_info().free, before.free - (3u << 20));
+  }
+  d.deallocate(p, 3 << 20);
+  EXPECT_THROW(d.allocate(0), InvalidArgument);
+}
+
+TYPED_TEST(DeviceContract, CopiesRoundTripThroughDeviceMemory) {
+  Device& d = this->device();
+  const std::size_t n = 1 << 20;
+  std::vector<std::uint32_t> src(n), dst(n, 0);
+  std::iota(src.begin(), src.end(), 7u);
+  const std::size_t bytes = n * sizeof(std::uint32_t);
+  void* a = d.allocate(bytes);
+  void* b = d.allocate(bytes);
+  Stream s = d.create_stream();
+  d.copy_async(a, src.data(), bytes, CopyKind::host_to_device, s);
+  d.copy_async(b, a, bytes, CopyKind::device_to_device, s);
+  d.copy_async(dst.data(), b, bytes, CopyKind::device_to_host, s);
+  d.stream_synchronize(s);
+  EXPECT_EQ(src, dst);
+  d.memset_async(b, 0xAB, bytes, s);
+  d.copy_async(dst.data(), b, bytes, CopyKind::device_to_host, s);
+  d.stream_synchronize(s);
+  EXPECT_EQ(dst[n / 2], 0xABABABABu);
+  d.destroy_stream(s);
+  d.deallocate(a, bytes);
+  d.deallocate(b, bytes);
+}
+
+TYPED_TEST(DeviceContract, RegisteredHostMemoryCopies) {
+  Device& d = this->device();
+  std::vector<char> host(1 << 20, 'x');
+  d.host_register(host.data(), host.size());
+  void* p = d.allocate(host.size());
+  d.copy_async(p, host.data(), host.size(), CopyKind::host_to_device, Stream{});
+  std::fill(host.begin(), host.end(), 'y');
+  d.copy_async(host.data(), p, host.size(), CopyKind::device_to_host, Stream{});
+  d.synchronize();
+  EXPECT_EQ(host[12345], 'x');
+  d.host_unregister(host.data());
+  d.deallocate(p, host.size());
+}
+
+TYPED_TEST(DeviceContract, EventsOrderStreams) {
+  Device& d = this->device();
+  Stream a = d.create_stream();
+  Stream b = d.create_stream();
+  Event e = d.create_event(/*timing=*/true);
+  Event start = d.create_event(/*timing=*/true);
+  std::vector<char> host(8 << 20, 1);
+  void* p = d.allocate(host.size());
+  d.record_event(start, a);
+  d.copy_async(p, host.data(), host.size(), CopyKind::host_to_device, a);
+  d.record_event(e, a);
+  d.stream_wait_event(b, e);
+  d.memset_async(p, 0, host.size(), b);  // must run after the copy
+  d.stream_synchronize(b);
+  EXPECT_TRUE(d.event_query(e));
+  EXPECT_GE(d.event_elapsed_ms(start, e), 0.0f);
+  d.copy_async(host.data(), p, host.size(), CopyKind::device_to_host, b);
+  d.stream_synchronize(b);
+  EXPECT_EQ(host[4096], 0);
+  d.destroy_event(e);
+  d.destroy_event(start);
+  d.destroy_stream(a);
+  d.destroy_stream(b);
+  d.deallocate(p, host.size());
+}
+
+TEST(DeviceFactory, ParsesBackendsAndRejectsOthers) {
+  EXPECT_EQ(parse_backend("auto"), Backend::automatic);
+  EXPECT_EQ(parse_backend("sim"), Backend::sim);
+  EXPECT_EQ(parse_backend("cuda"), Backend::cuda);
+  EXPECT_THROW(parse_backend("gpu"), ConfigError);
+}
+
+TEST(DeviceFactory, AutoFallsBackToSimWithoutAGpu) {
+  const CudaStatus st = cuda_status();
+  if (st.usable) {
+    EXPECT_EQ(resolve_backend(Backend::automatic), Backend::cuda);
+    EXPECT_GE(st.device_count, 1);
+  } else {
+    EXPECT_FALSE(st.reason.empty());
+    EXPECT_EQ(resolve_backend(Backend::automatic), Backend::sim);
+    EXPECT_THROW(open_device(Backend::cuda, 0), Error);
+    auto d = open_device(Backend::automatic, 0);
+    EXPECT_EQ(d->properties().backend, "sim");
+  }
+}
+
+TEST(DeviceFactory, SimHasExactlyOneDevice) {
+  EXPECT_EQ(device_count(Backend::sim), 1);
+  EXPECT_THROW(open_device(Backend::sim, 1), InvalidArgument);
+}

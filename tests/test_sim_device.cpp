@@ -1,0 +1,131 @@
+// The simulator's throughput model: what the planner will believe about time.
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "memtide/core/error.hpp"
+#include "memtide/device/sim_device.hpp"
+
+using namespace memtide;
+
+namespace {
+SimConfig phantom_config() {
+  SimConfig c;
+  c.phantom = true;
+  c.capacity = 1ULL << 40;
+  c.op_latency_ns = 0;
+  return c;
+}
+constexpr double kGB = 1e9;
+}  // namespace
+
+TEST(SimDevice, PhantomModeHoldsNoBytesAtAnySize) {
+  SimDevice d(phantom_config());
+  void* p = d.allocate(512ULL << 30);  // 512 GiB
+  EXPECT_EQ(d.used_bytes(), 512ULL << 30);
+  void* q = d.allocate(1 << 20);
+  EXPECT_NE(p, q);
+  d.deallocate(p, 0);
+  d.deallocate(q, 0);
+  EXPECT_EQ(d.used_bytes(), 0u);
+}
+
+TEST(SimDevice, CapacityIsEnforced) {
+  SimConfig c;
+  c.capacity = 8 << 20;
+  SimDevice d(c);
+  void* p = d.allocate(6 << 20);
+  EXPECT_THROW(d.allocate(4 << 20), OutOfMemory);
+  d.deallocate(p, 0);
+  EXPECT_NO_THROW(d.deallocate(d.allocate(8 << 20), 0));
+}
+
+TEST(SimDevice, RejectsForeignPointers) {
+  SimDevice d;
+  int x = 0;
+  EXPECT_THROW(d.deallocate(&x, 4), InvalidArgument);
+  void* p = d.allocate(4096);
+  std::vector<char> host(8192);
+  EXPECT_THROW(d.copy_async(p, host.data(), 8192, CopyKind::host_to_device, Stream{}), InvalidArgument);
+  d.deallocate(p, 4096);
+}
+
+TEST(SimDevice, PinnedCopyRunsAtLinkRate) {
+  SimDevice d(phantom_config());
+  const std::size_t bytes = 11ULL << 30;
+  void* dev = d.allocate(bytes);
+  auto* host = reinterpret_cast<void*>(std::uintptr_t{1} << 44);  // phantom: never touched
+  d.host_register(host, bytes);
+  d.copy_async(dev, host, bytes, CopyKind::host_to_device, Stream{});
+  d.synchronize();
+  EXPECT_NEAR(d.now_ns() / 1e9, static_cast<double>(bytes) / (55 * kGB), 1e-6);
+}
+
+TEST(SimDevice, PageableCopyIsSlower) {
+  SimDevice d(phantom_config());
+  const std::size_t bytes = 1ULL << 30;
+  void* dev = d.allocate(bytes);
+  auto* host = reinterpret_cast<void*>(std::uintptr_t{1} << 44);
+  d.copy_async(dev, host, bytes, CopyKind::host_to_device, Stream{});
+  d.synchronize();
+  EXPECT_NEAR(d.now_ns() / 1e9, static_cast<double>(bytes) / (9 * kGB), 1e-6);
+}
+
+TEST(SimDevice, H2DAndD2HOverlapButSameDirectionSerializes) {
+  SimDevice d(phantom_config());
+  const std::size_t bytes = 1ULL << 30;
+  void* a = d.allocate(bytes);
+  void* b = d.allocate(bytes);
+  auto* host = reinterpret_cast<void*>(std::uintptr_t{1} << 44);
+  d.host_register(host, 4 * bytes);
+  Stream s1 = d.create_stream();
+  Stream s2 = d.create_stream();
+  const double one = static_cast<double>(bytes) / (55 * kGB) * 1e9;
+
+  d.copy_async(a, host, bytes, CopyKind::host_to_device, s1);
+  d.copy_async(static_cast<char*>(host) + bytes, b, bytes, CopyKind::device_to_host, s2);
+  d.synchronize();
+  EXPECT_NEAR(d.now_ns(), one, one * 1e-6) << "full duplex: both directions at once";
+
+  const double t0 = d.now_ns();
+  d.copy_async(a, host, bytes, CopyKind::host_to_device, s1);
+  d.copy_async(b, static_cast<char*>(host) + bytes, bytes, CopyKind::host_to_device, s2);
+  d.synchronize();
+  EXPECT_NEAR(d.now_ns() - t0, 2 * one, one * 1e-6) << "one H2D engine: copies queue";
+}
+
+TEST(SimDevice, HostWorkSharesDramWithDma) {
+  SimConfig c = phantom_config();
+  c.host_dram_bytes_per_s = 100 * kGB;  // tight DRAM so contention shows
+  SimDevice d(c);
+  const std::size_t bytes = 40ULL << 30;
+  void* dev = d.allocate(bytes);
+  auto* host = reinterpret_cast<void*>(std::uintptr_t{1} << 44);
+  d.host_register(host, bytes);
+
+  const double alone = d.host_work(60 * kGB, 80 * kGB);  // 0.75 s at 80 GB/s
+  EXPECT_NEAR(alone, 0.75e9, 1e3);
+
+  d.copy_async(dev, host, bytes, CopyKind::host_to_device, Stream{});  // takes 55 GB/s of DRAM
+  const double shared = d.host_work(60 * kGB, 80 * kGB);
+  EXPECT_GT(shared, alone * 1.2) << "CPU work must slow down while DMA uses DRAM";
+}
+
+TEST(SimDevice, StreamWaitEventDelaysOnlyLaterWork) {
+  SimDevice d(phantom_config());
+  const std::size_t bytes = 1ULL << 30;
+  void* a = d.allocate(bytes);
+  auto* host = reinterpret_cast<void*>(std::uintptr_t{1} << 44);
+  d.host_register(host, bytes);
+  Stream s1 = d.create_stream();
+  Stream s2 = d.create_stream();
+  Event e = d.create_event();
+  d.copy_async(a, host, bytes, CopyKind::host_to_device, s1);
+  d.record_event(e, s1);
+  EXPECT_FALSE(d.event_query(e)) << "host clock has not reached the copy's end";
+  d.stream_wait_event(s2, e);
+  EXPECT_DOUBLE_EQ(d.stream_ready_ns(s2), d.stream_ready_ns(s1));
+  d.event_synchronize(e);
+  EXPECT_TRUE(d.event_query(e));
+}
