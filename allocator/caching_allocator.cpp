@@ -95,17 +95,6 @@ std::uint64_t CachingAllocator::compute_limit_locked() const {
   return limit;
 }
 
-void CachingAllocator::update_stat(StatArray& a, bool small, std::int64_t delta) {
-  const int pool_index = small ? static_cast<int>(StatType::small_pool) : static_cast<int>(StatType::large_pool);
-  if (delta >= 0) {
-    a[0].increase(delta);
-    a[pool_index].increase(delta);
-  } else {
-    a[0].decrease(-delta);
-    a[pool_index].decrease(-delta);
-  }
-}
-
 CachingAllocator::Block* CachingAllocator::new_block_locked() {
   if (!spare_blocks_.empty()) {
     Block* b = spare_blocks_.back();
@@ -154,17 +143,15 @@ void CachingAllocator::insert_free_locked(Block* block) {
   FreeSet& set = pool(block->small);
   if (!block->free_node.empty()) {
     block->free_node.value() = block;
-    set.insert(std::move(block->free_node));
+    block->free_it = set.insert(std::move(block->free_node)).position;
   } else {
-    set.insert(block);
+    block->free_it = set.insert(block).first;
   }
 }
 
 void CachingAllocator::remove_free_locked(Block* block) {
-  FreeSet& set = pool(block->small);
-  auto it = set.find(block);
-  MEMTIDE_ASSERT(it != set.end());
-  block->free_node = set.extract(it);
+  MEMTIDE_ASSERT_EXPENSIVE(pool(block->small).find(block) == block->free_it);
+  block->free_node = pool(block->small).extract(block->free_it);
   if (block->prev != nullptr || block->next != nullptr) {
     update_stat(stats_.inactive_split, block->small, -1);
     update_stat(stats_.inactive_split_bytes, block->small, -static_cast<std::int64_t>(block->size));
@@ -253,6 +240,7 @@ void CachingAllocator::release_cached_locked() {
       if (b->prev == nullptr && b->next == nullptr) {
         it = set->erase(it);
         b->free_node = {};
+        b->free_it = {};
         release_segment_locked(b);
       } else {
         ++it;

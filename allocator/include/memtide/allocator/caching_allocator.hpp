@@ -116,6 +116,7 @@ class CachingAllocator final : public DeviceMemoryResource {
     // instead of allocating: this is what keeps the fast path free of malloc.
     FreeSet::node_type free_node;
     PtrMap::node_type ptr_node;
+    FreeSet::iterator free_it;   ///< position in its pool's free set, valid while free and cached
   };
   struct Segment {
     Block* head = nullptr;
@@ -143,7 +144,11 @@ class CachingAllocator final : public DeviceMemoryResource {
   Block* new_block_locked();
   void recycle_block_locked(Block* block);
   Event take_event_locked();
-  void update_stat(StatArray& a, bool small, std::int64_t delta);
+  /// Updates "all" and the block's pool; inline because every allocation does it five times.
+  static void update_stat(StatArray& a, bool small, std::int64_t delta) noexcept {
+    a[0].add(delta);
+    a[small ? static_cast<int>(StatType::small_pool) : static_cast<int>(StatType::large_pool)].add(delta);
+  }
   void observe_locked() noexcept {
     tracker_.observe(static_cast<std::uint64_t>(stats_.allocated_bytes[0].current),
                      static_cast<std::uint64_t>(stats_.reserved_bytes[0].current));

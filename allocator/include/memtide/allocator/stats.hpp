@@ -26,6 +26,16 @@ struct Stat {
     current -= n;
     freed += n;
   }
+  /// increase() for delta >= 0, decrease() otherwise: the allocator's hot path calls this.
+  void add(std::int64_t delta) noexcept {
+    current += delta;
+    if (delta >= 0) {
+      allocated += delta;
+      peak = current > peak ? current : peak;
+    } else {
+      freed -= delta;
+    }
+  }
   void reset_peak() noexcept { peak = current; }
   void reset_accumulated() noexcept { allocated = freed = 0; }
 };
