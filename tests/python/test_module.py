@@ -1,0 +1,222 @@
+"""The memtide module and CLI as installed by `pip install .`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import memtide
+
+SMALL = dict(layers=2, hidden=256, heads=4, seq=128, batch=2, vocab=1000, iterations=3)
+SMALL_FLAGS = ["--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "128", "--batch", "2", "--vocab", "1000"]
+
+
+def cmake_project_version() -> str:
+    text = (Path(__file__).resolve().parents[2] / "CMakeLists.txt").read_text()
+    match = re.search(r"project\(memtide\s+VERSION\s+([0-9.]+)", text)
+    assert match, "project(memtide VERSION ...) not found in CMakeLists.txt"
+    return match.group(1)
+
+
+# ---- module -------------------------------------------------------------------------------------
+
+
+def test_version_matches_cmake_project():
+    assert memtide.version() == cmake_project_version()
+    assert memtide.__version__ == memtide.version()
+
+
+def test_backend_follows_cuda_status():
+    status = memtide.cuda_status()
+    assert set(status) == {"compiled", "usable", "device_count", "runtime_version", "driver_version", "reason"}
+    requested = os.environ.get("MEMTIDE_DEVICE", "auto")
+    if requested == "auto":
+        assert memtide.backend() == ("cuda" if status["usable"] else "sim")
+    else:
+        assert memtide.backend() == requested
+    if not status["usable"]:
+        assert status["reason"]
+    assert memtide.device_count() >= 1 or memtide.backend() == "cuda"
+
+
+def test_library_path_is_the_loaded_libmemtide():
+    path = Path(memtide.library_path())
+    assert path.is_absolute() and path.exists()
+    assert path.name.startswith("libmemtide.so")
+    assert path.parent == Path(memtide._memtide.__file__).parent
+
+
+def test_options_and_table_agree():
+    values = memtide.options()
+    table = memtide.option_table()
+    assert {row["key"] for row in table} == set(values)
+    for row in table:
+        assert row["env"] == "MEMTIDE_" + row["key"].upper()
+        assert row["accepted"] and row["help"]
+    assert values["device"] in ("auto", "cuda", "sim")
+
+
+def test_stats_have_torch_names():
+    s = memtide.stats()
+    for key in ("allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current",
+                "reserved_bytes.large_pool.peak", "num_ooms", "num_alloc_retries"):
+        assert key in s, key
+    assert all(isinstance(v, int) for v in s.values())
+    memtide.reset_peak_stats()
+    memtide.empty_cache()
+
+
+def test_mark_phase_and_headroom():
+    with memtide.phase("forward"):
+        pass
+    assert memtide.phase_report()["current"] == "forward"
+    memtide.mark_phase("backward")
+    memtide.mark_phase("update")
+    memtide.mark_phase("forward")  # closes one iteration
+    report = memtide.phase_report()
+    assert report["iterations"] >= 1
+    assert set(report["running"]["phases"]) == {"forward", "backward", "update", "other"}
+    last = report["history"][-1]["phases"]
+    for name in ("forward", "backward", "update"):
+        assert last[name]["seen"]
+        assert set(last[name]) == {"seen", "peak_allocated", "peak_reserved", "min_free", "duration_ns"}
+    h = memtide.headroom(0, "update", margin=0)
+    assert set(h) == {"bytes", "limiting_phase", "iterations_used", "from_history"}
+    assert h["from_history"] and h["bytes"] > 0
+    assert memtide.headroom(until="update", margin=h["bytes"] + 1)["bytes"] == 0
+    memtide.mark_phase("other")
+
+
+def test_mark_phase_rejects_unknown_name():
+    with pytest.raises(ValueError, match="sideways"):
+        memtide.mark_phase("sideways")
+    with pytest.raises(ValueError, match="sideways"):
+        memtide.headroom(until="sideways")
+
+
+def test_replay_small_transformer():
+    r = memtide.replay_transformer(**SMALL)
+    assert r["ops"] > 0 and r["seconds"] >= 0
+    assert 1.0 <= r["reserved_over_allocated"] <= 1.5
+    assert r["peak_reserved"] >= r["peak_allocated"] > 0
+    for name in ("forward", "backward", "update"):
+        assert r["phases"][name]["seen"]
+        assert r["phases"][name]["peak_allocated"] > 0
+        assert r["phases"][name]["peak_reserved"] >= r["phases"][name]["peak_allocated"]
+    assert r["update_headroom"]["bytes"] > 0
+    assert r["update_headroom"]["from_history"]
+    assert r["iterations_finished"] == SMALL["iterations"]
+    assert r["params"] > 0 and "2 layers" in r["shape"]
+    assert r["backend"] in ("sim", "cuda") and r["device"]
+
+
+def test_replay_on_phantom_sim_holds_no_memory():
+    # 80 GiB of phantom device is fine on any machine; only addresses are handed out.
+    r = memtide.replay_transformer(**dict(SMALL, layers=4), backend="sim", sim_capacity=80 << 30)
+    assert r["backend"] == "sim" and "phantom" in r["device"]
+    assert r["device_memory"] == 80 << 30
+
+
+@pytest.mark.parametrize("field", ["layers", "hidden", "heads", "seq", "batch", "vocab", "iterations"])
+def test_replay_rejects_bad_shape(field):
+    with pytest.raises(ValueError, match=field):
+        memtide.replay_transformer(**dict(SMALL, **{field: 0}))
+    with pytest.raises(ValueError, match=field):
+        memtide.replay_transformer(**dict(SMALL, **{field: 2**40}))
+
+
+def test_replay_error_mapping():
+    with pytest.raises(MemoryError, match="out of memory"):
+        memtide.replay_transformer(**SMALL, backend="sim", sim_capacity=1 << 20)
+    with pytest.raises(ValueError, match="gpu"):
+        memtide.replay_transformer(**SMALL, backend="gpu")
+    with pytest.raises(memtide.ConfigError):
+        memtide.replay_transformer(**SMALL, backend="gpu")
+
+
+def test_dump_snapshot_bad_path_raises(tmp_path):
+    with pytest.raises(RuntimeError, match="cannot open"):
+        memtide.dump_snapshot(tmp_path / "missing-dir" / "snap.pickle")
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+
+
+def test_cli_version(cli):
+    p = cli("--version")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == f"memtide {cmake_project_version()}"
+
+
+def test_cli_info_json(cli):
+    p = cli("info", "--json")
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["memtide"] == memtide.__version__
+    assert info["backend"] in ("sim", "cuda")
+    assert {"usable", "device_count", "reason"} <= set(info["cuda"])
+    assert any(row["env"] == "MEMTIDE_MEMORY_FRACTION" and row["value"] for row in info["options"])
+
+
+def test_cli_info_text(cli):
+    p = cli("info", MEMTIDE_DEVICE="sim")
+    assert p.returncode == 0, p.stderr
+    assert "backend   sim" in p.stdout
+    assert "MEMTIDE_SIM_CAPACITY" in p.stdout
+
+
+def test_cli_run_json(cli):
+    p = cli("run", *SMALL_FLAGS, "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert "replaying 3 iterations" in p.stderr
+    assert r["model"] == SMALL
+    assert 1.0 <= r["reserved_over_allocated"] <= 1.5
+    assert r["update_headroom"]["bytes"] > 0
+    assert r["ops"] > 0 and r["ops_per_second"] > 0
+    assert all(r["phases"][name]["peak_allocated"] > 0 for name in ("forward", "backward", "update"))
+
+
+def test_cli_run_text(cli):
+    p = cli("run", *SMALL_FLAGS, "--device", "sim")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert out.startswith("replaying 3 iterations")
+    for needle in ("forward", "backward", "update", "peak reserved / peak allocated", "update headroom", "ops/s"):
+        assert needle in out, needle
+
+
+@pytest.mark.parametrize("flag", ["--layers", "--hidden", "--iterations"])
+def test_cli_run_rejects_bad_flag(cli, flag):
+    p = cli("run", flag, "0")
+    assert p.returncode == 2
+    assert flag in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_cli_bad_env_value(cli):
+    p = cli("info", MEMTIDE_MEMORY_FRACTION="2")
+    assert p.returncode == 2
+    assert "MEMTIDE_MEMORY_FRACTION" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_cli_run_bad_env_value(cli):
+    p = cli("run", *SMALL_FLAGS, MEMTIDE_DEVICE="gpu")
+    assert p.returncode == 2
+    assert "MEMTIDE_DEVICE" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_console_script():
+    exe = shutil.which("memtide")
+    if exe is None:
+        pytest.skip("the memtide console script is not on PATH")
+    p = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == f"memtide {memtide.__version__}"
