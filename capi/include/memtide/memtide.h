@@ -42,7 +42,9 @@ typedef enum {
   MEMTIDE_PHASE_FORWARD = 0,
   MEMTIDE_PHASE_BACKWARD = 1,
   MEMTIDE_PHASE_UPDATE = 2,
-  MEMTIDE_PHASE_OTHER = 3
+  MEMTIDE_PHASE_OTHER = 3,
+  /* Widens the enum to int so a C caller's out-of-range value can be checked, not undefined. */
+  MEMTIDE_PHASE_MAX_ENUM = 0x7fffffff
 } memtide_phase_t;
 
 /* ---- PyTorch CUDAPluggableAllocator -------------------------------------------------------- */
