@@ -68,7 +68,6 @@ CachingAllocator::CachingAllocator(Device& device, AllocatorConfig config)
   }
   limit_ = compute_limit_locked();
   tracker_.set_limit(limit_);
-  allocated_.reserve(4096);
   if (config_.record_history) trace_.reserve(std::min<std::size_t>(config_.history_entries, 1 << 16));
 }
 
@@ -292,13 +291,7 @@ void* CachingAllocator::do_allocate(std::size_t bytes, Stream stream) {
   b = split_locked(b, size);
   b->allocated = true;
   b->requested = bytes;
-  if (!b->ptr_node.empty()) {
-    b->ptr_node.key() = b->addr;
-    b->ptr_node.mapped() = b;
-    allocated_.insert(std::move(b->ptr_node));
-  } else {
-    allocated_.emplace(b->addr, b);
-  }
+  allocated_.insert(b->addr, b);
   update_stat(stats_.allocation, small, 1);
   update_stat(stats_.active, small, 1);
   update_stat(stats_.allocated_bytes, small, static_cast<std::int64_t>(b->size));
@@ -346,13 +339,14 @@ void CachingAllocator::throw_oom_locked(std::size_t bytes, Stream stream) {
 
 void CachingAllocator::do_deallocate(void* ptr, Stream /*stream*/) {
   std::lock_guard lock(mutex_);
-  auto it = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
-  if (it == allocated_.end()) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  Block** found = allocated_.find(addr);
+  if (found == nullptr) {
     ++stats_.num_invalid_frees;
     throw InvalidArgument("memtide: free of a pointer that is not allocated here (unknown or already freed)");
   }
-  Block* b = it->second;
-  b->ptr_node = allocated_.extract(it);
+  Block* b = *found;
+  allocated_.erase(addr);
   b->allocated = false;
   update_stat(stats_.allocation, b->small, -1);
   update_stat(stats_.allocated_bytes, b->small, -static_cast<std::int64_t>(b->size));
@@ -427,9 +421,9 @@ void CachingAllocator::process_pending_locked(bool wait) {
 
 void CachingAllocator::record_stream(void* ptr, Stream stream) {
   std::lock_guard lock(mutex_);
-  auto it = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
-  if (it == allocated_.end()) throw InvalidArgument("memtide: record_stream on a pointer that is not allocated here");
-  Block* b = it->second;
+  Block** found = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (found == nullptr) throw InvalidArgument("memtide: record_stream on a pointer that is not allocated here");
+  Block* b = *found;
   if (stream == b->stream) return;  // its own stream is ordered already
   if (std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) b->uses.push_back(stream);
 }
@@ -530,9 +524,9 @@ void CachingAllocator::set_record_history(bool enabled) {
 
 std::optional<std::size_t> CachingAllocator::allocation_size(void* ptr) const {
   std::lock_guard lock(mutex_);
-  auto it = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
-  if (it == allocated_.end()) return std::nullopt;
-  return it->second->size;
+  Block* const* found = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (found == nullptr) return std::nullopt;
+  return (*found)->size;
 }
 
 Snapshot CachingAllocator::snapshot() const {

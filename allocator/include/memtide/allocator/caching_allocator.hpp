@@ -25,6 +25,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "memtide/allocator/detail/address_map.hpp"
 #include "memtide/allocator/memory_resource.hpp"
 #include "memtide/allocator/phase_tracker.hpp"
 #include "memtide/allocator/snapshot.hpp"
@@ -100,7 +101,6 @@ class CachingAllocator final : public DeviceMemoryResource {
     bool operator()(const Block* a, const Block* b) const noexcept;
   };
   using FreeSet = std::set<Block*, BlockLess>;
-  using PtrMap = std::unordered_map<std::uintptr_t, Block*>;
   struct Block {
     std::uintptr_t addr = 0;
     std::size_t size = 0;
@@ -112,10 +112,9 @@ class CachingAllocator final : public DeviceMemoryResource {
     Block* prev = nullptr;       ///< neighbours within the segment, in address order
     Block* next = nullptr;
     std::vector<Stream> uses;    ///< extra streams from record_stream
-    // Container nodes are kept with the block across removals so that reinsertion reuses them
-    // instead of allocating: this is what keeps the fast path free of malloc.
+    // The free-set node is kept with the block across removals so that reinsertion reuses it
+    // instead of allocating: with the flat AddressMap, this keeps the fast path free of malloc.
     FreeSet::node_type free_node;
-    PtrMap::node_type ptr_node;
     FreeSet::iterator free_it;   ///< position in its pool's free set, valid while free and cached
   };
   struct Segment {
@@ -163,7 +162,7 @@ class CachingAllocator final : public DeviceMemoryResource {
   std::uint64_t limit_ = 0;
   FreeSet small_free_;
   FreeSet large_free_;
-  PtrMap allocated_;
+  detail::AddressMap<Block*> allocated_{4096};
   std::unordered_map<std::uintptr_t, Segment> segments_;
   std::deque<Block> block_storage_;
   std::vector<Block*> spare_blocks_;
