@@ -55,6 +55,8 @@ def main() -> None:
     fast_path = {}
     for b in data["benchmarks"]:
         name = b["name"]
+        if b.get("aggregate_name") in ("mean", "stddev", "cv"):
+            continue  # the median speaks for the repetitions; the spread is in the JSON
         counters = {k: v for k, v in b.items() if k not in {
             "name", "run_name", "run_type", "repetitions", "repetition_index", "threads", "iterations", "real_time",
             "cpu_time", "time_unit", "family_index", "per_family_instance_index", "aggregate_name",
