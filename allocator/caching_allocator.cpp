@@ -466,20 +466,16 @@ AllocatorStats CachingAllocator::stats() const {
 
 void CachingAllocator::reset_peak_stats() {
   std::lock_guard lock(mutex_);
-  for (StatArray* a : {&stats_.allocation, &stats_.segment, &stats_.active, &stats_.inactive_split,
-                       &stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
-                       &stats_.inactive_split_bytes, &stats_.requested_bytes}) {
-    for (Stat& s : *a) s.reset_peak();
-  }
+  stats_.for_each_array([](const char*, StatArray& a) {
+    for (Stat& s : a) s.reset_peak();
+  });
 }
 
 void CachingAllocator::reset_accumulated_stats() {
   std::lock_guard lock(mutex_);
-  for (StatArray* a : {&stats_.allocation, &stats_.segment, &stats_.active, &stats_.inactive_split,
-                       &stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
-                       &stats_.inactive_split_bytes, &stats_.requested_bytes}) {
-    for (Stat& s : *a) s.reset_accumulated();
-  }
+  stats_.for_each_array([](const char*, StatArray& a) {
+    for (Stat& s : a) s.reset_accumulated();
+  });
   stats_.num_alloc_retries = stats_.num_ooms = stats_.num_sync_all_streams = 0;
   stats_.num_device_alloc = stats_.num_device_free = stats_.num_invalid_frees = 0;
   stats_.num_cross_stream_reuse = 0;

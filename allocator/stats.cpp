@@ -14,15 +14,7 @@ std::map<std::string, std::int64_t> flatten(const AllocatorStats& s) {
       out[prefix + "freed"] = a[i].freed;
     }
   };
-  put("allocation", s.allocation);
-  put("segment", s.segment);
-  put("active", s.active);
-  put("inactive_split", s.inactive_split);
-  put("allocated_bytes", s.allocated_bytes);
-  put("reserved_bytes", s.reserved_bytes);
-  put("active_bytes", s.active_bytes);
-  put("inactive_split_bytes", s.inactive_split_bytes);
-  put("requested_bytes", s.requested_bytes);
+  s.for_each_array(put);
   out["num_alloc_retries"] = s.num_alloc_retries;
   out["num_ooms"] = s.num_ooms;
   out["num_sync_all_streams"] = s.num_sync_all_streams;

@@ -61,6 +61,25 @@ struct AllocatorStats {
   std::int64_t num_device_free = 0;
   std::int64_t num_invalid_frees = 0;  ///< frees of unknown or already-freed pointers (memtide's)
   std::int64_t num_cross_stream_reuse = 0;  ///< cached segments moved to another stream (memtide's)
+
+  /// Calls `f(name, array)` for every StatArray, in PyTorch's order.
+  template <typename F>
+  void for_each_array(F&& f) {
+    f("allocation", allocation);
+    f("segment", segment);
+    f("active", active);
+    f("inactive_split", inactive_split);
+    f("allocated_bytes", allocated_bytes);
+    f("reserved_bytes", reserved_bytes);
+    f("active_bytes", active_bytes);
+    f("inactive_split_bytes", inactive_split_bytes);
+    f("requested_bytes", requested_bytes);
+  }
+  template <typename F>
+  void for_each_array(F&& f) const {
+    const_cast<AllocatorStats*>(this)->for_each_array(
+        [&](const char* name, StatArray& a) { f(name, static_cast<const StatArray&>(a)); });
+  }
 };
 
 /// Flattened as PyTorch does: "allocated_bytes.all.current", "num_ooms", ...
