@@ -41,7 +41,8 @@ void PhaseTracker::begin_phase(Phase phase, std::uint64_t allocated, std::uint64
 }
 
 void PhaseTracker::mark(Phase phase, std::uint64_t allocated, std::uint64_t reserved, double now_ns) {
-  current_.phases[static_cast<int>(phase_)].duration_ns += now_ns - phase_start_ns_;
+  if (clock_started_) current_.phases[static_cast<int>(phase_)].duration_ns += now_ns - phase_start_ns_;
+  clock_started_ = true;
   const bool closes_iteration = phase == Phase::forward &&
                                 (current_.phases[static_cast<int>(Phase::backward)].seen ||
                                  current_.phases[static_cast<int>(Phase::update)].seen);

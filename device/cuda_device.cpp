@@ -74,10 +74,12 @@ Event CudaDevice::do_create_event(bool timing) {
 void CudaDevice::do_destroy_event(Event event) { check(cudaEventDestroy(raw(event)), "cudaEventDestroy"); }
 
 void CudaDevice::do_record_event(Event event, Stream stream) {
+  activate();  // the null stream means the current device's default stream
   check(cudaEventRecord(raw(event), raw(stream)), "cudaEventRecord");
 }
 
 void CudaDevice::do_stream_wait_event(Stream stream, Event event) {
+  activate();  // the null stream means the current device's default stream
   check(cudaStreamWaitEvent(raw(stream), raw(event), 0), "cudaStreamWaitEvent");
 }
 
@@ -99,7 +101,10 @@ float CudaDevice::do_event_elapsed_ms(Event start, Event end) {
   return ms;
 }
 
-void CudaDevice::do_stream_synchronize(Stream stream) { check(cudaStreamSynchronize(raw(stream)), "cudaStreamSynchronize"); }
+void CudaDevice::do_stream_synchronize(Stream stream) {
+  activate();
+  check(cudaStreamSynchronize(raw(stream)), "cudaStreamSynchronize");
+}
 
 void CudaDevice::do_synchronize() {
   activate();
@@ -107,6 +112,7 @@ void CudaDevice::do_synchronize() {
 }
 
 void CudaDevice::do_copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream stream) {
+  activate();  // the null stream means the current device's default stream
   const cudaMemcpyKind k = kind == CopyKind::host_to_device   ? cudaMemcpyHostToDevice
                            : kind == CopyKind::device_to_host ? cudaMemcpyDeviceToHost
                                                               : cudaMemcpyDeviceToDevice;
@@ -114,6 +120,7 @@ void CudaDevice::do_copy_async(void* dst, const void* src, std::size_t bytes, Co
 }
 
 void CudaDevice::do_memset_async(void* ptr, int value, std::size_t bytes, Stream stream) {
+  activate();  // the null stream means the current device's default stream
   check(cudaMemsetAsync(ptr, value, bytes, raw(stream)), "cudaMemsetAsync");
 }
 

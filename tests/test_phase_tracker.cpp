@@ -104,3 +104,16 @@ TEST(PhaseTracker, MarginLargerThanFreeGivesZero) {
   t.mark(Phase::update, 9 * GiB, 9 * GiB, 0);
   EXPECT_EQ(t.headroom(Phase::forward, 9 * GiB, 2 * GiB).bytes, 0u);
 }
+
+TEST(PhaseTracker, DurationsCountFromTheFirstMark) {
+  PhaseTracker t(4);
+  t.mark(Phase::forward, 0, 0, 1e12);  // a clock far from zero, like steady_clock
+  t.mark(Phase::backward, 0, 0, 1e12 + 5e6);
+  t.mark(Phase::update, 0, 0, 1e12 + 15e6);
+  t.mark(Phase::forward, 0, 0, 1e12 + 16e6);
+  const IterationRecord& it = t.history().back();
+  EXPECT_DOUBLE_EQ(it.phases[static_cast<int>(Phase::forward)].duration_ns, 5e6);
+  EXPECT_DOUBLE_EQ(it.phases[static_cast<int>(Phase::backward)].duration_ns, 10e6);
+  EXPECT_DOUBLE_EQ(it.phases[static_cast<int>(Phase::update)].duration_ns, 1e6);
+  EXPECT_DOUBLE_EQ(it.phases[static_cast<int>(Phase::other)].duration_ns, 0.0);
+}

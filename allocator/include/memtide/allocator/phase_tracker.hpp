@@ -86,6 +86,7 @@ class PhaseTracker {
   std::uint64_t limit_ = 0;
   Phase phase_ = Phase::other;
   double phase_start_ns_ = 0;
+  bool clock_started_ = false;  ///< the first mark starts the clock; time before it is unknown
   std::uint64_t finished_ = 0;
   IterationRecord current_;
   std::deque<IterationRecord> history_;
