@@ -9,6 +9,8 @@
 #include "memtide/core/log.hpp"
 #include "memtide/memtide.h"
 #include "memtide/runtime.hpp"
+#include "memtide/tiering/kernels/adamw_cpu.hpp"
+#include "memtide/tiering/thread_pool.hpp"
 
 using namespace memtide;
 
@@ -42,6 +44,17 @@ int guarded(const char* where, F&& body) noexcept {
 }
 
 Stream to_stream(memtide_stream_t s) { return Stream{static_cast<void*>(s)}; }
+
+tiering::DType to_dtype(memtide_dtype_t d, const char* what) {
+  switch (d) {
+    case MEMTIDE_DTYPE_NONE: return tiering::DType::none;
+    case MEMTIDE_DTYPE_FP32: return tiering::DType::fp32;
+    case MEMTIDE_DTYPE_FP16: return tiering::DType::fp16;
+    case MEMTIDE_DTYPE_BF16: return tiering::DType::bf16;
+    case MEMTIDE_DTYPE_MAX_ENUM: break;
+  }
+  throw InvalidArgument(std::string(what) + " is not a memtide_dtype_t value: " + std::to_string(static_cast<int>(d)));
+}
 
 }  // namespace
 
@@ -168,6 +181,48 @@ int memtide_dump_snapshot(const char* path) {
       throw IoError(std::string("renaming ") + tmp + " to " + path + " failed: " + std::strerror(errno));
     }
   });
+}
+
+int memtide_adamw_step_cpu(const memtide_adamw_args_t* args, int* nonfinite_out) {
+  if (nonfinite_out != nullptr) *nonfinite_out = 0;
+  if (args == nullptr) return fail(MEMTIDE_INVALID_ARGUMENT, "memtide_adamw_step_cpu: args is null");
+  return guarded("memtide_adamw_step_cpu", [&] {
+    tiering::AdamwArgs a;
+    a.param = args->param;
+    a.exp_avg = args->exp_avg;
+    a.exp_avg_sq = args->exp_avg_sq;
+    a.grad = args->grad;
+    a.grad_dtype = to_dtype(args->grad_dtype, "grad_dtype");
+    a.param_out = args->param_out;
+    a.param_out_dtype = args->param_out == nullptr ? tiering::DType::none : to_dtype(args->param_out_dtype, "param_out_dtype");
+    a.n = args->n;
+    a.lr = args->lr;
+    a.beta1 = args->beta1;
+    a.beta2 = args->beta2;
+    a.eps = args->eps;
+    a.weight_decay = args->weight_decay;
+    a.step = args->step;
+    a.grad_scale = args->grad_scale;
+    a.clip = args->clip;
+    a.l2 = args->l2 != 0;
+    a.skip_if_nonfinite = args->skip_if_nonfinite != 0;
+    const bool bad = tiering::adamw_step(a, &tiering::default_pool());
+    if (nonfinite_out != nullptr) *nonfinite_out = bad ? 1 : 0;
+  });
+}
+
+int memtide_grads_finite_cpu(const void* grad, memtide_dtype_t dtype, size_t n, double grad_scale, double clip,
+                             int* finite_out) {
+  if (finite_out == nullptr) return fail(MEMTIDE_INVALID_ARGUMENT, "memtide_grads_finite_cpu: finite_out is null");
+  return guarded("memtide_grads_finite_cpu", [&] {
+    *finite_out = tiering::grads_finite(grad, to_dtype(dtype, "dtype"), n, grad_scale, clip, &tiering::default_pool()) ? 1 : 0;
+  });
+}
+
+const char* memtide_cpu_isa(void) {
+  const char* name = nullptr;
+  guarded("memtide_cpu_isa", [&] { name = tiering::adamw_isa(); });
+  return name;
 }
 
 const char* memtide_last_error(void) { return t_last_error.c_str(); }

@@ -115,6 +115,12 @@ const std::vector<Row>& rows() {
          o.preload_log = std::string(v);
        },
        [](const Options& o) { return o.preload_log; }},
+      {"cpu_isa", "auto | scalar | avx2 | avx512", "vector path of the CPU optimizer kernels; auto = widest supported",
+       [](Options& o, std::string_view v) {
+         if (v != "auto" && v != "scalar" && v != "avx2" && v != "avx512") reject("cpu_isa", v, "auto, scalar, avx2 or avx512");
+         o.cpu_isa = std::string(v);
+       },
+       [](const Options& o) { return o.cpu_isa; }},
   };
   return table;
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/filesystem.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
@@ -28,6 +29,8 @@
 #include "memtide/device/sim_device.hpp"
 #include "memtide/memtide.h"
 #include "memtide/runtime.hpp"
+#include "memtide/tiering/kernels/adamw_cpu.hpp"
+#include "memtide/tiering/thread_pool.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -211,6 +214,65 @@ nb::dict replay_transformer(std::int64_t layers, std::int64_t hidden, std::int64
   return d;
 }
 
+
+// ---- CPU AdamW ------------------------------------------------------------------------------
+
+using CpuArray = nb::ndarray<nb::device::cpu, nb::c_contig>;
+
+memtide::tiering::DType array_dtype(const CpuArray& a, const char* name) {
+  const nb::dlpack::dtype d = a.dtype();
+  if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 32) {
+    return memtide::tiering::DType::fp32;
+  }
+  if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 16) {
+    return memtide::tiering::DType::fp16;
+  }
+  if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && d.bits == 16) {
+    return memtide::tiering::DType::bf16;
+  }
+  value_error(std::string("adamw_step_cpu: ") + name + " must be float32, float16 or bfloat16");
+}
+
+float* fp32_data(const CpuArray& a, const char* name, std::size_t n) {
+  if (array_dtype(a, name) != memtide::tiering::DType::fp32) value_error(std::string("adamw_step_cpu: ") + name + " must be float32");
+  if (a.size() != n) {
+    value_error(std::string("adamw_step_cpu: ") + name + " has " + std::to_string(a.size()) + " elements, param has " +
+                std::to_string(n));
+  }
+  return static_cast<float*>(a.data());
+}
+
+bool adamw_step_cpu(const CpuArray& param, const CpuArray& grad, const CpuArray& exp_avg, const CpuArray& exp_avg_sq,
+                    double lr, double beta1, double beta2, double eps, double weight_decay, std::int64_t step,
+                    double grad_scale, double clip, bool l2, std::optional<CpuArray> out, bool skip_if_nonfinite) {
+  memtide::tiering::AdamwArgs a;
+  a.n = param.size();
+  a.param = fp32_data(param, "param", a.n);
+  a.exp_avg = fp32_data(exp_avg, "exp_avg", a.n);
+  a.exp_avg_sq = fp32_data(exp_avg_sq, "exp_avg_sq", a.n);
+  a.grad_dtype = array_dtype(grad, "grad");
+  if (grad.size() != a.n) value_error("adamw_step_cpu: grad and param differ in size");
+  a.grad = grad.data();
+  if (out) {
+    a.param_out_dtype = array_dtype(*out, "out");
+    if (a.param_out_dtype == memtide::tiering::DType::fp32) value_error("adamw_step_cpu: out must be float16 or bfloat16");
+    if (out->size() != a.n) value_error("adamw_step_cpu: out and param differ in size");
+    a.param_out = out->data();
+  }
+  a.lr = lr;
+  a.beta1 = beta1;
+  a.beta2 = beta2;
+  a.eps = eps;
+  a.weight_decay = weight_decay;
+  a.step = step;
+  a.grad_scale = grad_scale;
+  a.clip = clip;
+  a.l2 = l2;
+  a.skip_if_nonfinite = skip_if_nonfinite;
+  nb::gil_scoped_release nogil;
+  return memtide::tiering::adamw_step(a, &memtide::tiering::default_pool());
+}
+
 }  // namespace
 
 NB_MODULE(_memtide, m) {
@@ -312,4 +374,18 @@ NB_MODULE(_memtide, m) {
         "On the sim backend the device is a phantom SimDevice (no bytes held) of `sim_capacity` bytes\n"
         "(default: MEMTIDE_SIM_CAPACITY). Returns peaks, per-phase watermarks of the last iteration,\n"
         "the update-phase headroom and timing.");
+
+  m.def("adamw_step_cpu", &adamw_step_cpu, "param"_a.noconvert(), "grad"_a.noconvert(), "exp_avg"_a.noconvert(),
+        "exp_avg_sq"_a.noconvert(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a,
+        "grad_scale"_a = 1.0, "clip"_a = 1.0, "l2"_a = false, "out"_a.noconvert() = nb::none(),
+        "skip_if_nonfinite"_a = false,
+        "One fused AdamW (or, with l2=True, Adam with L2) step in place on contiguous CPU arrays\n"
+        "(numpy or torch, via DLPack): param, exp_avg, exp_avg_sq float32; grad float32, float16 or\n"
+        "bfloat16, multiplied by grad_scale then clip; `out` (float16 or bfloat16) receives the new params.\n"
+        "`step` is the 1-based step count including this one. Returns True if a scaled gradient was\n"
+        "NaN/Inf (with skip_if_nonfinite the state is then left untouched).");
+  m.def("cpu_isa", [] { return std::string(memtide::tiering::adamw_isa()); },
+        "The vector path of the CPU optimizer kernels: scalar, avx2 or avx512 (MEMTIDE_CPU_ISA resolved).");
+  m.def("cpu_threads", [] { return memtide::tiering::default_pool().size(); },
+        "Threads of the process-wide CPU kernel pool (the caller included).");
 }

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <string>
 
 #include "memtide/memtide.h"
@@ -111,6 +112,53 @@ TEST(CApi, DumpSnapshotWritesAPickle) {
   EXPECT_EQ(static_cast<unsigned char>(bytes[0]), 0x80);
   EXPECT_EQ(bytes.back(), '.');
   std::remove(path.c_str());
+}
+
+TEST(CApi, AdamwStepCpuFirstStepAndSkipOnOverflow) {
+  float param[3] = {1.0f, 1.0f, 1.0f};
+  float m[3] = {0, 0, 0};
+  float v[3] = {0, 0, 0};
+  float grad[3] = {0.5f, 0.5f, 0.5f};
+  memtide_adamw_args_t a{};
+  a.param = param;
+  a.exp_avg = m;
+  a.exp_avg_sq = v;
+  a.grad = grad;
+  a.n = 3;
+  a.grad_dtype = MEMTIDE_DTYPE_FP32;
+  a.param_out_dtype = MEMTIDE_DTYPE_NONE;
+  a.lr = 0.1;
+  a.beta1 = 0.9;
+  a.beta2 = 0.999;
+  a.eps = 1e-8;
+  a.step = 1;
+  a.grad_scale = 1.0;
+  a.clip = 1.0;
+  a.skip_if_nonfinite = 1;
+  int nonfinite = -1;
+  ASSERT_EQ(memtide_adamw_step_cpu(&a, &nonfinite), MEMTIDE_OK) << memtide_last_error();
+  EXPECT_EQ(nonfinite, 0);
+  // Step 1: m_hat = g and v_hat = g*g, so the update is lr * g / (|g| + eps) = 0.1.
+  EXPECT_NEAR(param[1], 0.9f, 1e-6f);
+  EXPECT_NEAR(m[0], 0.05f, 1e-7f);
+  EXPECT_NEAR(v[2], 0.00025f, 1e-9f);
+
+  grad[1] = std::numeric_limits<float>::quiet_NaN();
+  a.step = 2;
+  const float before = param[0];
+  ASSERT_EQ(memtide_adamw_step_cpu(&a, &nonfinite), MEMTIDE_OK);
+  EXPECT_EQ(nonfinite, 1);
+  EXPECT_EQ(param[0], before) << "a skipped step must leave the state untouched";
+  int finite = -1;
+  ASSERT_EQ(memtide_grads_finite_cpu(grad, MEMTIDE_DTYPE_FP32, 3, 1.0, 1.0, &finite), MEMTIDE_OK);
+  EXPECT_EQ(finite, 0);
+
+  a.param = nullptr;
+  EXPECT_EQ(memtide_adamw_step_cpu(&a, &nonfinite), MEMTIDE_INVALID_ARGUMENT);
+  a.param = param;
+  a.grad_dtype = static_cast<memtide_dtype_t>(std::atoi("7"));
+  EXPECT_EQ(memtide_adamw_step_cpu(&a, &nonfinite), MEMTIDE_INVALID_ARGUMENT);
+  EXPECT_NE(memtide_cpu_isa(), nullptr);
 }
 
 int main(int argc, char** argv) {

@@ -13,7 +13,10 @@ from typing import Iterator
 from . import _memtide
 from ._memtide import (
     ConfigError,
+    adamw_step_cpu,
     backend,
+    cpu_isa,
+    cpu_threads,
     cuda_status,
     device_count,
     dump_snapshot,
@@ -37,7 +40,10 @@ __version__ = version()
 __all__ = [
     "ConfigError",
     "__version__",
+    "adamw_step_cpu",
     "backend",
+    "cpu_isa",
+    "cpu_threads",
     "cuda_status",
     "device_count",
     "dump_snapshot",

@@ -85,6 +85,50 @@ MEMTIDE_API int memtide_record_history(int enabled);
  *  pytorch.org/memory_viz and torch.cuda._memory_viz read. */
 MEMTIDE_API int memtide_dump_snapshot(const char* path);
 
+/* ---- CPU optimizer kernels ----------------------------------------------------------------- */
+
+/** Element types of optimizer buffers. */
+typedef enum {
+  MEMTIDE_DTYPE_NONE = 0, /**< no buffer (param_out only) */
+  MEMTIDE_DTYPE_FP32 = 1,
+  MEMTIDE_DTYPE_FP16 = 2,
+  MEMTIDE_DTYPE_BF16 = 3,
+  MEMTIDE_DTYPE_MAX_ENUM = 0x7fffffff /* see MEMTIDE_PHASE_MAX_ENUM */
+} memtide_dtype_t;
+
+/** One fused AdamW/Adam step over `n` elements (torch.optim.AdamW's arithmetic, in fp32):
+ *  g = (grad * grad_scale) * clip; AdamW: param *= 1 - lr*weight_decay, or with l2 != 0:
+ *  g += weight_decay * param; then the Adam moments, bias correction with `step` (1-based) and the
+ *  param update. `param_out`, when not null, receives the new params as fp16 or bf16 (round to
+ *  nearest even) in the same pass. No alignment is required. Zero-initialize, then fill. */
+typedef struct memtide_adamw_args {
+  float* param;          /**< fp32, in/out */
+  float* exp_avg;        /**< fp32, in/out */
+  float* exp_avg_sq;     /**< fp32, in/out */
+  const void* grad;      /**< grad_dtype */
+  void* param_out;       /**< null or param_out_dtype */
+  size_t n;
+  memtide_dtype_t grad_dtype;      /**< FP32, FP16 or BF16 */
+  memtide_dtype_t param_out_dtype; /**< NONE, FP16 or BF16 */
+  double lr, beta1, beta2, eps, weight_decay;
+  int64_t step;
+  double grad_scale;     /**< multiplier: 1 / loss_scale (use 1.0 for none) */
+  double clip;           /**< multiplier: the clipping coefficient (use 1.0 for none) */
+  int l2;                /**< 0: decoupled weight decay (AdamW); 1: L2 term added to the gradient (Adam) */
+  int skip_if_nonfinite; /**< 1: check every scaled gradient first; on NaN/Inf leave all state untouched */
+} memtide_adamw_args_t;
+
+/** Runs the step on the process-wide CPU thread pool. `*nonfinite_out` (may be null) is set to 1 if
+ *  any scaled gradient was NaN or Inf (the step was then skipped when skip_if_nonfinite), else 0.
+ *  Dynamic loss scaling: set skip_if_nonfinite, and on 1 lower the scale and skip the iteration. */
+MEMTIDE_API int memtide_adamw_step_cpu(const memtide_adamw_args_t* args, int* nonfinite_out);
+/** `*finite_out` = 1 if every grad[i] * grad_scale * clip is finite, else 0. */
+MEMTIDE_API int memtide_grads_finite_cpu(const void* grad, memtide_dtype_t dtype, size_t n, double grad_scale,
+                                         double clip, int* finite_out);
+/** The vector path the CPU kernels use: "scalar", "avx2" or "avx512" (MEMTIDE_CPU_ISA resolved);
+ *  null on a bad MEMTIDE_CPU_ISA. */
+MEMTIDE_API const char* memtide_cpu_isa(void);
+
 /* ---- Misc ---------------------------------------------------------------------------------- */
 
 /** The last error message on this thread ("" if none). Valid until the next memtide call. */

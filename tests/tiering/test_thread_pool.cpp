@@ -1,0 +1,95 @@
+#include "memtide/tiering/thread_pool.hpp"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <numeric>
+#include <stdexcept>
+#include <vector>
+
+using memtide::tiering::ThreadPool;
+
+TEST(ThreadPool, ParallelSumMatchesSerial) {
+  for (std::size_t threads : {1U, 2U, 3U, 8U}) {
+    ThreadPool pool(threads);
+    EXPECT_EQ(pool.size(), threads);
+    std::vector<std::uint64_t> values(100003);
+    std::iota(values.begin(), values.end(), 1);
+    const std::size_t chunks = 37;
+    std::vector<std::uint64_t> partial(chunks, 0);
+    pool.parallel_for(chunks, [&](std::size_t c) {
+      const std::size_t b = values.size() * c / chunks, e = values.size() * (c + 1) / chunks;
+      for (std::size_t i = b; i < e; ++i) partial[c] += values[i];
+    });
+    const std::uint64_t n = values.size();
+    EXPECT_EQ(std::accumulate(partial.begin(), partial.end(), std::uint64_t{0}), n * (n + 1) / 2) << threads;
+  }
+}
+
+TEST(ThreadPool, EveryChunkRunsExactlyOnce) {
+  ThreadPool pool(4);
+  for (std::size_t n : {0U, 1U, 2U, 3U, 4U, 5U, 100U}) {
+    std::vector<std::atomic<int>> hits(n);
+    pool.parallel_for(n, [&](std::size_t i) { hits[i].fetch_add(1); });
+    for (std::size_t i = 0; i < n; ++i) EXPECT_EQ(hits[i].load(), 1) << n << " " << i;
+  }
+}
+
+TEST(ThreadPool, ExceptionsReachTheCaller) {
+  ThreadPool pool(2);
+  EXPECT_THROW(pool.parallel_for(10, [](std::size_t i) {
+    if (i == 9) throw std::runtime_error("chunk 9");
+  }),
+               std::runtime_error);
+  EXPECT_THROW(pool.parallel_for(10, [](std::size_t i) {
+    if (i == 0) throw std::logic_error("chunk 0");
+  }),
+               std::logic_error);
+  // The pool still works afterwards.
+  std::atomic<int> count{0};
+  pool.parallel_for(10, [&](std::size_t) { count.fetch_add(1); });
+  EXPECT_EQ(count.load(), 10);
+}
+
+TEST(ThreadPool, SingleThreadPoolRunsOnCaller) {
+  ThreadPool pool(1);
+  EXPECT_EQ(pool.size(), 1U);
+  const auto caller = std::this_thread::get_id();
+  int sum = 0;
+  pool.parallel_for(5, [&](std::size_t i) {
+    EXPECT_EQ(std::this_thread::get_id(), caller);
+    sum += static_cast<int>(i);
+  });
+  EXPECT_EQ(sum, 10);
+}
+
+TEST(ThreadPool, ManySmallJobsInARow) {
+  ThreadPool pool(2);
+  std::atomic<std::uint64_t> total{0};
+  for (int round = 0; round < 20000; ++round) {
+    pool.parallel_for(static_cast<std::size_t>(1 + round % 3), [&](std::size_t i) { total.fetch_add(i + 1); });
+  }
+  // rounds with n=1: +1, n=2: +3, n=3: +6
+  std::uint64_t expected = 0;
+  for (int round = 0; round < 20000; ++round) {
+    const std::uint64_t n = 1 + round % 3;
+    expected += n * (n + 1) / 2;
+  }
+  EXPECT_EQ(total.load(), expected);
+}
+
+TEST(ThreadPool, NestedCallRunsInline) {
+  ThreadPool pool(2);
+  std::atomic<int> count{0};
+  pool.parallel_for(4, [&](std::size_t) { pool.parallel_for(3, [&](std::size_t) { count.fetch_add(1); }); });
+  EXPECT_EQ(count.load(), 12);
+}
+
+TEST(ThreadPool, BindsWorkersToCpus) {
+  ThreadPool pool(2, {0});
+  EXPECT_EQ(pool.cpus().size(), 1U);
+  std::atomic<int> count{0};
+  pool.parallel_for(2, [&](std::size_t) { count.fetch_add(1); });
+  EXPECT_EQ(count.load(), 2);
+  EXPECT_ANY_THROW(ThreadPool(2, {-1}));
+}

@@ -1,0 +1,87 @@
+#pragma once
+/// @file
+/// Fused CPU AdamW/Adam step: one pass over a subgroup reads the gradient (fp32, fp16 or bf16),
+/// unscales and clips it, updates fp32 params, exp_avg and exp_avg_sq in place, and writes an
+/// optional fp16/bf16 copy of the new params (round to nearest even) for the GPU.
+///
+/// The arithmetic follows torch.optim.AdamW's single-tensor path operation by operation, in fp32,
+/// with the per-step scalars computed in double and rounded to float once, as torch does:
+///
+///   g  = (grad * grad_scale) * clip
+///   p  = p * (1 - lr*wd)   (AdamW)   or   g = fma(wd, p, g)   (L2 / Adam: grad.add(p, alpha=wd))
+///   m  = fma(1-beta1, g - m, m)                           (exp_avg.lerp_, fused as in torch)
+///   v  = v * beta2;  v = v + ((1-beta2) * g) * g          (mul_, addcmul_)
+///   d  = sqrt(v) / sqrt(1 - beta2^step) + eps
+///   p  = p + (-(lr / (1 - beta1^step)) * m) / d           (addcdiv_)
+///
+/// Every ISA path (scalar, AVX2, AVX-512) performs exactly these operations: no FMA contraction
+/// besides the explicit, correctly rounded fmas, no reassociation. So they give bitwise identical
+/// results, and the thread count does not matter either.
+///
+/// Dynamic loss scaling: call grads_finite() (or set skip_if_nonfinite) before stepping. With
+/// skip_if_nonfinite the step first checks every scaled gradient and, if any is NaN or Inf, returns
+/// true without touching params or state; the caller then lowers the loss scale and skips the
+/// step. Without it the step always runs and its return value still says whether a non-finite
+/// gradient was seen (the state is then contaminated).
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace memtide::tiering {
+
+class ThreadPool;
+
+enum class DType : std::uint8_t { none = 0, fp32 = 1, fp16 = 2, bf16 = 3 };
+enum class CpuIsa : std::uint8_t { automatic = 0, scalar = 1, avx2 = 2, avx512 = 3 };
+
+struct AdamwArgs {
+  float* param = nullptr;       ///< fp32 master params, updated in place
+  float* exp_avg = nullptr;     ///< fp32, in/out
+  float* exp_avg_sq = nullptr;  ///< fp32, in/out
+  const void* grad = nullptr;   ///< grad_dtype elements
+  DType grad_dtype = DType::fp32;
+  void* param_out = nullptr;    ///< optional low-precision copy of the new params
+  DType param_out_dtype = DType::none;  ///< none, fp16 or bf16
+  std::size_t n = 0;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  std::int64_t step = 1;        ///< 1-based step count after this update (bias correction)
+  double grad_scale = 1.0;      ///< multiplier, e.g. 1 / loss_scale
+  double clip = 1.0;            ///< multiplier, e.g. the clip_grad_norm_ coefficient
+  bool l2 = false;              ///< false: decoupled weight decay (AdamW); true: Adam's L2 term
+  bool skip_if_nonfinite = false;
+};
+
+/// Validates `args` (throws InvalidArgument), then runs the step over `pool` (null = one thread,
+/// the caller). Returns true if any scaled gradient was non-finite; with skip_if_nonfinite the
+/// state is then left untouched. `isa` = automatic uses MEMTIDE_CPU_ISA (default auto: the
+/// widest path this CPU supports); asking for a path the CPU lacks throws InvalidArgument.
+bool adamw_step(const AdamwArgs& args, ThreadPool* pool, CpuIsa isa = CpuIsa::automatic);
+
+/// True if every grad[i] * grad_scale * clip (computed as in adamw_step) is finite.
+bool grads_finite(const void* grad, DType dtype, std::size_t n, double grad_scale = 1.0, double clip = 1.0,
+                  ThreadPool* pool = nullptr, CpuIsa isa = CpuIsa::automatic);
+
+/// The path `isa` resolves to here (automatic: MEMTIDE_CPU_ISA, then the best supported).
+CpuIsa resolve_cpu_isa(CpuIsa isa = CpuIsa::automatic);
+/// Whether this CPU can run `isa` (automatic and scalar: always).
+bool cpu_isa_supported(CpuIsa isa) noexcept;
+/// "scalar", "avx2", "avx512" or "auto".
+const char* cpu_isa_name(CpuIsa isa) noexcept;
+/// The name of the path adamw_step uses by default here.
+const char* adamw_isa();
+
+/// Reference conversions (round to nearest even; fp16 overflow -> inf; NaN stays NaN).
+std::uint16_t fp32_to_fp16(float f) noexcept;
+std::uint16_t fp32_to_bf16(float f) noexcept;
+float fp16_to_fp32(std::uint16_t h) noexcept;
+float bf16_to_fp32(std::uint16_t b) noexcept;
+
+/// Elements per tile handed to one thread at a time.
+inline constexpr std::size_t kAdamwTile = 16384;
+
+}  // namespace memtide::tiering

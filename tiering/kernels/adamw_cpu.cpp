@@ -1,0 +1,194 @@
+// Dispatch, validation and threading of the fused AdamW step; the loops are in adamw_impl.hpp.
+
+#include "memtide/tiering/kernels/adamw_cpu.hpp"
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "adamw_impl.hpp"
+#include "memtide/core/error.hpp"
+#include "memtide/core/options.hpp"
+#include "memtide/tiering/thread_pool.hpp"
+
+namespace memtide::tiering {
+namespace detail {
+
+bool adamw_range_scalar(const AdamwArgs&, const AdamwConsts&, std::size_t, std::size_t);
+bool nonfinite_range_scalar(const void*, DType, float, float, std::size_t, std::size_t);
+#if defined(MEMTIDE_TIERING_X86)
+bool adamw_range_avx2(const AdamwArgs&, const AdamwConsts&, std::size_t, std::size_t);
+bool nonfinite_range_avx2(const void*, DType, float, float, std::size_t, std::size_t);
+bool adamw_range_avx512(const AdamwArgs&, const AdamwConsts&, std::size_t, std::size_t);
+bool nonfinite_range_avx512(const void*, DType, float, float, std::size_t, std::size_t);
+#endif
+
+}  // namespace detail
+
+namespace {
+
+using RangeFn = bool (*)(const AdamwArgs&, const detail::AdamwConsts&, std::size_t, std::size_t);
+using CheckFn = bool (*)(const void*, DType, float, float, std::size_t, std::size_t);
+
+struct Kernels {
+  RangeFn step;
+  CheckFn check;
+};
+
+Kernels kernels(CpuIsa isa) {
+  switch (isa) {
+#if defined(MEMTIDE_TIERING_X86)
+    case CpuIsa::avx2: return {&detail::adamw_range_avx2, &detail::nonfinite_range_avx2};
+    case CpuIsa::avx512: return {&detail::adamw_range_avx512, &detail::nonfinite_range_avx512};
+#endif
+    default: return {&detail::adamw_range_scalar, &detail::nonfinite_range_scalar};
+  }
+}
+
+CpuIsa parse_isa(const std::string& name) {
+  if (name == "scalar") return CpuIsa::scalar;
+  if (name == "avx2") return CpuIsa::avx2;
+  if (name == "avx512") return CpuIsa::avx512;
+  return CpuIsa::automatic;
+}
+
+CpuIsa best_isa() noexcept {
+  if (cpu_isa_supported(CpuIsa::avx512)) return CpuIsa::avx512;
+  if (cpu_isa_supported(CpuIsa::avx2)) return CpuIsa::avx2;
+  return CpuIsa::scalar;
+}
+
+std::size_t tiles(std::size_t n) { return (n + kAdamwTile - 1) / kAdamwTile; }
+
+// Runs body(begin, end) over tiles, on the pool when there is one; ORs the results.
+template <typename Body>
+bool over_tiles(std::size_t n, ThreadPool* pool, Body&& body) {
+  if (pool == nullptr || pool->size() == 1 || n <= kAdamwTile) return n != 0 && body(std::size_t{0}, n);
+  std::atomic<bool> any{false};
+  pool->parallel_for(tiles(n), [&](std::size_t t) {
+    const std::size_t begin = t * kAdamwTile;
+    const std::size_t end = begin + kAdamwTile < n ? begin + kAdamwTile : n;
+    if (body(begin, end)) any.store(true, std::memory_order_relaxed);
+  });
+  return any.load(std::memory_order_relaxed);
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw InvalidArgument("adamw_step: " + message);
+}
+
+void validate(const AdamwArgs& a) {
+  if (a.n == 0) return;
+  require(a.param != nullptr && a.exp_avg != nullptr && a.exp_avg_sq != nullptr && a.grad != nullptr,
+          "param, exp_avg, exp_avg_sq and grad must not be null");
+  require(a.grad_dtype == DType::fp32 || a.grad_dtype == DType::fp16 || a.grad_dtype == DType::bf16,
+          "grad dtype must be fp32, fp16 or bf16");
+  require(a.param_out_dtype == DType::none || a.param_out_dtype == DType::fp16 || a.param_out_dtype == DType::bf16,
+          "param_out dtype must be none, fp16 or bf16");
+  require((a.param_out_dtype == DType::none) == (a.param_out == nullptr),
+          "param_out and param_out_dtype must be given together");
+  require(a.step >= 1, "step must be >= 1, got " + std::to_string(a.step));
+  require(a.lr >= 0.0 && std::isfinite(a.lr), "lr must be finite and >= 0");
+  require(a.beta1 >= 0.0 && a.beta1 < 1.0, "beta1 must be in [0, 1)");
+  require(a.beta2 >= 0.0 && a.beta2 < 1.0, "beta2 must be in [0, 1)");
+  require(a.eps >= 0.0 && std::isfinite(a.eps), "eps must be finite and >= 0");
+  require(a.weight_decay >= 0.0 && std::isfinite(a.weight_decay), "weight_decay must be finite and >= 0");
+  require(std::isfinite(a.grad_scale) && std::isfinite(a.clip), "grad_scale and clip must be finite");
+}
+
+// The step's scalars, computed in double like torch's Python code and rounded to float once.
+detail::AdamwConsts consts(const AdamwArgs& a) {
+  const double step = static_cast<double>(a.step);
+  const double bc1 = 1.0 - std::pow(a.beta1, step);
+  const double bc2 = 1.0 - std::pow(a.beta2, step);
+  const double step_size = a.lr / bc1;
+  detail::AdamwConsts c{};
+  c.grad_scale = static_cast<float>(a.grad_scale);
+  c.clip = static_cast<float>(a.clip);
+  c.decay = static_cast<float>(1.0 - a.lr * a.weight_decay);
+  c.wd = static_cast<float>(a.weight_decay);
+  c.w1 = static_cast<float>(1.0 - a.beta1);
+  c.beta2 = static_cast<float>(a.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - a.beta2);
+  c.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
+  c.eps = static_cast<float>(a.eps);
+  c.neg_step = static_cast<float>(-step_size);
+  return c;
+}
+
+}  // namespace
+
+bool cpu_isa_supported(CpuIsa isa) noexcept {
+  switch (isa) {
+    case CpuIsa::automatic:
+    case CpuIsa::scalar: return true;
+#if defined(MEMTIDE_TIERING_X86)
+    case CpuIsa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case CpuIsa::avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#endif
+    default: return false;
+  }
+}
+
+const char* cpu_isa_name(CpuIsa isa) noexcept {
+  switch (isa) {
+    case CpuIsa::scalar: return "scalar";
+    case CpuIsa::avx2: return "avx2";
+    case CpuIsa::avx512: return "avx512";
+    default: return "auto";
+  }
+}
+
+CpuIsa resolve_cpu_isa(CpuIsa isa) {
+  if (isa == CpuIsa::automatic) {
+    const std::string& wanted = options().cpu_isa;
+    isa = parse_isa(wanted);
+    if (isa == CpuIsa::automatic) return best_isa();
+    if (!cpu_isa_supported(isa)) {
+      throw ConfigError("MEMTIDE_CPU_ISA=\"" + wanted + "\" is not supported by this CPU; use auto or one of: scalar" +
+                        (cpu_isa_supported(CpuIsa::avx2) ? ", avx2" : ""));
+    }
+    return isa;
+  }
+  if (!cpu_isa_supported(isa)) throw InvalidArgument(std::string("CPU path ") + cpu_isa_name(isa) + " is not supported here");
+  return isa;
+}
+
+const char* adamw_isa() { return cpu_isa_name(resolve_cpu_isa(CpuIsa::automatic)); }
+
+bool adamw_step(const AdamwArgs& args, ThreadPool* pool, CpuIsa isa) {
+  validate(args);
+  const Kernels k = kernels(resolve_cpu_isa(isa));
+  if (args.n == 0) return false;
+  const detail::AdamwConsts c = consts(args);
+  if (args.skip_if_nonfinite) {
+    const bool bad = over_tiles(args.n, pool, [&](std::size_t b, std::size_t e) {
+      return k.check(args.grad, args.grad_dtype, c.grad_scale, c.clip, b, e);
+    });
+    if (bad) return true;
+  }
+  return over_tiles(args.n, pool, [&](std::size_t b, std::size_t e) { return k.step(args, c, b, e); });
+}
+
+bool grads_finite(const void* grad, DType dtype, std::size_t n, double grad_scale, double clip, ThreadPool* pool,
+                  CpuIsa isa) {
+  if (n == 0) return true;
+  if (grad == nullptr) throw InvalidArgument("grads_finite: grad must not be null");
+  if (dtype != DType::fp32 && dtype != DType::fp16 && dtype != DType::bf16) {
+    throw InvalidArgument("grads_finite: dtype must be fp32, fp16 or bf16");
+  }
+  const Kernels k = kernels(resolve_cpu_isa(isa));
+  const float gs = static_cast<float>(grad_scale), cl = static_cast<float>(clip);
+  return !over_tiles(n, pool, [&](std::size_t b, std::size_t e) { return k.check(grad, dtype, gs, cl, b, e); });
+}
+
+std::uint16_t fp32_to_fp16(float f) noexcept { return f_to_fp16(f); }
+std::uint16_t fp32_to_bf16(float f) noexcept { return f_to_bf16(f); }
+float fp16_to_fp32(std::uint16_t h) noexcept { return fp16_to_f(h); }
+float bf16_to_fp32(std::uint16_t b) noexcept { return bf16_to_f(b); }
+
+}  // namespace memtide::tiering

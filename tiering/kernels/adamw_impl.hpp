@@ -1,0 +1,257 @@
+// The AdamW loop, compiled once per ISA: adamw_scalar.cpp, adamw_avx2.cpp and adamw_avx512.cpp
+// each define MEMTIDE_ADAMW_SUFFIX (and MEMTIDE_ADAMW_AVX2 / MEMTIDE_ADAMW_AVX512) and include this
+// file. Everything here has internal linkage, so the differently compiled copies never merge.
+// The translation units are built with -ffp-contract=off and without -ffast-math: every path
+// performs the same IEEE operations in the same order and gives the same bits.
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#if defined(MEMTIDE_ADAMW_AVX2) || defined(MEMTIDE_ADAMW_AVX512)
+#include <immintrin.h>
+#endif
+
+#include "memtide/tiering/kernels/adamw_cpu.hpp"
+
+namespace memtide::tiering::detail {
+
+/// Per-step scalars, rounded to float once (as torch rounds its Python scalars).
+struct AdamwConsts {
+  float grad_scale, clip, decay, wd, w1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step;
+};
+
+}  // namespace memtide::tiering::detail
+
+namespace {
+
+using memtide::tiering::AdamwArgs;
+using memtide::tiering::DType;
+using memtide::tiering::detail::AdamwConsts;
+
+// Elements per inner block: the converted gradient and the new params wait here (L1-resident).
+constexpr std::size_t kBlock = 256;
+
+inline float bits_to_f(std::uint32_t u) { return std::bit_cast<float>(u); }
+inline std::uint32_t f_to_bits(float f) { return std::bit_cast<std::uint32_t>(f); }
+
+inline float bf16_to_f(std::uint16_t b) { return bits_to_f(static_cast<std::uint32_t>(b) << 16); }
+
+// Round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16 does).
+inline std::uint16_t f_to_bf16(float f) {
+  const std::uint32_t u = f_to_bits(f);
+  const std::uint32_t rounded = (u + 0x7FFFU + ((u >> 16) & 1U)) >> 16;
+  const bool nan = (u & 0x7FFFFFFFU) > 0x7F800000U;
+  return static_cast<std::uint16_t>(nan ? 0x7FC0U : rounded);
+}
+
+// Exact; NaNs keep their payload with the quiet bit set (as VCVTPH2PS does).
+inline float fp16_to_f(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
+  const std::uint32_t em = h & 0x7FFFU;
+  std::uint32_t bits;
+  if (em >= 0x7C00U) {
+    const std::uint32_t mant = (em & 0x3FFU) << 13;
+    bits = 0x7F800000U | mant | (mant != 0 ? 0x00400000U : 0U);
+  } else if (em >= 0x0400U) {
+    bits = (em << 13) + 0x38000000U;  // rebias 15 -> 127
+  } else {
+    bits = f_to_bits(static_cast<float>(em) * 0x1p-24F);  // subnormal or zero: exact
+  }
+  return bits_to_f(sign | bits);
+}
+
+// Round to nearest even with subnormals; overflow -> inf; NaN -> quiet NaN keeping the top
+// payload bits (as VCVTPS2PH does).
+inline std::uint16_t f_to_fp16(float f) {
+  const std::uint32_t u = f_to_bits(f);
+  const std::uint32_t sign = (u >> 16) & 0x8000U;
+  const std::uint32_t x = u & 0x7FFFFFFFU;
+  std::uint32_t h;
+  if (x > 0x7F800000U) {
+    h = 0x7E00U | ((x >> 13) & 0x3FFU);
+  } else if (x >= 0x477FF000U) {  // >= 65520 rounds to inf
+    h = 0x7C00U;
+  } else if (x >= 0x38800000U) {  // normal fp16
+    h = (x + 0x0FFFU + ((x >> 13) & 1U) - 0x38000000U) >> 13;
+  } else {
+    // |f| < 2^-14: adding 0.5 leaves the value rounded (nearest even) to a multiple of 2^-24.
+    const float t = bits_to_f(x) + 0.5F;
+    h = f_to_bits(t) - 0x3F000000U;
+  }
+  return static_cast<std::uint16_t>(sign | h);
+}
+
+inline std::uint16_t load_u16(const void* base, std::size_t i) {
+  std::uint16_t v;
+  std::memcpy(&v, static_cast<const unsigned char*>(base) + 2 * i, sizeof v);
+  return v;
+}
+inline void store_u16(void* base, std::size_t i, std::uint16_t v) {
+  std::memcpy(static_cast<unsigned char*>(base) + 2 * i, &v, sizeof v);
+}
+
+template <DType G>
+inline void load_grad(const void* grad, std::size_t i0, std::size_t k, float* __restrict out) {
+  if constexpr (G == DType::fp32) {
+    std::memcpy(out, static_cast<const float*>(grad) + i0, k * sizeof(float));
+  } else if constexpr (G == DType::bf16) {
+    const auto* src = static_cast<const unsigned char*>(grad) + 2 * i0;
+    for (std::size_t j = 0; j < k; ++j) {
+      std::uint16_t b;
+      std::memcpy(&b, src + 2 * j, sizeof b);
+      out[j] = bf16_to_f(b);
+    }
+  } else {
+    const auto* src = static_cast<const unsigned char*>(grad) + 2 * i0;
+    std::size_t j = 0;
+#if defined(MEMTIDE_ADAMW_AVX512)
+    for (; j + 16 <= k; j += 16) {
+      _mm512_storeu_ps(out + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * j))));
+    }
+#elif defined(MEMTIDE_ADAMW_AVX2)
+    for (; j + 8 <= k; j += 8) {
+      _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * j))));
+    }
+#endif
+    for (; j < k; ++j) out[j] = fp16_to_f(load_u16(src, j));
+  }
+}
+
+template <DType O>
+inline void store_out(void* dst_base, std::size_t i0, std::size_t k, const float* __restrict p) {
+  auto* dst = static_cast<unsigned char*>(dst_base) + 2 * i0;
+  if constexpr (O == DType::bf16) {
+    for (std::size_t j = 0; j < k; ++j) {
+      const std::uint16_t b = f_to_bf16(p[j]);
+      std::memcpy(dst + 2 * j, &b, sizeof b);
+    }
+  } else if constexpr (O == DType::fp16) {
+    std::size_t j = 0;
+#if defined(MEMTIDE_ADAMW_AVX512)
+    for (; j + 16 <= k; j += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * j),
+                          _mm512_cvtps_ph(_mm512_loadu_ps(p + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#elif defined(MEMTIDE_ADAMW_AVX2)
+    for (; j + 8 <= k; j += 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * j),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(p + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; j < k; ++j) store_u16(dst, j, f_to_fp16(p[j]));
+  }
+}
+
+inline std::uint32_t nonfinite_bit(float g) { return (f_to_bits(g) & 0x7F800000U) == 0x7F800000U ? 1U : 0U; }
+
+// One block: returns 1 if a scaled gradient was non-finite.
+template <DType G, DType O, bool kL2>
+std::uint32_t adamw_block(const AdamwArgs& a, const AdamwConsts& c, std::size_t i0, std::size_t k) {
+  alignas(64) float g[kBlock];
+  alignas(64) float out[kBlock];
+  load_grad<G>(a.grad, i0, k, g);
+  float* __restrict P = a.param + i0;
+  float* __restrict M = a.exp_avg + i0;
+  float* __restrict V = a.exp_avg_sq + i0;
+  const float gs = c.grad_scale, clip = c.clip, decay = c.decay, wd = c.wd, w1 = c.w1, b2 = c.beta2,
+              omb2 = c.one_minus_beta2, bc2 = c.bc2_sqrt, eps = c.eps, neg_step = c.neg_step;
+  std::uint32_t bad = 0;
+  for (std::size_t j = 0; j < k; ++j) {
+    float gj = g[j] * gs;
+    gj = gj * clip;
+    bad |= nonfinite_bit(gj);
+    float p = P[j];
+    if constexpr (kL2) {
+      gj = std::fma(wd, p, gj);  // torch's add(alpha=) is a fused multiply-add too
+    } else {
+      p = p * decay;
+    }
+    float m = M[j];
+    m = std::fma(w1, gj - m, m);  // torch's vectorized lerp_ is an explicit fused multiply-add
+    float v = V[j];
+    v = v * b2;
+    v = v + (omb2 * gj) * gj;
+    const float denom = std::sqrt(v) / bc2 + eps;
+    p = p + (neg_step * m) / denom;
+    P[j] = p;
+    M[j] = m;
+    V[j] = v;
+    out[j] = p;
+  }
+  if constexpr (O != DType::none) store_out<O>(a.param_out, i0, k, out);
+  return bad;
+}
+
+template <DType G, DType O, bool kL2>
+bool adamw_range_t(const AdamwArgs& a, const AdamwConsts& c, std::size_t begin, std::size_t end) {
+  std::uint32_t bad = 0;
+  for (std::size_t i = begin; i < end; i += kBlock) {
+    const std::size_t k = end - i < kBlock ? end - i : kBlock;
+    bad |= adamw_block<G, O, kL2>(a, c, i, k);
+  }
+  return bad != 0;
+}
+
+template <DType G, bool kL2>
+bool adamw_range_o(const AdamwArgs& a, const AdamwConsts& c, std::size_t b, std::size_t e) {
+  switch (a.param_out_dtype) {
+    case DType::fp16: return adamw_range_t<G, DType::fp16, kL2>(a, c, b, e);
+    case DType::bf16: return adamw_range_t<G, DType::bf16, kL2>(a, c, b, e);
+    default: return adamw_range_t<G, DType::none, kL2>(a, c, b, e);
+  }
+}
+
+template <bool kL2>
+bool adamw_range_g(const AdamwArgs& a, const AdamwConsts& c, std::size_t b, std::size_t e) {
+  switch (a.grad_dtype) {
+    case DType::fp16: return adamw_range_o<DType::fp16, kL2>(a, c, b, e);
+    case DType::bf16: return adamw_range_o<DType::bf16, kL2>(a, c, b, e);
+    default: return adamw_range_o<DType::fp32, kL2>(a, c, b, e);
+  }
+}
+
+template <DType G>
+bool nonfinite_t(const void* grad, float gs, float clip, std::size_t begin, std::size_t end) {
+  alignas(64) float g[kBlock];
+  std::uint32_t bad = 0;
+  for (std::size_t i = begin; i < end; i += kBlock) {
+    const std::size_t k = end - i < kBlock ? end - i : kBlock;
+    load_grad<G>(grad, i, k, g);
+    for (std::size_t j = 0; j < k; ++j) {
+      float gj = g[j] * gs;
+      gj = gj * clip;
+      bad |= nonfinite_bit(gj);
+    }
+    if (bad != 0) break;
+  }
+  return bad != 0;
+}
+
+}  // namespace
+
+#ifdef MEMTIDE_ADAMW_SUFFIX
+#define MEMTIDE_ADAMW_CAT2(a, b) a##b
+#define MEMTIDE_ADAMW_CAT(a, b) MEMTIDE_ADAMW_CAT2(a, b)
+
+namespace memtide::tiering::detail {
+
+bool MEMTIDE_ADAMW_CAT(adamw_range_, MEMTIDE_ADAMW_SUFFIX)(const AdamwArgs& a, const AdamwConsts& c, std::size_t begin,
+                                                          std::size_t end) {
+  return a.l2 ? adamw_range_g<true>(a, c, begin, end) : adamw_range_g<false>(a, c, begin, end);
+}
+
+bool MEMTIDE_ADAMW_CAT(nonfinite_range_, MEMTIDE_ADAMW_SUFFIX)(const void* grad, DType dtype, float grad_scale,
+                                                              float clip, std::size_t begin, std::size_t end) {
+  switch (dtype) {
+    case DType::fp16: return nonfinite_t<DType::fp16>(grad, grad_scale, clip, begin, end);
+    case DType::bf16: return nonfinite_t<DType::bf16>(grad, grad_scale, clip, begin, end);
+    default: return nonfinite_t<DType::fp32>(grad, grad_scale, clip, begin, end);
+  }
+}
+
+}  // namespace memtide::tiering::detail
+#endif

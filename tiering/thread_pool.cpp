@@ -1,0 +1,130 @@
+#include "memtide/tiering/thread_pool.hpp"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <string>
+
+#include "memtide/core/error.hpp"
+#include "memtide/core/no_destructor.hpp"
+
+namespace memtide::tiering {
+namespace {
+
+// The pool whose task this thread is running, to run nested parallel_fors inline.
+thread_local const ThreadPool* t_inside = nullptr;
+
+void bind_to_cpu(std::thread& t, int cpu) {
+  if (cpu < 0 || cpu >= CPU_SETSIZE) throw InvalidArgument("ThreadPool: cpu " + std::to_string(cpu) + " is out of range");
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  const int rc = pthread_setaffinity_np(t.native_handle(), sizeof(set), &set);
+  if (rc != 0) throw InvalidArgument("ThreadPool: cannot bind a worker to cpu " + std::to_string(cpu) + " (error " + std::to_string(rc) + ")");
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(std::size_t threads, std::vector<int> cpus) : cpus_(std::move(cpus)) {
+  if (threads == 0) threads = std::max(1U, std::thread::hardware_concurrency());
+  workers_.reserve(threads - 1);
+  try {
+    for (std::size_t i = 1; i < threads; ++i) {
+      workers_.emplace_back([this, i] { worker_main(i); });
+      if (!cpus_.empty()) bind_to_cpu(workers_.back(), cpus_[(i - 1) % cpus_.size()]);
+    }
+  } catch (...) {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& t : workers_) t.join();
+    throw;
+  }
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (std::thread& t : workers_) t.join();
+}
+
+void ThreadPool::work(std::size_t participant, std::size_t participants, std::size_t n_chunks, Task task, void* ctx) {
+  const std::size_t begin = n_chunks * participant / participants;
+  const std::size_t end = n_chunks * (participant + 1) / participants;
+  const ThreadPool* outer = t_inside;
+  t_inside = this;
+  try {
+    for (std::size_t i = begin; i < end; ++i) task(ctx, i);
+  } catch (...) {
+    std::lock_guard lock(mutex_);
+    if (!error_) error_ = std::current_exception();
+  }
+  t_inside = outer;
+}
+
+void ThreadPool::worker_main(std::size_t index) {
+  std::uint64_t seen = 0;
+  for (;;) {
+    std::size_t chunks = 0, participants = 0;
+    Task task = nullptr;
+    void* ctx = nullptr;
+    {
+      std::unique_lock lock(mutex_);
+      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (index >= job_participants_) continue;  // not needed for this job
+      chunks = job_chunks_;
+      participants = job_participants_;
+      task = job_task_;
+      ctx = job_ctx_;
+    }
+    work(index, participants, chunks, task, ctx);
+    {
+      std::lock_guard lock(mutex_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+}
+
+void ThreadPool::run(std::size_t n_chunks, Task task, void* ctx) {
+  if (n_chunks == 0) return;
+  const std::size_t participants = std::min(n_chunks, size());
+  if (participants == 1 || t_inside == this) {
+    for (std::size_t i = 0; i < n_chunks; ++i) task(ctx, i);
+    return;
+  }
+  std::lock_guard submit(submit_);
+  {
+    std::lock_guard lock(mutex_);
+    job_chunks_ = n_chunks;
+    job_participants_ = participants;
+    job_task_ = task;
+    job_ctx_ = ctx;
+    pending_ = participants - 1;
+    error_ = nullptr;
+    ++generation_;
+  }
+  wake_.notify_all();
+  work(0, participants, n_chunks, task, ctx);
+  std::exception_ptr error;
+  {
+    std::unique_lock lock(mutex_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    error = std::exchange(error_, nullptr);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+ThreadPool& default_pool() {
+  static NoDestructor<ThreadPool> pool;
+  return *pool;
+}
+
+}  // namespace memtide::tiering
