@@ -10,7 +10,7 @@
 #include "memtide/memtide.h"
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
-#include "memtide/tiering/thread_pool.hpp"
+#include "memtide/core/thread_pool.hpp"
 
 using namespace memtide;
 
@@ -206,7 +206,7 @@ int memtide_adamw_step_cpu(const memtide_adamw_args_t* args, int* nonfinite_out)
     a.clip = args->clip;
     a.l2 = args->l2 != 0;
     a.skip_if_nonfinite = args->skip_if_nonfinite != 0;
-    const bool bad = tiering::adamw_step(a, &tiering::default_pool());
+    const bool bad = tiering::adamw_step(a, &default_pool());
     if (nonfinite_out != nullptr) *nonfinite_out = bad ? 1 : 0;
   });
 }
@@ -215,7 +215,7 @@ int memtide_grads_finite_cpu(const void* grad, memtide_dtype_t dtype, size_t n, 
                              int* finite_out) {
   if (finite_out == nullptr) return fail(MEMTIDE_INVALID_ARGUMENT, "memtide_grads_finite_cpu: finite_out is null");
   return guarded("memtide_grads_finite_cpu", [&] {
-    *finite_out = tiering::grads_finite(grad, to_dtype(dtype, "dtype"), n, grad_scale, clip, &tiering::default_pool()) ? 1 : 0;
+    *finite_out = tiering::grads_finite(grad, to_dtype(dtype, "dtype"), n, grad_scale, clip, &default_pool()) ? 1 : 0;
   });
 }
 

@@ -30,7 +30,7 @@
 #include "memtide/memtide.h"
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
-#include "memtide/tiering/thread_pool.hpp"
+#include "memtide/core/thread_pool.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -270,7 +270,7 @@ bool adamw_step_cpu(const CpuArray& param, const CpuArray& grad, const CpuArray&
   a.l2 = l2;
   a.skip_if_nonfinite = skip_if_nonfinite;
   nb::gil_scoped_release nogil;
-  return memtide::tiering::adamw_step(a, &memtide::tiering::default_pool());
+  return memtide::tiering::adamw_step(a, &memtide::default_pool());
 }
 
 }  // namespace
@@ -386,6 +386,6 @@ NB_MODULE(_memtide, m) {
         "NaN/Inf (with skip_if_nonfinite the state is then left untouched).");
   m.def("cpu_isa", [] { return std::string(memtide::tiering::adamw_isa()); },
         "The vector path of the CPU optimizer kernels: scalar, avx2 or avx512 (MEMTIDE_CPU_ISA resolved).");
-  m.def("cpu_threads", [] { return memtide::tiering::default_pool().size(); },
+  m.def("cpu_threads", [] { return memtide::default_pool().size(); },
         "Threads of the process-wide CPU kernel pool (the caller included).");
 }

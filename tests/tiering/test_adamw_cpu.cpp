@@ -12,7 +12,7 @@
 
 #include "memtide/core/error.hpp"
 #include "memtide/core/options.hpp"
-#include "memtide/tiering/thread_pool.hpp"
+#include "memtide/core/thread_pool.hpp"
 
 using namespace memtide::tiering;
 

@@ -10,7 +10,7 @@
 #include "adamw_impl.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/options.hpp"
-#include "memtide/tiering/thread_pool.hpp"
+#include "memtide/core/thread_pool.hpp"
 
 namespace memtide::tiering {
 namespace detail {

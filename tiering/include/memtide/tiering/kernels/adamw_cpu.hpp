@@ -28,9 +28,11 @@
 #include <cstdint>
 #include <string>
 
+#include "memtide/core/thread_pool.hpp"
+
 namespace memtide::tiering {
 
-class ThreadPool;
+using memtide::ThreadPool;
 
 enum class DType : std::uint8_t { none = 0, fp32 = 1, fp16 = 2, bf16 = 3 };
 enum class CpuIsa : std::uint8_t { automatic = 0, scalar = 1, avx2 = 2, avx512 = 3 };

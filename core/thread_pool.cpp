@@ -1,4 +1,4 @@
-#include "memtide/tiering/thread_pool.hpp"
+#include "memtide/core/thread_pool.hpp"
 
 #include <pthread.h>
 #include <sched.h>
@@ -9,7 +9,7 @@
 #include "memtide/core/error.hpp"
 #include "memtide/core/no_destructor.hpp"
 
-namespace memtide::tiering {
+namespace memtide {
 namespace {
 
 // The pool whose task this thread is running, to run nested parallel_fors inline.
@@ -127,4 +127,4 @@ ThreadPool& default_pool() {
   return *pool;
 }
 
-}  // namespace memtide::tiering
+}  // namespace memtide

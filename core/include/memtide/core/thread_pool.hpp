@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-namespace memtide::tiering {
+namespace memtide {
 
 class ThreadPool {
  public:
@@ -69,4 +69,4 @@ class ThreadPool {
 /// Never destroyed.
 ThreadPool& default_pool();
 
-}  // namespace memtide::tiering
+}  // namespace memtide

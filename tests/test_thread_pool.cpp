@@ -1,4 +1,4 @@
-#include "memtide/tiering/thread_pool.hpp"
+#include "memtide/core/thread_pool.hpp"
 
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <vector>
 
-using memtide::tiering::ThreadPool;
+using memtide::ThreadPool;
 
 TEST(ThreadPool, ParallelSumMatchesSerial) {
   for (std::size_t threads : {1U, 2U, 3U, 8U}) {
