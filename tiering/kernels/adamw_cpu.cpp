@@ -78,7 +78,11 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw InvalidArgument("adamw_step: " + message);
 }
 
-void validate(const AdamwArgs& a) {
+}  // namespace
+
+namespace detail {
+
+void validate_adamw_args(const AdamwArgs& a) {
   if (a.n == 0) return;
   require(a.param != nullptr && a.exp_avg != nullptr && a.exp_avg_sq != nullptr && a.grad != nullptr,
           "param, exp_avg, exp_avg_sq and grad must not be null");
@@ -98,12 +102,12 @@ void validate(const AdamwArgs& a) {
 }
 
 // The step's scalars, computed in double like torch's Python code and rounded to float once.
-detail::AdamwConsts consts(const AdamwArgs& a) {
+AdamwConsts adamw_consts(const AdamwArgs& a) {
   const double step = static_cast<double>(a.step);
   const double bc1 = 1.0 - std::pow(a.beta1, step);
   const double bc2 = 1.0 - std::pow(a.beta2, step);
   const double step_size = a.lr / bc1;
-  detail::AdamwConsts c{};
+  AdamwConsts c{};
   c.grad_scale = static_cast<float>(a.grad_scale);
   c.clip = static_cast<float>(a.clip);
   c.decay = static_cast<float>(1.0 - a.lr * a.weight_decay);
@@ -117,7 +121,7 @@ detail::AdamwConsts consts(const AdamwArgs& a) {
   return c;
 }
 
-}  // namespace
+}  // namespace detail
 
 bool cpu_isa_supported(CpuIsa isa) noexcept {
   switch (isa) {
@@ -161,10 +165,10 @@ CpuIsa resolve_cpu_isa(CpuIsa isa) {
 const char* adamw_isa() { return cpu_isa_name(resolve_cpu_isa(CpuIsa::automatic)); }
 
 bool adamw_step(const AdamwArgs& args, ThreadPool* pool, CpuIsa isa) {
-  validate(args);
+  detail::validate_adamw_args(args);
   const Kernels k = kernels(resolve_cpu_isa(isa));
   if (args.n == 0) return false;
-  const detail::AdamwConsts c = consts(args);
+  const detail::AdamwConsts c = detail::adamw_consts(args);
   if (args.skip_if_nonfinite) {
     const bool bad = over_tiles(args.n, pool, [&](std::size_t b, std::size_t e) {
       return k.check(args.grad, args.grad_dtype, c.grad_scale, c.clip, b, e);

@@ -5,7 +5,6 @@
 // performs the same IEEE operations in the same order and gives the same bits.
 #pragma once
 
-#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -15,16 +14,9 @@
 #include <immintrin.h>
 #endif
 
+#include "adamw_consts.hpp"
+#include "fp_bits.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
-
-namespace memtide::tiering::detail {
-
-/// Per-step scalars, rounded to float once (as torch rounds its Python scalars).
-struct AdamwConsts {
-  float grad_scale, clip, decay, wd, w1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step;
-};
-
-}  // namespace memtide::tiering::detail
 
 namespace {
 
@@ -35,55 +27,11 @@ using memtide::tiering::detail::AdamwConsts;
 // Elements per inner block: the converted gradient and the new params wait here (L1-resident).
 constexpr std::size_t kBlock = 256;
 
-inline float bits_to_f(std::uint32_t u) { return std::bit_cast<float>(u); }
-inline std::uint32_t f_to_bits(float f) { return std::bit_cast<std::uint32_t>(f); }
-
-inline float bf16_to_f(std::uint16_t b) { return bits_to_f(static_cast<std::uint32_t>(b) << 16); }
-
-// Round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16 does).
-inline std::uint16_t f_to_bf16(float f) {
-  const std::uint32_t u = f_to_bits(f);
-  const std::uint32_t rounded = (u + 0x7FFFU + ((u >> 16) & 1U)) >> 16;
-  const bool nan = (u & 0x7FFFFFFFU) > 0x7F800000U;
-  return static_cast<std::uint16_t>(nan ? 0x7FC0U : rounded);
-}
-
-// Exact; NaNs keep their payload with the quiet bit set (as VCVTPH2PS does).
-inline float fp16_to_f(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
-  const std::uint32_t em = h & 0x7FFFU;
-  std::uint32_t bits;
-  if (em >= 0x7C00U) {
-    const std::uint32_t mant = (em & 0x3FFU) << 13;
-    bits = 0x7F800000U | mant | (mant != 0 ? 0x00400000U : 0U);
-  } else if (em >= 0x0400U) {
-    bits = (em << 13) + 0x38000000U;  // rebias 15 -> 127
-  } else {
-    bits = f_to_bits(static_cast<float>(em) * 0x1p-24F);  // subnormal or zero: exact
-  }
-  return bits_to_f(sign | bits);
-}
-
-// Round to nearest even with subnormals; overflow -> inf; NaN -> quiet NaN keeping the top
-// payload bits (as VCVTPS2PH does).
-inline std::uint16_t f_to_fp16(float f) {
-  const std::uint32_t u = f_to_bits(f);
-  const std::uint32_t sign = (u >> 16) & 0x8000U;
-  const std::uint32_t x = u & 0x7FFFFFFFU;
-  std::uint32_t h;
-  if (x > 0x7F800000U) {
-    h = 0x7E00U | ((x >> 13) & 0x3FFU);
-  } else if (x >= 0x477FF000U) {  // >= 65520 rounds to inf
-    h = 0x7C00U;
-  } else if (x >= 0x38800000U) {  // normal fp16
-    h = (x + 0x0FFFU + ((x >> 13) & 1U) - 0x38000000U) >> 13;
-  } else {
-    // |f| < 2^-14: adding 0.5 leaves the value rounded (nearest even) to a multiple of 2^-24.
-    const float t = bits_to_f(x) + 0.5F;
-    h = f_to_bits(t) - 0x3F000000U;
-  }
-  return static_cast<std::uint16_t>(sign | h);
-}
+using memtide::tiering::fp::bf16_to_f;
+using memtide::tiering::fp::f_to_bf16;
+using memtide::tiering::fp::f_to_fp16;
+using memtide::tiering::fp::fp16_to_f;
+using memtide::tiering::fp::nonfinite_bit;
 
 inline std::uint16_t load_u16(const void* base, std::size_t i) {
   std::uint16_t v;
@@ -146,7 +94,6 @@ inline void store_out(void* dst_base, std::size_t i0, std::size_t k, const float
   }
 }
 
-inline std::uint32_t nonfinite_bit(float g) { return (f_to_bits(g) & 0x7F800000U) == 0x7F800000U ? 1U : 0U; }
 
 // One block: returns 1 if a scaled gradient was non-finite.
 template <DType G, DType O, bool kL2>
