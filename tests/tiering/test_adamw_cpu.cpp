@@ -97,7 +97,7 @@ void reference_step(const AdamwArgs& a, std::vector<float>& p, std::vector<float
   const double bc1 = 1.0 - std::pow(a.beta1, static_cast<double>(a.step));
   const double bc2 = 1.0 - std::pow(a.beta2, static_cast<double>(a.step));
   const float neg_step = static_cast<float>(-(a.lr / bc1));
-  const float bc2s = static_cast<float>(std::pow(bc2, 0.5));
+  const float inv_bc2s = static_cast<float>(1.0 / std::sqrt(bc2));
   for (std::size_t i = 0; i < a.n; ++i) {
     float g = grad[i] * static_cast<float>(a.grad_scale);
     g = g * static_cast<float>(a.clip);
@@ -112,7 +112,7 @@ void reference_step(const AdamwArgs& a, std::vector<float>& p, std::vector<float
     mm = std::fma(static_cast<float>(1.0 - a.beta1), g - mm, mm);
     vv = vv * static_cast<float>(a.beta2);
     vv = vv + (static_cast<float>(1.0 - a.beta2) * g) * g;
-    const float denom = std::sqrt(vv) / bc2s + static_cast<float>(a.eps);
+    const float denom = std::sqrt(vv) * inv_bc2s + static_cast<float>(a.eps);
     pp = pp + (neg_step * mm) / denom;
   }
 }

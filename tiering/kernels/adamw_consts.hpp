@@ -8,7 +8,7 @@ namespace memtide::tiering::detail {
 
 /// Per-step scalars, rounded to float once (as torch rounds its Python scalars).
 struct AdamwConsts {
-  float grad_scale, clip, decay, wd, w1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step;
+  float grad_scale, clip, decay, wd, w1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step;
 };
 
 /// Throws InvalidArgument naming the bad field.

@@ -115,7 +115,7 @@ AdamwConsts adamw_consts(const AdamwArgs& a) {
   c.w1 = static_cast<float>(1.0 - a.beta1);
   c.beta2 = static_cast<float>(a.beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - a.beta2);
-  c.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
+  c.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   c.eps = static_cast<float>(a.eps);
   c.neg_step = static_cast<float>(-step_size);
   return c;

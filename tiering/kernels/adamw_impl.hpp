@@ -105,7 +105,7 @@ std::uint32_t adamw_block(const AdamwArgs& a, const AdamwConsts& c, std::size_t 
   float* __restrict M = a.exp_avg + i0;
   float* __restrict V = a.exp_avg_sq + i0;
   const float gs = c.grad_scale, clip = c.clip, decay = c.decay, wd = c.wd, w1 = c.w1, b2 = c.beta2,
-              omb2 = c.one_minus_beta2, bc2 = c.bc2_sqrt, eps = c.eps, neg_step = c.neg_step;
+              omb2 = c.one_minus_beta2, inv_bc2 = c.inv_bc2_sqrt, eps = c.eps, neg_step = c.neg_step;
   std::uint32_t bad = 0;
   for (std::size_t j = 0; j < k; ++j) {
     float gj = g[j] * gs;
@@ -122,7 +122,7 @@ std::uint32_t adamw_block(const AdamwArgs& a, const AdamwConsts& c, std::size_t 
     float v = V[j];
     v = v * b2;
     v = v + (omb2 * gj) * gj;
-    const float denom = std::sqrt(v) / bc2 + eps;
+    const float denom = std::sqrt(v) * inv_bc2 + eps;
     p = p + (neg_step * m) / denom;
     P[j] = p;
     M[j] = m;

@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kThreads)
       const float mj = __fmaf_rn(c.w1, __fsub_rn(gj, m.v[j]), m.v[j]);
       float vj = __fmul_rn(v.v[j], c.beta2);
       vj = __fadd_rn(vj, __fmul_rn(__fmul_rn(c.one_minus_beta2, gj), gj));
-      const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vj), c.bc2_sqrt), c.eps);
+      const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(vj), c.inv_bc2_sqrt), c.eps);
       pj = __fadd_rn(pj, __fdiv_rn(__fmul_rn(c.neg_step, mj), denom));
       p.v[j] = pj;
       m.v[j] = mj;

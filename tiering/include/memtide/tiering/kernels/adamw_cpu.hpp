@@ -11,8 +11,14 @@
 ///   p  = p * (1 - lr*wd)   (AdamW)   or   g = fma(wd, p, g)   (L2 / Adam: grad.add(p, alpha=wd))
 ///   m  = fma(1-beta1, g - m, m)                           (exp_avg.lerp_, fused as in torch)
 ///   v  = v * beta2;  v = v + ((1-beta2) * g) * g          (mul_, addcmul_)
-///   d  = sqrt(v) / sqrt(1 - beta2^step) + eps
+///   d  = sqrt(v) * (1 / sqrt(1 - beta2^step)) + eps
 ///   p  = p + (-(lr / (1 - beta1^step)) * m) / d           (addcdiv_)
+///
+/// One departure from torch: torch divides sqrt(v) by sqrt(1 - beta2^step); memtide multiplies by
+/// its reciprocal (rounded once). The divider is the bottleneck of this loop on AVX-512 cores
+/// (a 512-bit divide or square root issues only every ~10 cycles), and dropping one of the two
+/// divides made the in-cache step 1.3x faster; d then differs from torch's by at most one ulp,
+/// well inside the 1e-6 relative agreement the tests check over 100 steps.
 ///
 /// Every ISA path (scalar, AVX2, AVX-512) performs exactly these operations: no FMA contraction
 /// besides the explicit, correctly rounded fmas, no reassociation. So they give bitwise identical
