@@ -264,7 +264,7 @@ def _print_train(r: Dict[str, Any]) -> None:
               "TieredAdamW.attach hooks);")
         print("  no GPU memory columns: the model's tensors are CPU tensors, which memtide's allocator (a SimDevice "
               "here) does not serve.")
-        print(f"  host column: the process's resident memory at the end of the phase, highest over all steps.")
+        print("  host column: the process's resident memory at the end of the phase, highest over all steps.")
         print(f"  {'phase':<10} {'wall time':>10}  {'host RSS':>12}")
         for name in ("forward", "backward", "update"):
             host = format_bytes(rss[name]) if rss else "n/a"

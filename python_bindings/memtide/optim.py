@@ -179,7 +179,7 @@ class UpdatePlan:
         n = len(self.placement)
         c = self.counts()
         if c["gpu"] == 0:
-            where = f"all on CPU" if n != 1 else "on CPU"
+            where = "all on CPU" if n != 1 else "on CPU"
         elif c["cpu"] == 0:
             where = "all on GPU"
         else:
@@ -354,6 +354,9 @@ class TieredAdamW(torch.optim.Optimizer):
     their update costs no copy; params on a GPU are copied back after each step.
     """
 
+    #: The engine class: built over the flat buffers, it plans and runs every update.
+    engine_class = SubgroupEngine
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, policy: str = "auto",
                  subgroup_size: int = 100_000_000, gpu_static_fraction: float = 0.0, k: Optional[int] = None,
@@ -479,7 +482,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._layout = _Layout(params, group_of, ranges, lowp_of, aliased, pieces, bounds, numel)
         self.buffers = buffers
         self._steps = steps
-        self.engine = SubgroupEngine(buffers)
+        self.engine = self.engine_class(buffers)
         self.plan = self.engine.plan(self.policy, bounds, self.k, self.gpu_static_fraction)
         self.state.clear()
         for i in range(len(params)):
