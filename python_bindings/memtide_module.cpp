@@ -388,4 +388,29 @@ NB_MODULE(_memtide, m) {
         "The vector path of the CPU optimizer kernels: scalar, avx2 or avx512 (MEMTIDE_CPU_ISA resolved).");
   m.def("cpu_threads", [] { return memtide::default_pool().size(); },
         "Threads of the process-wide CPU kernel pool (the caller included).");
+
+  // TieredAdamW checks every subgroup before updating any of them (dynamic loss scaling must skip
+  // the whole step), so the check is exposed on its own.
+  m.def(
+      "grads_finite_cpu",
+      [](const CpuArray& grad, double grad_scale, double clip) {
+        const nb::dlpack::dtype d = grad.dtype();
+        memtide::tiering::DType dt = memtide::tiering::DType::none;
+        if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 32) {
+          dt = memtide::tiering::DType::fp32;
+        } else if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 16) {
+          dt = memtide::tiering::DType::fp16;
+        } else if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && d.bits == 16) {
+          dt = memtide::tiering::DType::bf16;
+        } else {
+          value_error("grads_finite_cpu: grad must be float32, float16 or bfloat16");
+        }
+        const void* data = grad.data();
+        const std::size_t n = grad.size();
+        nb::gil_scoped_release nogil;
+        return memtide::tiering::grads_finite(data, dt, n, grad_scale, clip, &memtide::default_pool());
+      },
+      "grad"_a.noconvert(), "grad_scale"_a = 1.0, "clip"_a = 1.0,
+      "True if every grad[i] * grad_scale * clip (rounded as adamw_step_cpu computes it) is finite.\n"
+      "grad: contiguous CPU float32, float16 or bfloat16 array.");
 }

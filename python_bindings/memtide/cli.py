@@ -1,4 +1,4 @@
-"""The ``memtide`` command line: ``memtide info`` and ``memtide run``."""
+"""The ``memtide`` command line: ``memtide info`` and ``memtide run`` (training, or ``--trace``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from typing import Any, Dict, Optional, Sequence
 
 import memtide
+from memtide import train_job
 
 # Exit codes: 2 is what argparse uses for bad usage; a bad MEMTIDE_* value is the same kind of
 # mistake, so it gets 2 as well. Failures of the work itself get 1.
@@ -17,6 +18,9 @@ EXIT_USAGE = 2
 EXIT_FAILURE = 1
 
 _INT_MAX = 2**31 - 1
+
+# memtide.optim.POLICIES, without importing torch for `memtide info`.
+_POLICIES = ("cpu", "static", "interleaved", "auto")
 
 _RUN_DEFAULTS = {
     "layers": 24,
@@ -69,6 +73,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     if value > _INT_MAX:
         raise argparse.ArgumentTypeError(f"must be at most {_INT_MAX}, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value}")
     return value
 
 
@@ -161,7 +175,15 @@ def _print_run(result: Dict[str, Any], shape: Dict[str, int]) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    shape = {k: getattr(args, k) for k in _RUN_DEFAULTS}
+    return _cmd_replay(args) if args.trace else _cmd_train(args)
+
+
+def _shape(args: argparse.Namespace, defaults: Dict[str, int]) -> Dict[str, int]:
+    return {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in defaults.items()}
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    shape = _shape(args, _RUN_DEFAULTS)
     device = args.device or memtide.options()["device"]
     resolved = memtide.resolve_backend(device)
     where = (
@@ -186,6 +208,97 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("torch") is None:
+        raise RuntimeError("memtide run trains with PyTorch, which is not installed; "
+                           "`memtide run --trace` replays an allocation trace without it")
+    shape = _shape(args, train_job.TRAIN_DEFAULTS)
+    if shape["hidden"] % shape["heads"]:
+        raise _UsageError(f"--hidden ({shape['hidden']}) must be a multiple of --heads ({shape['heads']})")
+    progress_file = sys.stderr if args.json else sys.stdout
+
+    def progress(line: str) -> None:
+        print(line, file=progress_file, flush=True)
+
+    requested = args.device or memtide.options()["device"]
+    device = train_job.choose_device(requested)
+    where = "cuda:0 (bf16 params, memtide as torch's allocator)" if device["kind"] == "cuda" else \
+        f"CPU (fp32; {device['why']}; memtide backend {memtide.backend()})"
+    progress(f"training a {shape['layers']}-layer GPT-style model (hidden {shape['hidden']}, heads {shape['heads']}, "
+             f"seq {shape['seq']}, batch {shape['batch']}, vocab {shape['vocab']}) for {shape['iterations']} steps "
+             f"with memtide.optim.TieredAdamW(policy={args.policy}) on {where} ...")
+    result = train_job.train(shape, device, args.policy, args.subgroup_size, args.k, args.gpu_static_fraction,
+                             progress)
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    else:
+        _print_train(result)
+    return 0
+
+
+def _print_train(r: Dict[str, Any]) -> None:
+    m, o, u = r["model"], r["optimizer"], r["update"]
+    print()
+    print(f"model     {m['layers']} layers, hidden {m['hidden']}, heads {m['heads']}, seq {m['seq']}, batch {m['batch']}, "
+          f"vocab {m['vocab']}: {_format_count(m['params'])} parameters ({m['dtype']})")
+    first, last = r["steps"][0]["loss"], r["steps"][-1]["loss"]
+    print(f"loss      {first:.4f} -> {last:.4f} over {len(r['steps'])} steps (two batches, cycled); "
+          f"after the last update {r['final_loss']:.4f}")
+    print()
+    on_gpu = r["device"]["kind"] == "cuda"
+    phases = r["phases"]
+    if on_gpu:
+        print("GPU memory per phase (memtide phase report, last training iteration; memtide serves torch's CUDA "
+              "tensors):")
+        print(f"  {'phase':<10} {'peak allocated':>15}  {'peak reserved':>15}  {'min free':>15}  {'wall time':>10}")
+        for name in ("forward", "backward", "update"):
+            w = phases[name]
+            print(f"  {name:<10} {format_bytes(w['peak_allocated']):>15}  {format_bytes(w['peak_reserved']):>15}  "
+                  f"{format_bytes(w['min_free']):>15}  {_format_duration(w['duration_ns']):>10}")
+        h = r["headroom"]
+        print(f"  update headroom until forward: {format_bytes(h['bytes'])} (limited by {h['limiting_phase']})")
+    else:
+        rss = r["host_rss_peak"]
+        print("per phase, last training iteration: wall time from memtide's phase tracker (marked by "
+              "TieredAdamW.attach hooks);")
+        print("  no GPU memory columns: the model's tensors are CPU tensors, which memtide's allocator (a SimDevice "
+              "here) does not serve.")
+        print("  host column: the process's resident memory at the end of the phase, highest over all steps.")
+        print(f"  {'phase':<10} {'wall time':>10}  {'host RSS':>12}")
+        for name in ("forward", "backward", "update"):
+            host = format_bytes(rss[name]) if rss else "n/a"
+            print(f"  {name:<10} {_format_duration(phases[name]['duration_ns']):>10}  {host:>12}")
+    print()
+    where = "pinned" if o["pinned"] else "pageable (no CUDA)"
+    lowp = f" + {o['low_precision']} param copy" if o["low_precision"] else ""
+    print(f"optimizer {_format_count(o['numel'])} params in {o['subgroups']} subgroups of "
+          f"{_format_count(o['subgroup_size'])}: fp32 params, exp_avg, exp_avg_sq, grads{lowp} = "
+          f"{format_bytes(o['state_bytes'])} host, {where}")
+    print(f"plan      {r['plan']['summary']}")
+    print(f"update    engine {o['engine']} ({o['cpu_isa']}, {o['cpu_threads']} threads): "
+          f"{_format_count(u['params_per_step'])} params in {_format_duration(u['engine_seconds_median'] * 1e9)} "
+          f"= {_format_count(u['engine_params_per_second'])} params/s (median of {u['steps_measured']} steps)")
+    print(f"          whole step() with gradient gather and write-back: "
+          f"{_format_duration(u['step_seconds_median'] * 1e9)} = {_format_count(u['step_params_per_second'])} params/s")
+    if u["predicted_seconds"] is not None:
+        p = u["predicted_seconds"]
+        print(f"          predicted {_format_duration(p * 1e9)} vs measured "
+              f"{_format_duration(u['engine_seconds_median'] * 1e9)} ({u['engine_seconds_median'] / p:.2f}x)")
+    print()
+    print("the same update (trained state, last gradients) under each policy:")
+    for p in r["policies"]:
+        print(f"  {p['plan']}")
+        print(f"    {_format_duration(p['update_seconds'] * 1e9)} = {_format_count(p['params_per_second'])} params/s, "
+              f"state digest {p['digest']}")
+    same = "yes, bit for bit" if r["policies_identical"] else "NO: the policies disagree"
+    print(f"identical results under every policy: {same}")
+
+
+class _UsageError(ValueError):
+    """A combination of flags that argparse cannot check on its own."""
+
+
 # ---- main ---------------------------------------------------------------------------------------
 
 
@@ -203,15 +316,28 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run",
-        help="replay a GPT-style training allocation trace through the caching allocator",
-        description="Replays the allocation trace of GPT-style training (forward, backward, AdamW "
-        "update) and reports per-phase watermarks, fragmentation and update-phase headroom.",
+        help="train a small GPT-style model with TieredAdamW (default) or replay an allocation trace (--trace)",
+        description="By default trains a small GPT-style model with memtide.optim.TieredAdamW for a few "
+        "steps (on the GPU when one is usable, else on CPU tensors) and reports per-phase memory and time, "
+        "the update plan, update throughput and the same update under every policy. With --trace, replays "
+        "the allocation trace of GPT-style training (forward, backward, AdamW update) through the caching "
+        "allocator and reports per-phase watermarks, fragmentation and update-phase headroom.",
     )
-    for name, default in _RUN_DEFAULTS.items():
-        run.add_argument(f"--{name}", type=_positive_int, default=default, metavar="N",
-                         help=f"(default: {default})")
+    run.add_argument("--trace", action="store_true", help="replay the allocation trace instead of training")
+    for name, trace_default in _RUN_DEFAULTS.items():
+        what = "training steps / iterations replayed" if name == "iterations" else "model shape"
+        run.add_argument(f"--{name}", type=_positive_int, default=None, metavar="N",
+                         help=f"{what} (default: {train_job.TRAIN_DEFAULTS[name]}; with --trace {trace_default})")
+    run.add_argument("--policy", choices=_POLICIES, default="auto",
+                     help="TieredAdamW update policy for training (default: auto)")
+    run.add_argument("--subgroup-size", type=_positive_int, default=train_job.SUBGROUP_DEFAULT, metavar="N",
+                     help=f"TieredAdamW subgroup size in parameters (default: {train_job.SUBGROUP_DEFAULT})")
+    run.add_argument("--k", type=_positive_int, default=None, metavar="N",
+                     help="CPU subgroups per GPU subgroup (interleaved, auto)")
+    run.add_argument("--gpu-static-fraction", type=_fraction, default=0.0, metavar="F",
+                     help="share of subgroups kept on the GPU (static, interleaved, auto; default 0)")
     run.add_argument("--device", choices=("auto", "cuda", "sim"), default=None,
-                     help="device backend (default: MEMTIDE_DEVICE, else auto)")
+                     help="device backend (default: MEMTIDE_DEVICE, else auto); sim trains on CPU tensors")
     run.add_argument("--json", action="store_true", help="print JSON instead of text")
     run.set_defaults(func=_cmd_run)
     return parser
@@ -225,7 +351,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_USAGE
     try:
         return int(args.func(args))
-    except memtide.ConfigError as e:
+    except (memtide.ConfigError, _UsageError) as e:
         _error(e)
         return EXIT_USAGE
     except (MemoryError, RuntimeError, ValueError) as e:

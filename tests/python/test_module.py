@@ -171,8 +171,8 @@ def test_cli_info_text(cli):
     assert "MEMTIDE_SIM_CAPACITY" in p.stdout
 
 
-def test_cli_run_json(cli):
-    p = cli("run", *SMALL_FLAGS, "--json")
+def test_cli_run_trace_json(cli):
+    p = cli("run", "--trace", *SMALL_FLAGS, "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert "replaying 3 iterations" in p.stderr
@@ -183,8 +183,8 @@ def test_cli_run_json(cli):
     assert all(r["phases"][name]["peak_allocated"] > 0 for name in ("forward", "backward", "update"))
 
 
-def test_cli_run_text(cli):
-    p = cli("run", *SMALL_FLAGS, "--device", "sim")
+def test_cli_run_trace_text(cli):
+    p = cli("run", "--trace", *SMALL_FLAGS, "--device", "sim")
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert out.startswith("replaying 3 iterations")
@@ -207,10 +207,62 @@ def test_cli_bad_env_value(cli):
     assert "Traceback" not in p.stderr
 
 
-def test_cli_run_bad_env_value(cli):
-    p = cli("run", *SMALL_FLAGS, MEMTIDE_DEVICE="gpu")
+@pytest.mark.parametrize("mode", [["--trace"], []])
+def test_cli_run_bad_env_value(cli, mode):
+    p = cli("run", *mode, *SMALL_FLAGS, MEMTIDE_DEVICE="gpu")
     assert p.returncode == 2
     assert "MEMTIDE_DEVICE" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+# The training job at a size that runs in seconds on 2 cores.
+TRAIN_FLAGS = ["--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "32", "--batch", "2", "--vocab", "256",
+               "--iterations", "4", "--subgroup-size", "20000"]
+
+
+def test_cli_run_trains_by_default_json(cli):
+    pytest.importorskip("torch")
+    p = cli("run", *TRAIN_FLAGS, "--json")
+    assert p.returncode == 0, p.stderr
+    assert "memtide.optim.TieredAdamW(policy=auto)" in p.stderr  # progress goes to stderr under --json
+    assert "step   4/4" in p.stderr
+    r = json.loads(p.stdout)
+    params = r["model"]["params"]
+    assert r["model"]["layers"] == 1 and params > 0
+    assert len(r["steps"]) == 4 and r["steps"][-1]["loss"] < r["steps"][0]["loss"]
+    assert r["optimizer"]["numel"] == params
+    assert r["optimizer"]["subgroups"] == -(-params // 20000)
+    assert r["optimizer"]["state_bytes"] >= 16 * params
+    assert r["update"]["params_per_step"] == params
+    assert r["update"]["engine_params_per_second"] > 0 and r["update"]["steps_measured"] == 3
+    assert [p["policy"] for p in r["policies"]] == ["cpu", "static", "interleaved", "auto"]
+    assert r["policies_identical"] is True
+    for name in ("forward", "backward", "update"):
+        assert r["phases"][name]["seen"] and r["phases"][name]["duration_ns"] > 0
+    if r["device"]["kind"] == "cpu":
+        assert r["plan"]["placement"] == {"cpu": r["optimizer"]["subgroups"], "gpu": 0}
+        assert "no GPU" in r["plan"]["summary"] or r["plan"]["reason"] == ""
+
+
+def test_cli_run_trains_by_default_text(cli):
+    pytest.importorskip("torch")
+    p = cli("run", *TRAIN_FLAGS, "--policy", "interleaved", "--k", "1", "--device", "sim")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert out.startswith("training a 1-layer GPT-style model")
+    for needle in ("step   1/4", "per phase", "plan      policy interleaved (k=1):", "params/s",
+                   "identical results under every policy: yes", "on CPU (fp32"):
+        assert needle in out, needle
+    assert "the policy asked for" in out  # on sim nothing can run on a GPU, and the plan says so
+
+
+def test_cli_run_train_flag_errors(cli):
+    p = cli("run", "--hidden", "65", "--heads", "2")
+    assert p.returncode == 2 and "--hidden (65) must be a multiple of --heads (2)" in p.stderr
+    p = cli("run", "--policy", "gpu")
+    assert p.returncode == 2 and "'interleaved'" in p.stderr
+    p = cli("run", "--gpu-static-fraction", "2")
+    assert p.returncode == 2 and "--gpu-static-fraction" in p.stderr
     assert "Traceback" not in p.stderr
 
 

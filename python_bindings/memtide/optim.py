@@ -1,0 +1,819 @@
+"""TieredAdamW: AdamW whose state lives in flat host buffers split into subgroups.
+
+The optimizer keeps fp32 master params, exp_avg, exp_avg_sq and fp32 gradients in four flat,
+contiguous host buffers (pinned when CUDA is available), cut into subgroups of ``subgroup_size``
+elements; subgroup boundaries ignore tensor boundaries. The model keeps its own params (fp32,
+fp16 or bf16, on its own device); after each update the new values are written back to them.
+
+Every numerical update goes through one seam, :class:`SubgroupEngine`: it gets the update plan
+(which subgroup runs where) and the step's arguments, and returns whether a non-finite gradient
+was seen. The engine here runs every subgroup through memtide's fused CPU AdamW kernel
+(``memtide.adamw_step_cpu``); a GPU-capable engine takes the same flat buffers. Placement never
+changes the arithmetic, so every policy gives bit-identical results.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import _memtide
+
+__all__ = [
+    "POLICIES",
+    "LossScaler",
+    "Segment",
+    "StepArgs",
+    "SubgroupEngine",
+    "TieredAdamW",
+    "UpdatePlan",
+    "policy_placement",
+]
+
+POLICIES = ("cpu", "static", "interleaved", "auto")
+
+_LOWP = (torch.float16, torch.bfloat16)
+_SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _accepted(values: Sequence[str]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+# ---- loss scaling -------------------------------------------------------------------------------
+
+
+class LossScaler:
+    """Loss scale with torch.amp.GradScaler's rules.
+
+    Dynamic: an overflowing step (a non-finite gradient after unscaling) is skipped and the scale
+    multiplied by ``backoff_factor``; after ``growth_interval`` consecutive good steps the scale is
+    multiplied by ``growth_factor``. Static (``dynamic=False``): the scale never changes, an
+    overflowing step is still skipped.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, dynamic: bool = True) -> None:
+        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"LossScaler: init_scale must be a finite number > 0, got {init_scale!r}")
+        if not (isinstance(growth_factor, (int, float)) and growth_factor > 1.0 and math.isfinite(growth_factor)):
+            raise ValueError(f"LossScaler: growth_factor must be a finite number > 1, got {growth_factor!r}")
+        if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
+            raise ValueError(f"LossScaler: backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if not (isinstance(growth_interval, int) and not isinstance(growth_interval, bool) and growth_interval > 0):
+            raise ValueError(f"LossScaler: growth_interval must be an integer > 0, got {growth_interval!r}")
+        self.scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.dynamic = bool(dynamic)
+        self.growth_tracker = 0
+
+    def update(self, found_nonfinite: bool) -> None:
+        """Applies one step's outcome to the scale."""
+        if not self.dynamic:
+            return
+        if found_nonfinite:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.growth_tracker = 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "dynamic": self.dynamic,
+            "growth_tracker": self.growth_tracker,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
+        self.dynamic = bool(state["dynamic"])
+        self.growth_tracker = int(state["growth_tracker"])
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return f"LossScaler({kind}, scale={self.scale:g}, growth_interval={self.growth_interval})"
+
+
+def _make_scaler(loss_scale: Union[None, str, float, LossScaler]) -> Optional[LossScaler]:
+    if loss_scale is None:
+        return None
+    if isinstance(loss_scale, LossScaler):
+        return loss_scale
+    if isinstance(loss_scale, str):
+        if loss_scale != "dynamic":
+            raise ValueError(f"TieredAdamW: loss_scale {loss_scale!r} is not accepted; "
+                             "accepted: None, 'dynamic', a finite number > 0, or a LossScaler")
+        return LossScaler()
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        if not (math.isfinite(loss_scale) and loss_scale > 0):
+            raise ValueError(f"TieredAdamW: loss_scale must be a finite number > 0, got {loss_scale!r}")
+        return LossScaler(init_scale=float(loss_scale), dynamic=False)
+    raise ValueError(f"TieredAdamW: loss_scale {loss_scale!r} is not accepted; "
+                     "accepted: None, 'dynamic', a finite number > 0, or a LossScaler")
+
+
+# ---- plan and engine ----------------------------------------------------------------------------
+
+
+def policy_placement(policy: str, subgroups: int, k: Optional[int] = None,
+                     gpu_static_fraction: float = 0.0) -> Optional[Tuple[str, ...]]:
+    """Where `policy` asks each subgroup to be updated ("cpu" or "gpu").
+
+    static: the last ``round(gpu_static_fraction * subgroups)`` subgroups stay on the GPU (placed
+    at the end, as in the Deep Optimizer States paper). interleaved: the same static residents,
+    and among the others every (k+1)-th goes to the GPU (k CPU : 1 GPU; k defaults to 1).
+    auto: chosen by a performance model; None when no model is available (and k not given).
+    """
+    static = int(round(gpu_static_fraction * subgroups))
+    place = ["cpu"] * subgroups
+    if policy == "cpu":
+        return tuple(place)
+    if policy == "auto" and k is None:
+        return None
+    for i in range(subgroups - static, subgroups):
+        place[i] = "gpu"
+    if policy in ("interleaved", "auto"):
+        stride = (k or 1) + 1
+        for i in range(subgroups - static):
+            if i % stride == stride - 1:
+                place[i] = "gpu"
+    return tuple(place)
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """Where each subgroup is updated.
+
+    ``requested`` is what the policy asks for (None: left to the engine's performance model);
+    ``placement`` is what the engine runs; ``reason`` says why they differ.
+    """
+
+    policy: str
+    k: Optional[int]
+    gpu_static_fraction: float
+    subgroups: Tuple[Tuple[int, int], ...]  # [start, end) in the flat buffers
+    requested: Optional[Tuple[str, ...]]
+    placement: Tuple[str, ...]
+    reason: str = ""
+
+    def counts(self) -> Dict[str, int]:
+        return {"cpu": self.placement.count("cpu"), "gpu": self.placement.count("gpu")}
+
+    def summary(self) -> str:
+        n = len(self.placement)
+        c = self.counts()
+        if c["gpu"] == 0:
+            where = "all on CPU" if n != 1 else "on CPU"
+        elif c["cpu"] == 0:
+            where = "all on GPU"
+        else:
+            where = f"{c['cpu']} on CPU, {c['gpu']} on GPU"
+        knobs = []
+        if self.k is not None:
+            knobs.append(f"k={self.k}")
+        if self.gpu_static_fraction:
+            knobs.append(f"gpu_static_fraction={self.gpu_static_fraction:g}")
+        head = f"policy {self.policy}" + (f" ({', '.join(knobs)})" if knobs else "")
+        text = f"{head}: {n} subgroup{'s' if n != 1 else ''}, {where}"
+        if self.requested is not None and self.requested != self.placement:
+            text += f"; the policy asked for {self.requested.count('gpu')} on GPU"
+        if self.reason:
+            text += f" ({self.reason})"
+        return text
+
+
+@dataclass
+class Segment:
+    """A run of one subgroup whose elements share hyperparameters and step count."""
+
+    subgroup: int
+    start: int
+    end: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int  # 1-based step count after this update
+    lowp: bool  # write the low-precision copy of the new params for these elements
+
+
+@dataclass
+class StepArgs:
+    segments: List[Segment]
+    grad_scale: float = 1.0  # multiplier applied to each gradient (1 / loss scale)
+    clip: float = 1.0  # multiplier from gradient-norm clipping
+    # Check every segment first; a non-finite gradient then leaves everything untouched.
+    skip_if_nonfinite: bool = False
+
+
+@dataclass
+class FlatBuffers:
+    """The optimizer's host state. All fp32 except ``lowp`` (the model's low-precision dtype)."""
+
+    params: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grads: torch.Tensor
+    lowp: Optional[torch.Tensor]
+    pinned: bool
+
+    def nbytes(self) -> int:
+        total = sum(t.numel() * t.element_size() for t in (self.params, self.exp_avg, self.exp_avg_sq, self.grads))
+        if self.lowp is not None:
+            total += self.lowp.numel() * self.lowp.element_size()
+        return total
+
+
+class SubgroupEngine:
+    """Runs the update of every subgroup of a plan over the flat buffers.
+
+    This engine has no GPU update path: every subgroup, whatever the policy, runs through the
+    fused CPU kernel. ``plan`` turns a policy into the placement it will actually execute.
+    """
+
+    name = "cpu-fused"
+
+    def __init__(self, buffers: FlatBuffers) -> None:
+        self.buffers = buffers
+
+    def gpu_update_unavailable(self) -> str:
+        """Why subgroups cannot be updated on a GPU here ("" if they can)."""
+        if not torch.cuda.is_available():
+            return f"no GPU: {_device_words()}"
+        return "this engine updates on CPU only"
+
+    def plan(self, policy: str, subgroups: Tuple[Tuple[int, int], ...], k: Optional[int],
+             gpu_static_fraction: float) -> UpdatePlan:
+        requested = policy_placement(policy, len(subgroups), k, gpu_static_fraction)
+        placement = tuple("cpu" for _ in subgroups)
+        reason = ""
+        if requested is None or "gpu" in requested:
+            reason = self.gpu_update_unavailable()
+        return UpdatePlan(policy, k, gpu_static_fraction, subgroups, requested, placement, reason)
+
+    def predict_seconds(self, plan: UpdatePlan) -> Optional[float]:
+        """Predicted update time of `plan`, when a performance model is available."""
+        return None
+
+    def step(self, plan: UpdatePlan, args: StepArgs) -> bool:
+        """Updates every segment; True if a non-finite gradient was seen.
+
+        With ``args.skip_if_nonfinite`` all segments are checked first and nothing changes if
+        one is non-finite.
+        """
+        b = self.buffers
+        if args.skip_if_nonfinite:
+            for s in args.segments:
+                if not _memtide.grads_finite_cpu(b.grads[s.start:s.end], args.grad_scale, args.clip):
+                    return True
+        nonfinite = False
+        for s in args.segments:
+            lo, hi = s.start, s.end
+            out = b.lowp[lo:hi] if s.lowp else None
+            nonfinite |= _memtide.adamw_step_cpu(
+                b.params[lo:hi], b.grads[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi],
+                lr=s.lr, beta1=s.beta1, beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay, step=s.step,
+                grad_scale=args.grad_scale, clip=args.clip, l2=False, out=out)
+        return nonfinite
+
+
+def _device_words() -> str:
+    try:
+        backend = _memtide.backend()
+    except Exception:  # a bad MEMTIDE_DEVICE must not break the optimizer
+        return "CPU only"
+    return "SimDevice" if backend == "sim" else f"memtide backend {backend}"
+
+
+# ---- the optimizer ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Layout:
+    params: List[torch.nn.Parameter]
+    group_of: List[int]
+    ranges: List[Tuple[int, int]]
+    lowp_of: List[bool]  # the model param is fp16/bf16: the kernel writes its copy
+    aliased: List[bool]  # the model param's storage is a view of the flat buffers
+    pieces: List[List[Tuple[int, int, int]]]  # per subgroup: (param index, start, end)
+    subgroups: Tuple[Tuple[int, int], ...]
+    numel: int
+
+
+@dataclass
+class UpdateStats:
+    """What step() has done so far."""
+
+    steps: int = 0
+    skipped: int = 0
+    params_updated: int = 0
+    engine_seconds: float = 0.0
+    step_seconds: float = 0.0
+    last_engine_seconds: float = 0.0
+    last_step_seconds: float = 0.0
+    last_params: int = 0
+    history: List[Tuple[int, float, float]] = field(default_factory=list)  # (params, engine s, step s)
+
+
+class TieredAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, as torch.optim.AdamW) over flat host buffers in subgroups.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as torch.optim.AdamW; per-group values are honoured
+            at every step (LR schedulers work). ``amsgrad=True`` is rejected.
+        policy: where subgroups are updated: "cpu", "static", "interleaved" or "auto". Placement
+            never changes the result.
+        subgroup_size: elements per subgroup (the last one may be smaller).
+        gpu_static_fraction: share of subgroups kept on the GPU (static, interleaved, auto).
+        k: CPU subgroups per GPU subgroup (interleaved; auto: overrides the performance model).
+        loss_scale: None, "dynamic" (GradScaler's defaults), a number (static scale) or a
+            :class:`LossScaler`. Scale the loss with :meth:`scale_loss`; step() unscales, and a
+            non-finite gradient skips the step, leaving params and state untouched.
+        max_grad_norm: clip the global gradient norm (as torch.nn.utils.clip_grad_norm_ after
+            GradScaler.unscale_) inside the fused step.
+
+    The model's params stay where they are. CPU params become views of the optimizer's buffers
+    (fp32: of the master params; fp16/bf16: of the low-precision copy the kernel writes), so
+    their update costs no copy; params on a GPU are copied back after each step.
+    """
+
+    #: The engine class: built over the flat buffers, it plans and runs every update.
+    engine_class = SubgroupEngine
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, policy: str = "auto",
+                 subgroup_size: int = 100_000_000, gpu_static_fraction: float = 0.0, k: Optional[int] = None,
+                 loss_scale: Union[None, str, float, LossScaler] = None,
+                 max_grad_norm: Optional[float] = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"TieredAdamW: policy {policy!r} is not accepted; accepted: {_accepted(POLICIES)}")
+        if not (isinstance(subgroup_size, int) and not isinstance(subgroup_size, bool) and subgroup_size > 0):
+            raise ValueError(f"TieredAdamW: subgroup_size must be an integer > 0, got {subgroup_size!r}")
+        if not (isinstance(gpu_static_fraction, (int, float)) and not isinstance(gpu_static_fraction, bool)
+                and 0.0 <= gpu_static_fraction <= 1.0):
+            raise ValueError(f"TieredAdamW: gpu_static_fraction must be in [0, 1], got {gpu_static_fraction!r}")
+        if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k > 0):
+            raise ValueError(f"TieredAdamW: k must be None or an integer > 0, got {k!r}")
+        if policy == "cpu" and (gpu_static_fraction or k is not None):
+            raise ValueError("TieredAdamW: policy 'cpu' updates everything on the CPU; "
+                             f"gpu_static_fraction={gpu_static_fraction!r} and k={k!r} would be ignored")
+        if policy == "static" and k is not None:
+            raise ValueError(f"TieredAdamW: k={k!r} applies to policies 'interleaved' and 'auto', not 'static'")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                              and not isinstance(max_grad_norm, bool)
+                                              and math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(f"TieredAdamW: max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+        self._ready = False
+        self.policy = policy
+        self.subgroup_size = subgroup_size
+        self.gpu_static_fraction = float(gpu_static_fraction)
+        self.k = k
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.scaler = _make_scaler(loss_scale)
+        self.stats = UpdateStats()
+        self.last_step_skipped = False
+        self.last_grad_norm: Optional[float] = None
+        self._mark_update = False
+        self._steps: List[int] = []
+        self._pending_copies: Optional[Any] = None  # CUDA event after the last write-back
+        super().__init__(params, defaults)
+        self._ready = True
+        self._build()
+
+    # -- param groups -----------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_group(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        if self._ready:
+            self._build()
+
+    def _build(self) -> None:
+        """(Re)creates the flat buffers from param_groups, keeping the state of known params."""
+        old_layout: Optional[_Layout] = getattr(self, "_layout", None)
+        old_buffers: Optional[FlatBuffers] = getattr(self, "buffers", None)
+        old_index = {id(p): i for i, p in enumerate(old_layout.params)} if old_layout else {}
+        old_steps = self._steps
+
+        params, group_of, ranges = [], [], []
+        lowp_dtype: Optional[torch.dtype] = None
+        offset = 0
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.dtype not in _SUPPORTED_PARAM_DTYPES:
+                    raise ValueError(f"TieredAdamW: param of dtype {p.dtype} is not supported; "
+                                     "accepted: torch.float32, torch.float16, torch.bfloat16")
+                if p.is_sparse:
+                    raise ValueError("TieredAdamW: sparse params are not supported")
+                if p.dtype in _LOWP:
+                    if lowp_dtype is not None and p.dtype != lowp_dtype:
+                        raise ValueError(f"TieredAdamW: params mix {lowp_dtype} and {p.dtype}; one low-precision "
+                                         "dtype per optimizer is supported (fp32 params may be mixed in)")
+                    lowp_dtype = p.dtype
+                params.append(p)
+                group_of.append(gi)
+                ranges.append((offset, offset + p.numel()))
+                offset += p.numel()
+        numel = offset
+
+        pinned = torch.cuda.is_available()
+
+        def flat(dtype: torch.dtype) -> torch.Tensor:
+            # At least one element: a zero-size pinned allocation is refused on some builds.
+            return torch.zeros(max(numel, 1), dtype=dtype, pin_memory=pinned)
+
+        buffers = FlatBuffers(params=flat(torch.float32), exp_avg=flat(torch.float32),
+                              exp_avg_sq=flat(torch.float32), grads=flat(torch.float32),
+                              lowp=flat(lowp_dtype) if lowp_dtype is not None else None, pinned=pinned)
+        steps = [0] * len(params)
+        lowp_of = [p.dtype in _LOWP for p in params]
+        aliased = [False] * len(params)
+        with torch.no_grad():
+            for i, (p, (lo, hi)) in enumerate(zip(params, ranges)):
+                j = old_index.get(id(p))
+                if j is not None and old_buffers is not None:
+                    olo, ohi = old_layout.ranges[j]
+                    buffers.params[lo:hi].copy_(old_buffers.params[olo:ohi])
+                    buffers.exp_avg[lo:hi].copy_(old_buffers.exp_avg[olo:ohi])
+                    buffers.exp_avg_sq[lo:hi].copy_(old_buffers.exp_avg_sq[olo:ohi])
+                    steps[i] = old_steps[j]
+                else:
+                    buffers.params[lo:hi].copy_(p.detach().reshape(-1))
+                if lowp_of[i]:
+                    buffers.lowp[lo:hi].copy_(p.detach().reshape(-1))
+                if p.device.type == "cpu":
+                    # The param becomes a view of the buffer the kernel writes: no copy-back.
+                    source = buffers.lowp if lowp_of[i] else buffers.params
+                    p.data = source[lo:hi].view(p.shape)
+                    aliased[i] = True
+
+        bounds = tuple((s, min(s + self.subgroup_size, numel)) for s in range(0, numel, self.subgroup_size))
+        pieces: List[List[Tuple[int, int, int]]] = [[] for _ in bounds]
+        for i, (lo, hi) in enumerate(ranges):
+            if hi == lo:
+                continue
+            for sg in range(lo // self.subgroup_size, (hi - 1) // self.subgroup_size + 1):
+                s, e = bounds[sg]
+                pieces[sg].append((i, max(lo, s), min(hi, e)))
+
+        self._layout = _Layout(params, group_of, ranges, lowp_of, aliased, pieces, bounds, numel)
+        self.buffers = buffers
+        self._steps = steps
+        self.engine = self.engine_class(buffers)
+        self.plan = self.engine.plan(self.policy, bounds, self.k, self.gpu_static_fraction)
+        self.state.clear()
+        for i in range(len(params)):
+            if steps[i] > 0:
+                self._expose_state(i)
+
+    def _expose_state(self, i: int) -> None:
+        """torch.optim's view of param i's state: views of the flat buffers, and the step."""
+        p = self._layout.params[i]
+        lo, hi = self._layout.ranges[i]
+        self.state[p] = {
+            "step": torch.tensor(float(self._steps[i]), dtype=torch.float32),
+            "exp_avg": self.buffers.exp_avg[lo:hi].view(p.shape),
+            "exp_avg_sq": self.buffers.exp_avg_sq[lo:hi].view(p.shape),
+        }
+
+    # -- phases, loss scale -----------------------------------------------------------------------
+
+    def attach(self, model: torch.nn.Module):
+        """Installs memtide phase marks on `model` and this optimizer (see memtide.install_phase_hooks)."""
+        from . import install_phase_hooks
+
+        return install_phase_hooks(model, self)
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The current loss scale (None without loss scaling)."""
+        return None if self.scaler is None else self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (``loss`` itself without loss scaling); call backward on it."""
+        return loss if self.scaler is None else loss * self.scaler.scale
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._mark_update:
+            _memtide.mark_phase("update")
+        t0 = time.perf_counter()
+        self._wait_for_copies()
+        layout, b = self._layout, self.buffers
+        for group in self.param_groups:
+            _check_group(group)
+
+        has_grad = self._gather_grads()
+        self.last_step_skipped = False
+        if not any(has_grad):
+            return loss
+
+        grad_scale = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+        clip = 1.0
+        nonfinite = False
+        if self.max_grad_norm is not None:
+            sq = 0.0
+            for i, (lo, hi) in enumerate(layout.ranges):
+                if has_grad[i] and hi > lo:
+                    sq += float(torch.linalg.vector_norm(b.grads[lo:hi])) ** 2
+            norm = math.sqrt(sq) * grad_scale
+            self.last_grad_norm = norm
+            if math.isfinite(norm):
+                clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            else:
+                nonfinite = True
+
+        segments = self._segments(has_grad)
+        params_in_step = sum(s.end - s.start for s in segments)
+        engine_seconds = 0.0
+        engine_ran = False
+        if not nonfinite:
+            args = StepArgs(segments, grad_scale=grad_scale, clip=clip, skip_if_nonfinite=self.scaler is not None)
+            t1 = time.perf_counter()
+            nonfinite = self.engine.step(self.plan, args)
+            engine_seconds = time.perf_counter() - t1
+            engine_ran = not (nonfinite and args.skip_if_nonfinite)
+
+        if self.scaler is not None:
+            self.scaler.update(nonfinite)
+        # Skipped: with a loss scaler the engine left everything untouched; with clipping the
+        # norm told before anything ran. Without either, the step ran as torch.optim.AdamW would.
+        skipped = nonfinite and not engine_ran
+        if nonfinite and self.scaler is None:
+            warnings.warn("TieredAdamW: non-finite gradient " +
+                          ("(gradient norm is not finite): step skipped" if skipped else
+                           "without loss scaling: params and state now hold NaN/Inf"),
+                          RuntimeWarning, stacklevel=2)
+        self.last_step_skipped = skipped
+        if skipped:
+            self.stats.skipped += 1
+            return loss
+
+        for i, flag in enumerate(has_grad):
+            if flag:
+                self._steps[i] += 1
+                p = layout.params[i]
+                st = self.state.get(p)
+                if st is None:
+                    self._expose_state(i)
+                else:
+                    st["step"].fill_(float(self._steps[i]))
+        self._write_back(has_grad)
+        step_seconds = time.perf_counter() - t0
+        s = self.stats
+        s.steps += 1
+        s.params_updated += params_in_step
+        s.engine_seconds += engine_seconds
+        s.step_seconds += step_seconds
+        s.last_engine_seconds, s.last_step_seconds, s.last_params = engine_seconds, step_seconds, params_in_step
+        s.history.append((params_in_step, engine_seconds, step_seconds))
+        return loss
+
+    def _gather_grads(self) -> List[bool]:
+        """Copies every gradient into the flat fp32 gradient buffer (upcast)."""
+        layout, grads = self._layout, self.buffers.grads
+        has_grad = [False] * len(layout.params)
+        any_cuda = False
+        for i, p in enumerate(layout.params):
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError("TieredAdamW does not support sparse gradients")
+            lo, hi = layout.ranges[i]
+            any_cuda |= g.is_cuda
+            grads[lo:hi].copy_(g.reshape(-1), non_blocking=g.is_cuda)
+            has_grad[i] = True
+        if any_cuda:
+            torch.cuda.synchronize()
+        return has_grad
+
+    def _segments(self, has_grad: List[bool]) -> List[Segment]:
+        layout = self._layout
+        hyper = []
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            hyper.append((float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                          float(group["weight_decay"])))
+        segments: List[Segment] = []
+        for sg, pieces in enumerate(layout.pieces):
+            current: Optional[Segment] = None
+            current_group = -1
+            for i, lo, hi in pieces:
+                if not has_grad[i]:
+                    current = None
+                    continue
+                gi, step, lowp = layout.group_of[i], self._steps[i] + 1, layout.lowp_of[i]
+                if (current is not None and current.end == lo and current.step == step and current.lowp == lowp
+                        and gi == current_group):
+                    current.end = hi
+                    continue
+                lr, beta1, beta2, eps, wd = hyper[gi]
+                current = Segment(sg, lo, hi, lr, beta1, beta2, eps, wd, step, lowp)
+                current_group = gi
+                segments.append(current)
+        return segments
+
+    def _write_back(self, has_grad: List[bool]) -> None:
+        """Copies the new values into model params that are not views of the flat buffers."""
+        layout, b = self._layout, self.buffers
+        any_cuda = False
+        for i, p in enumerate(layout.params):
+            if not has_grad[i] or layout.aliased[i]:
+                continue
+            lo, hi = layout.ranges[i]
+            source = b.lowp if layout.lowp_of[i] else b.params
+            p.data.copy_(source[lo:hi].view(p.shape), non_blocking=b.pinned and p.is_cuda)
+            any_cuda |= p.is_cuda
+        if any_cuda:
+            # The next step overwrites the pinned sources: it waits for these copies first.
+            event = torch.cuda.Event()
+            event.record()
+            self._pending_copies = event
+
+    def _wait_for_copies(self) -> None:
+        if self._pending_copies is not None:
+            self._pending_copies.synchronize()
+            self._pending_copies = None
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch.optim.AdamW's layout (per param: step, exp_avg, exp_avg_sq), plus the fp32
+        master params of fp16/bf16 params under "master_param" and memtide's own state.
+
+        Like torch's, the tensors are references to the live state (views of the flat buffers):
+        copy or save the dict before the next step if it must not change.
+        """
+        self._wait_for_copies()
+        packed = super().state_dict()
+        layout = self._layout
+        index = {id(p): i for i, p in enumerate(layout.params)}
+        state = {}
+        order = [p for g in self.param_groups for p in g["params"]]
+        for idx, entry in packed["state"].items():
+            entry = dict(entry)
+            i = index[id(order[idx])]
+            if layout.lowp_of[i]:
+                lo, hi = layout.ranges[i]
+                entry["master_param"] = self.buffers.params[lo:hi].view(layout.params[i].shape)
+            state[idx] = entry
+        packed["state"] = state
+        packed["memtide"] = {
+            "format": 1,
+            "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
+        }
+        return packed
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state dict of TieredAdamW or torch.optim.AdamW (same param order and sizes)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"TieredAdamW.load_state_dict: the state dict has {len(saved_groups)} param groups, "
+                             f"this optimizer has {len(self.param_groups)}")
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"TieredAdamW.load_state_dict: param group {gi} has {len(saved['params'])} params "
+                                 f"in the state dict, {len(group['params'])} here")
+            if saved.get("amsgrad", False):
+                raise ValueError("TieredAdamW.load_state_dict: the state dict comes from amsgrad=True, "
+                                 "which TieredAdamW does not support")
+        order = [p for g in self.param_groups for p in g["params"]]
+        saved_order = [idx for g in saved_groups for idx in g["params"]]
+        layout = self._layout
+        index = {id(p): i for i, p in enumerate(layout.params)}
+        saved_state = state_dict["state"]
+        for idx, p in zip(saved_order, order):
+            entry = saved_state.get(idx)
+            if entry is None:
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in entry:
+                    raise ValueError(f"TieredAdamW.load_state_dict: state of param {idx} has no {key!r}")
+                if entry[key].numel() != p.numel():
+                    raise ValueError(f"TieredAdamW.load_state_dict: {key} of param {idx} has {entry[key].numel()} "
+                                     f"elements, the param has {p.numel()}")
+            if "max_exp_avg_sq" in entry:
+                raise ValueError("TieredAdamW.load_state_dict: the state dict has max_exp_avg_sq (amsgrad), "
+                                 "which TieredAdamW does not support")
+
+        self._wait_for_copies()
+        # The model is the truth for fp32 params and the fallback for fp16/bf16 ones (a state dict
+        # of torch.optim.AdamW has no master params); saved masters replace it below.
+        self.sync_master_from_model()
+        b = self.buffers
+        with torch.no_grad():
+            b.exp_avg.zero_()
+            b.exp_avg_sq.zero_()
+            for i in range(len(self._steps)):
+                self._steps[i] = 0
+            for idx, p in zip(saved_order, order):
+                entry = saved_state.get(idx)
+                if entry is None:
+                    continue
+                i = index[id(p)]
+                lo, hi = layout.ranges[i]
+                b.exp_avg[lo:hi].copy_(entry["exp_avg"].reshape(-1))
+                b.exp_avg_sq[lo:hi].copy_(entry["exp_avg_sq"].reshape(-1))
+                step = entry.get("step", 0)
+                self._steps[i] = int(step.item() if isinstance(step, torch.Tensor) else step)
+                master = entry.get("master_param")
+                if master is not None:
+                    if master.numel() != p.numel():
+                        raise ValueError(f"TieredAdamW.load_state_dict: master_param of param {idx} has "
+                                         f"{master.numel()} elements, the param has {p.numel()}")
+                    b.params[lo:hi].copy_(master.reshape(-1))
+                    if layout.lowp_of[i]:
+                        b.lowp[lo:hi].copy_(b.params[lo:hi])
+                        if not layout.aliased[i]:
+                            p.data.copy_(b.lowp[lo:hi].view(p.shape))
+        for saved, group in zip(saved_groups, self.param_groups):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+        memtide_state = state_dict.get("memtide") or {}
+        scaler_state = memtide_state.get("loss_scaler")
+        if scaler_state is not None:
+            if self.scaler is None:
+                self.scaler = LossScaler()
+            self.scaler.load_state_dict(scaler_state)
+        self.state.clear()
+        for i in range(len(self._steps)):
+            if self._steps[i] > 0:
+                self._expose_state(i)
+
+    @torch.no_grad()
+    def sync_master_from_model(self) -> None:
+        """Re-reads the master params from the model's params.
+
+        Needed only after the model's params changed outside step() and load_state_dict (e.g.
+        ``model.load_state_dict`` after this optimizer was created) for params that are not views
+        of the optimizer's buffers: params on a GPU, and fp16/bf16 params (whose fp32 master is
+        then rebuilt from the low-precision values).
+        """
+        self._wait_for_copies()
+        layout, b = self._layout, self.buffers
+        for i, p in enumerate(layout.params):
+            lo, hi = layout.ranges[i]
+            if layout.lowp_of[i]:
+                if not layout.aliased[i]:
+                    b.lowp[lo:hi].copy_(p.detach().reshape(-1))
+                b.params[lo:hi].copy_(b.lowp[lo:hi])
+            elif not layout.aliased[i]:
+                b.params[lo:hi].copy_(p.detach().reshape(-1))
+
+    def __repr__(self) -> str:
+        return (f"TieredAdamW({self._layout.numel} params in {len(self._layout.subgroups)} subgroup(s) of "
+                f"{self.subgroup_size}, {self.plan.summary()}, loss scale {self.scaler!r})")
+
+
+def _check_group(group: Dict[str, Any]) -> None:
+    """Rejects hyperparameters the kernel cannot take, naming the value and what is accepted."""
+    if group.get("amsgrad", False):
+        raise ValueError("TieredAdamW: amsgrad=True is not supported (accepted: False); "
+                         "use torch.optim.AdamW(amsgrad=True) for AMSGrad")
+    lr = group["lr"]
+    lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"TieredAdamW: lr must be a finite number >= 0, got {group['lr']!r}")
+    try:
+        beta1, beta2 = (float(x) for x in group["betas"])
+    except (TypeError, ValueError):
+        raise ValueError(f"TieredAdamW: betas must be a pair of numbers in [0, 1), got {group['betas']!r}") from None
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"TieredAdamW: betas must be a pair of numbers in [0, 1), got {group['betas']!r}")
+    eps = float(group["eps"])
+    if not (math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"TieredAdamW: eps must be a finite number >= 0, got {group['eps']!r}")
+    wd = float(group["weight_decay"])
+    if not (math.isfinite(wd) and wd >= 0.0):
+        raise ValueError(f"TieredAdamW: weight_decay must be a finite number >= 0, got {group['weight_decay']!r}")

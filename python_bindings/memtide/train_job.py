@@ -1,0 +1,205 @@
+"""The default job of `memtide run`: train a small GPT-style model with TieredAdamW.
+
+On a usable GPU the model trains there in bf16 with memtide as torch's CUDA allocator, so the
+phase report holds real GPU watermarks. Without one, everything is CPU tensors (memtide's
+runtime uses a SimDevice, which these tensors never touch): the phase report then gives wall
+times only, and the host-side numbers are measured separately.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import memtide
+
+TRAIN_DEFAULTS = {
+    "layers": 4,
+    "hidden": 256,
+    "heads": 4,
+    "seq": 128,
+    "batch": 4,
+    "vocab": 8192,
+    "iterations": 8,
+}
+SUBGROUP_DEFAULT = 1_000_000
+LR = 1e-3
+POLICY_REPEATS = 3
+
+
+def _rss_bytes() -> Optional[int]:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _digest(opt: Any) -> str:
+    """A short hash of the optimizer's whole state, to compare policies bit for bit."""
+    import torch
+
+    h = hashlib.sha256()
+    b = opt.buffers
+    for t in (b.params, b.exp_avg, b.exp_avg_sq) + ((b.lowp,) if b.lowp is not None else ()):
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def choose_device(requested: str) -> Dict[str, Any]:
+    """Where the job trains: {"kind": "cuda"|"cpu", "why": ...}."""
+    import torch
+
+    resolved = memtide.resolve_backend(requested)
+    if resolved == "cuda":
+        if not torch.cuda.is_available():
+            if requested == "cuda":
+                raise RuntimeError("--device cuda: memtide sees a usable GPU but this torch build cannot use it "
+                                   f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
+            return {"kind": "cpu", "why": f"torch {torch.__version__} cannot use the GPU"}
+        return {"kind": "cuda", "why": "GPU usable"}
+    status = memtide.cuda_status()
+    why = "MEMTIDE_DEVICE/--device asks for sim" if requested == "sim" else f"no usable GPU: {status['reason']}"
+    return {"kind": "cpu", "why": why}
+
+
+def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_size: int, k: Optional[int],
+          gpu_static_fraction: float, progress: Callable[[str], None]) -> Dict[str, Any]:
+    import torch
+
+    from .gpt import TinyGPT, arithmetic_batch, lm_loss
+    from .optim import POLICIES, TieredAdamW
+
+    on_gpu = device["kind"] == "cuda"
+    if on_gpu:
+        memtide.use_with_torch()  # before the first CUDA allocation of the process
+    else:
+        # torch's OpenMP workers spin while waiting; on a small shared machine one thread is
+        # faster for this model. memtide's update kernel has its own (sleeping) pool.
+        torch.set_num_threads(1)
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+
+    torch.manual_seed(0)
+    model = TinyGPT(shape["vocab"], shape["hidden"], shape["heads"], shape["layers"], shape["seq"]).to(dev, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = TieredAdamW(model.parameters(), lr=LR, weight_decay=0.01, policy=policy, subgroup_size=subgroup_size,
+                      k=k, gpu_static_fraction=gpu_static_fraction)
+    hooks = opt.attach(model)
+    gen = torch.Generator().manual_seed(1)
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    steps: List[Dict[str, Any]] = []
+    rss = {"forward": 0, "backward": 0, "update": 0}
+    # Two batches, cycled: the model memorizes them, so the loss falls within a few steps.
+    data = [arithmetic_batch(gen, shape["batch"], shape["seq"], shape["vocab"], dev) for _ in range(2)]
+    for step in range(1, shape["iterations"] + 1):
+        x, y = data[step % 2]
+        t0 = time.perf_counter()
+        loss = lm_loss(model(x), y)
+        sync()
+        t1 = time.perf_counter()
+        rss["forward"] = max(rss["forward"], _rss_bytes() or 0)
+        opt.zero_grad(set_to_none=True)
+        opt.scale_loss(loss).backward()
+        sync()
+        t2 = time.perf_counter()
+        rss["backward"] = max(rss["backward"], _rss_bytes() or 0)
+        opt.step()
+        sync()
+        t3 = time.perf_counter()
+        rss["update"] = max(rss["update"], _rss_bytes() or 0)
+        row = {"step": step, "loss": loss.item(), "forward_s": t1 - t0, "backward_s": t2 - t1, "update_s": t3 - t2}
+        steps.append(row)
+        progress(f"step {step:>3}/{shape['iterations']}  loss {row['loss']:.4f}  forward {row['forward_s'] * 1e3:7.1f} ms"
+                 f"  backward {row['backward_s'] * 1e3:7.1f} ms  update {row['update_s'] * 1e3:7.2f} ms")
+
+    # An evaluation forward begins the next iteration, which closes the last training one.
+    with torch.no_grad():
+        x, y = data[0]
+        final_loss = float(lm_loss(model(x), y))
+    report = memtide.phase_report()
+    headroom = memtide.headroom(until="forward") if on_gpu else None
+    memtide.mark_phase("other")
+    hooks.remove()
+
+    # Update throughput of the training run, without the first step (it warms caches and pages).
+    hist = opt.stats.history[1:] or opt.stats.history
+    engine_s = statistics.median(h[1] for h in hist)
+    step_s = statistics.median(h[2] for h in hist)
+    params_per_step = hist[-1][0]
+    predicted = opt.engine.predict_seconds(opt.plan)
+
+    # The same update (the trained state and the last gradients) under every policy.
+    progress(f"one update of the last gradients under each policy ({POLICY_REPEATS} repeats) ...")
+    start_state = opt.state_dict()
+    policies = []
+    for name in POLICIES:
+        knobs = {}
+        if name in ("static", "interleaved", "auto"):
+            knobs["gpu_static_fraction"] = gpu_static_fraction
+        if name in ("interleaved", "auto"):
+            knobs["k"] = k if (k is not None or name == "auto") else 2
+        if name == "static" and not gpu_static_fraction:
+            knobs["gpu_static_fraction"] = 0.25
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        for c, p in zip(copies, model.parameters()):
+            c.grad = p.grad.detach().clone()
+        o = TieredAdamW(copies, lr=LR, weight_decay=0.01, policy=name, subgroup_size=subgroup_size, **knobs)
+        o.load_state_dict(start_state)
+        for _ in range(POLICY_REPEATS):
+            o.step()
+        sync()
+        seconds = statistics.median(h[1] for h in o.stats.history)
+        policies.append({
+            "policy": name,
+            "plan": o.plan.summary(),
+            "placement": o.plan.counts(),
+            "update_seconds": seconds,
+            "params_per_second": o.stats.history[0][0] / seconds if seconds > 0 else 0.0,
+            "digest": _digest(o),
+        })
+        del o, copies
+
+    b = opt.buffers
+    return {
+        "device": {"kind": device["kind"], "why": device["why"], "memtide_backend": memtide.backend(),
+                   "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                   "name": torch.cuda.get_device_name(0) if on_gpu else "CPU"},
+        "model": dict(shape, params=n_params, dtype=str(dtype).replace("torch.", "")),
+        "steps": steps,
+        "final_loss": final_loss,
+        "phases": report["history"][-1]["phases"] if report["history"] else report["running"]["phases"],
+        "iterations_recorded": report["iterations"],
+        "headroom": headroom,
+        "host_rss_peak": rss if _rss_bytes() is not None else None,
+        "optimizer": {
+            "numel": b.params.numel(),
+            "subgroup_size": subgroup_size,
+            "subgroups": len(opt.plan.subgroups),
+            "state_bytes": b.nbytes(),
+            "pinned": b.pinned,
+            "low_precision": None if b.lowp is None else str(b.lowp.dtype).replace("torch.", ""),
+            "engine": opt.engine.name,
+            "cpu_isa": memtide.cpu_isa(),
+            "cpu_threads": memtide.cpu_threads(),
+        },
+        "plan": {"summary": opt.plan.summary(), "placement": opt.plan.counts(), "reason": opt.plan.reason},
+        "update": {
+            "params_per_step": params_per_step,
+            "engine_seconds_median": engine_s,
+            "step_seconds_median": step_s,
+            "engine_params_per_second": params_per_step / engine_s if engine_s > 0 else 0.0,
+            "step_params_per_second": params_per_step / step_s if step_s > 0 else 0.0,
+            "predicted_seconds": predicted,
+            "steps_measured": len(hist),
+        },
+        "policies": policies,
+        "policies_identical": len({p["digest"] for p in policies}) == 1,
+    }

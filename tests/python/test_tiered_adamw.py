@@ -1,0 +1,464 @@
+"""memtide.optim.TieredAdamW training a small GPT-style model on CPU."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import memtide  # noqa: E402
+from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
+from memtide.optim import POLICIES, LossScaler, TieredAdamW, policy_placement  # noqa: E402
+
+VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+# ~110k params: 12 subgroups whose boundaries fall inside tensors.
+SUBGROUP = 10_000
+# Each policy with the knobs it takes; all must give the same bits.
+POLICY_KW = {
+    "cpu": {},
+    "static": dict(gpu_static_fraction=0.5),
+    "interleaved": dict(k=2),
+    "auto": {},
+}
+
+
+def make_model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return TinyGPT(VOCAB, D, HEADS, LAYERS, SEQ).to(dtype)
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [arithmetic_batch(g, BATCH, SEQ, VOCAB) for _ in range(n)]
+
+
+DATA = batches(50)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # torch's OpenMP threads spin while they wait; on a busy 2-core machine that makes this tiny
+    # model 100x slower. memtide's kernel pool (which sleeps) still uses every core.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def backward(model, opt, x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = lm_loss(model(x), y)
+    (opt.scale_loss(loss) if isinstance(opt, TieredAdamW) else loss).backward()
+    return loss
+
+
+def train(model, opt, data):
+    losses = []
+    for x, y in data:
+        losses.append(backward(model, opt, x, y).item())
+        opt.step()
+    return losses
+
+
+def flat_state(opt):
+    b = opt.buffers
+    return [t.clone() for t in (b.params, b.exp_avg, b.exp_avg_sq)] + ([b.lowp.clone()] if b.lowp is not None else [])
+
+
+def assert_rel_close(actual, expected, tol=1e-6, what=""):
+    """Normwise relative error, the figure that does not blow up for elements near zero."""
+    err = (actual.double() - expected.double()).norm()
+    scale = expected.double().norm()
+    assert err <= tol * max(scale, 1e-30), f"{what}: relative error {float(err / max(scale, 1e-30)):.3g} > {tol}"
+
+
+def mirror(model, groups=None, **kw):
+    """fp32 copies of the model's params, and torch.optim.AdamW over them with the same groups."""
+    ref = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    if groups is None:
+        return ref, torch.optim.AdamW(ref, foreach=False, **{**HYPER, **kw})
+    ref_groups = [dict(g, params=[ref[index[id(p)]] for p in g["params"]]) for g in groups]
+    return ref, torch.optim.AdamW(ref_groups, foreach=False, **{**HYPER, **kw})
+
+
+def teach(model, ref, grad_scale=1.0):
+    """Gives the reference the model's gradients (unscaled in fp32, as GradScaler.unscale_ does)."""
+    for r, p in zip(ref, model.parameters()):
+        r.grad = None if p.grad is None else p.grad.to(torch.float32, copy=True).mul_(grad_scale)
+
+
+# ---- against torch.optim.AdamW ------------------------------------------------------------------
+
+
+def test_matches_torch_adamw_for_50_steps():
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, **HYPER)
+    ref, ref_opt = mirror(model)
+    losses = []
+    for x, y in DATA:
+        losses.append(backward(model, opt, x, y).item())
+        teach(model, ref)  # same gradients: what differs is the optimizer alone
+        opt.step()
+        ref_opt.step()
+    assert losses[-1] < losses[0] - 0.3, losses  # it trains
+    for i, (p, r) in enumerate(zip(model.parameters(), ref)):
+        assert_rel_close(p.detach(), r.detach(), what=f"param {i}")
+        assert_rel_close(opt.state[p]["exp_avg"], ref_opt.state[r]["exp_avg"], what=f"exp_avg {i}")
+        assert_rel_close(opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], what=f"exp_avg_sq {i}")
+        assert opt.state[p]["step"].item() == ref_opt.state[r]["step"].item() == 50
+    assert len(opt.plan.subgroups) == math.ceil(sum(p.numel() for p in model.parameters()) / SUBGROUP)
+    assert opt.stats.steps == 50 and opt.stats.params_updated == 50 * opt.buffers.params.numel()
+
+
+def test_every_policy_gives_identical_bits():
+    results = {}
+    for policy, kw in POLICY_KW.items():
+        model = make_model()
+        opt = TieredAdamW(model.parameters(), policy=policy, subgroup_size=SUBGROUP, **HYPER, **kw)
+        losses = train(model, opt, DATA)
+        results[policy] = (losses, [p.detach().clone() for p in model.parameters()], flat_state(opt))
+        assert opt.plan.policy == policy
+        assert len(opt.plan.placement) == len(opt.plan.subgroups) == 12
+    first_losses, first_params, first_state = results["cpu"]
+    for policy, (losses, params, state) in results.items():
+        assert losses == first_losses, policy
+        assert all(torch.equal(a, b) for a, b in zip(params, first_params)), policy
+        assert all(torch.equal(a, b) for a, b in zip(state, first_state)), policy
+
+
+def test_plan_says_what_ran():
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), policy="interleaved", k=1, subgroup_size=SUBGROUP)
+    plan = opt.plan
+    assert plan.requested == policy_placement("interleaved", 12, k=1)
+    assert plan.requested.count("gpu") == 6
+    if not torch.cuda.is_available():
+        assert plan.placement == ("cpu",) * 12
+        assert "no GPU" in plan.reason and "all on CPU" in plan.summary()
+    assert plan.summary().startswith("policy interleaved (k=1): 12 subgroups")
+
+
+def test_policy_placement():
+    assert policy_placement("cpu", 4) == ("cpu",) * 4
+    assert policy_placement("static", 4, gpu_static_fraction=0.5) == ("cpu", "cpu", "gpu", "gpu")
+    assert policy_placement("interleaved", 6, k=2) == ("cpu", "cpu", "gpu", "cpu", "cpu", "gpu")
+    assert policy_placement("interleaved", 5, k=1, gpu_static_fraction=0.4) == ("cpu", "gpu", "cpu", "gpu", "gpu")
+    assert policy_placement("auto", 5) is None  # left to the performance model
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+
+
+def save(model, opt):
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    return buf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_round_trip_continues_bit_identically(dtype):
+    kw = dict(subgroup_size=SUBGROUP, **HYPER)
+    if dtype != torch.float32:
+        kw["loss_scale"] = LossScaler(init_scale=2.0**8, growth_interval=7)
+
+    def fresh():
+        model = make_model(dtype=dtype)
+        return model, TieredAdamW(model.parameters(), **{**kw, "loss_scale": copy.deepcopy(kw.get("loss_scale"))})
+
+    model, opt = fresh()
+    train(model, opt, DATA)
+    uninterrupted = ([p.detach().clone() for p in model.parameters()], flat_state(opt), opt.loss_scale)
+
+    model, opt = fresh()
+    train(model, opt, DATA[:20])
+    saved_sd = copy.deepcopy(opt.state_dict())
+    ckpt = save(model, opt)
+    del model, opt
+    model, opt = fresh()
+    loaded = torch.load(ckpt, weights_only=True)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["opt"])
+    # Round trip: the loaded optimizer gives back exactly what was saved.
+    again = opt.state_dict()
+    assert again["param_groups"] == saved_sd["param_groups"]
+    assert again["memtide"] == saved_sd["memtide"]
+    assert again["state"].keys() == saved_sd["state"].keys()
+    for idx, entry in saved_sd["state"].items():
+        assert entry.keys() == again["state"][idx].keys()
+        for key, value in entry.items():
+            assert torch.equal(value, again["state"][idx][key]), (idx, key)
+    if dtype != torch.float32:
+        assert "master_param" in saved_sd["state"][0]
+    train(model, opt, DATA[20:])
+    params, state, scale = [p.detach() for p in model.parameters()], flat_state(opt), opt.loss_scale
+    assert scale == uninterrupted[2]
+    assert all(torch.equal(a, b) for a, b in zip(params, uninterrupted[0]))
+    assert all(torch.equal(a, b) for a, b in zip(state, uninterrupted[1]))
+
+
+def test_loads_torch_adamw_state_and_continues_like_it():
+    model = make_model()
+    ref, ref_opt = mirror(model)
+    for x, y in DATA[:5]:
+        backward(model, torch.optim.AdamW(model.parameters()), x, y)  # only for the gradients
+        teach(model, ref)
+        ref_opt.step()
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), ref):
+                p.copy_(r)
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, **HYPER)
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    for x, y in DATA[5:15]:
+        backward(model, opt, x, y)
+        teach(model, ref)
+        opt.step()
+        ref_opt.step()
+    for i, (p, r) in enumerate(zip(model.parameters(), ref)):
+        assert_rel_close(p.detach(), r.detach(), what=f"param {i}")
+        assert opt.state[p]["step"].item() == 15
+
+
+# ---- low precision and loss scaling -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_with_dynamic_loss_scaling(dtype):
+    model = make_model(dtype=dtype)
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, loss_scale=LossScaler(init_scale=2.0**10,
+                      growth_interval=4), **HYPER)
+    ref, ref_opt = mirror(model)  # fp32 masters and torch.optim.AdamW, fed the unscaled gradients
+    expected_scale, good_run = 2.0**10, 0
+    for step, (x, y) in enumerate(DATA[:24]):
+        backward(model, opt, x, y)
+        assert all(p.grad.dtype == dtype for p in model.parameters())
+        inject = step in (9, 10)
+        if inject:
+            grad = next(model.parameters()).grad
+            grad.view(-1)[17] = float("inf") if step == 9 else float("nan")
+            before = flat_state(opt)
+            before_params = [p.detach().clone() for p in model.parameters()]
+            before_steps = [opt.state[p]["step"].item() for p in model.parameters()]
+        else:
+            teach(model, ref, grad_scale=1.0 / opt.loss_scale)
+        opt.step()
+        if inject:
+            assert opt.last_step_skipped
+            assert all(torch.equal(a, b) for a, b in zip(flat_state(opt), before)), "state changed on overflow"
+            assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before_params))
+            assert [opt.state[p]["step"].item() for p in model.parameters()] == before_steps
+            expected_scale, good_run = expected_scale * 0.5, 0
+        else:
+            assert not opt.last_step_skipped
+            ref_opt.step()
+            good_run += 1
+            if good_run == 4:
+                expected_scale, good_run = expected_scale * 2.0, 0
+        assert opt.loss_scale == expected_scale, step
+    assert opt.stats.skipped == 2 and opt.stats.steps == 22
+    b = opt.buffers
+    for i, (p, r) in enumerate(zip(model.parameters(), ref)):
+        lo = sum(q.numel() for q in list(model.parameters())[:i])
+        master = b.params[lo:lo + p.numel()].view(p.shape)
+        assert_rel_close(master, r.detach(), what=f"master {i}")
+        # The model holds the master rounded to its dtype (the kernel writes it in the same pass).
+        assert torch.equal(p.detach(), master.to(dtype)), i
+        assert opt.state[p]["step"].item() == 22
+
+
+def test_nonfinite_without_loss_scaling_warns():
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP)
+    x, y = DATA[0]
+    backward(model, opt, x, y)
+    next(model.parameters()).grad.view(-1)[0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        opt.step()
+    assert not opt.last_step_skipped  # as torch.optim.AdamW: the step ran
+
+
+def test_max_grad_norm_matches_clip_grad_norm():
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, max_grad_norm=0.5, **HYPER)
+    ref, ref_opt = mirror(model)
+    clipped = 0
+    for x, y in DATA[:15]:
+        backward(model, opt, x, y)
+        teach(model, ref)
+        norm = torch.nn.utils.clip_grad_norm_(ref, 0.5, foreach=False)
+        clipped += float(norm) > 0.5
+        opt.step()
+        ref_opt.step()
+        assert opt.last_grad_norm == pytest.approx(float(norm), rel=1e-5)
+    assert clipped > 0
+    for i, (p, r) in enumerate(zip(model.parameters(), ref)):
+        assert_rel_close(p.detach(), r.detach(), tol=1e-5, what=f"param {i}")
+
+
+# ---- param groups, schedulers, partial gradients ------------------------------------------------
+
+
+def two_groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [dict(params=decay, weight_decay=0.1, lr=2e-3), dict(params=no_decay, weight_decay=0.0)]
+
+
+def test_param_groups_and_lr_scheduler():
+    model = make_model()
+    groups = two_groups(model)
+    opt = TieredAdamW(groups, subgroup_size=SUBGROUP, **HYPER)
+    ref, ref_opt = mirror(model, groups=groups)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
+    for x, y in DATA[:20]:
+        backward(model, opt, x, y)
+        teach(model, ref)
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == pytest.approx(2e-3 / 21)
+    params = list(model.parameters())
+    for i, (p, r) in enumerate(zip(params, ref)):
+        assert_rel_close(p.detach(), r.detach(), what=f"param {i}")
+    # Changing the groups' values matters: the same run with one shared lr ends elsewhere.
+    other = make_model()
+    other_opt = TieredAdamW(other.parameters(), subgroup_size=SUBGROUP, **HYPER)
+    train(other, other_opt, DATA[:20])
+    assert not torch.equal(params[0].detach(), next(other.parameters()).detach())
+
+
+def test_params_without_gradients_are_left_alone():
+    model = make_model()
+    frozen = model.blocks.layers[0]
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, **HYPER)
+    ref, ref_opt = mirror(model)
+    before = [p.detach().clone() for p in frozen.parameters()]
+    for x, y in DATA[:10]:
+        backward(model, opt, x, y)
+        teach(model, ref)
+        opt.step()
+        ref_opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(frozen.parameters(), before))
+    assert all(p not in opt.state for p in frozen.parameters())
+    assert len(opt.state) == len(ref_opt.state)
+    for i, (p, r) in enumerate(zip(model.parameters(), ref)):
+        assert_rel_close(p.detach(), r.detach(), what=f"param {i}")
+
+
+def test_add_param_group_keeps_state():
+    model = make_model()
+    groups = two_groups(model)
+    opt = TieredAdamW([groups[0]], subgroup_size=SUBGROUP, **HYPER)
+    ref, ref_opt = mirror(model, groups=groups[:1])
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    for step, (x, y) in enumerate(DATA[:10]):
+        if step == 4:
+            opt.add_param_group(groups[1])
+            ref_opt.add_param_group(dict(groups[1], params=[ref[index[id(p)]] for p in groups[1]["params"]]))
+        backward(model, opt, x, y)
+        teach(model, ref)
+        opt.step()
+        ref_opt.step()
+    assert len(opt.param_groups) == 2
+    for i, (p, r) in enumerate(zip(model.parameters(), ref)):
+        assert_rel_close(p.detach(), r.detach(), what=f"param {i}")
+        assert opt.state[p]["step"].item() == ref_opt.state[r]["step"].item()
+
+
+def test_closure_and_zero_grad():
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP)
+    x, y = DATA[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and opt.stats.steps == 1
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()  # no gradients: nothing to do
+    assert opt.stats.steps == 1
+
+
+def test_attach_marks_phases():
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP)
+    hooks = opt.attach(model)
+    start = memtide.phase_report()["iterations"]
+    for x, y in DATA[:3]:
+        loss = lm_loss(model(x), y)
+        assert memtide.phase_report()["current"] == "forward"
+        opt.zero_grad()
+        loss.backward()
+        assert memtide.phase_report()["current"] == "backward"
+        opt.step()
+        assert memtide.phase_report()["current"] == "update"
+    model(DATA[0][0])  # the next forward closes the third iteration
+    report = memtide.phase_report()
+    assert report["iterations"] == start + 3
+    last = report["history"][-1]["phases"]
+    assert all(last[name]["seen"] and last[name]["duration_ns"] > 0 for name in ("forward", "backward", "update"))
+    hooks.remove()
+    memtide.mark_phase("other")
+    model(DATA[0][0])
+    assert memtide.phase_report()["current"] == "other"
+
+
+# ---- bad arguments ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(amsgrad=True), "amsgrad"),
+    (dict(policy="gpu"), "'cpu', 'static', 'interleaved', 'auto'"),
+    (dict(subgroup_size=0), "subgroup_size"),
+    (dict(subgroup_size=1.5), "subgroup_size"),
+    (dict(gpu_static_fraction=1.5), "gpu_static_fraction"),
+    (dict(policy="interleaved", k=0), "k must be"),
+    (dict(policy="cpu", k=2), "policy 'cpu'"),
+    (dict(policy="static", k=2), "not 'static'"),
+    (dict(loss_scale="auto"), "loss_scale 'auto'"),
+    (dict(loss_scale=-1.0), "loss_scale"),
+    (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(lr=-1.0), "lr"),
+    (dict(betas=(0.9, 1.0)), "betas"),
+    (dict(eps=float("nan")), "eps"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+])
+def test_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TieredAdamW(make_model().parameters(), **kw)
+
+
+def test_bad_params_and_state():
+    with pytest.raises(ValueError, match="float64"):
+        TieredAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="one low-precision"):
+        TieredAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16)),
+                     torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="LossScaler: growth_interval"):
+        LossScaler(growth_interval=0)
+    model = make_model()
+    opt = TieredAdamW(model.parameters())
+    opt.param_groups[0]["lr"] = float("inf")  # as a broken scheduler would
+    with pytest.raises(ValueError, match="lr must be"):
+        opt.step()
+    opt.param_groups[0]["lr"] = 1e-3
+    sd = opt.state_dict()
+    sd["param_groups"] = sd["param_groups"] * 2
+    with pytest.raises(ValueError, match="2 param groups"):
+        opt.load_state_dict(sd)
+    assert set(POLICIES) == set(POLICY_KW)
