@@ -145,7 +145,8 @@ class Walk {
     for (;;) {
       start_ready();
       if (!cpu_job_.active && !h2d_job_.active && !gpu_job_.active && !d2h_job_.active) break;
-      MEMTIDE_ASSERT(guard-- > 0);
+      // Every step ends at least one task; more steps than tasks would be a bug in the walk.
+      if (guard-- == 0) throw Error("PerfModel: internal error: the pipeline walk did not finish");
       step();
     }
     MEMTIDE_ASSERT(cpu_next_ == cpu_tasks_.size() && lp_next_ == cpu_tasks_.size());
