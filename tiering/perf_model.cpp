@@ -449,18 +449,45 @@ Plan PerfModel::plan(const Workload& work, const Rates& rates, Policy policy, do
   Plan baselines[] = {cpu(), static_split(), interleaved()};
   double incumbent = kInf;
   for (const Plan& p : baselines) incumbent = std::min(incumbent, p.prediction.total_ns);
-  const double slack = 1 + 1e-9;  // keep near-ties fully predicted: they may win on GPU count
+  // Plans whose bound is this much above the best total are not walked: far enough above that
+  // better()'s tie tolerance cannot pick one of them.
+  const double slack = 1 + 1e-6;
 
-  constexpr std::size_t kExhaustiveGpuCounts = 256;
   constexpr std::size_t kExhaustiveStaticCounts = 32;
   auto with_statics = [&](std::size_t statics) {
     const std::size_t s = n - statics;
-    auto with_gpu = [&](std::size_t g) {
-      Plan p = make_plan(work, rates, Policy::automatic, g == 0 ? 0 : stride_for(s, g), statics, incumbent * slack);
-      incumbent = std::min(incumbent, p.prediction.total_ns);
+    auto with_gpu = [&](std::size_t g, double prune_above) {
+      Plan p = make_plan(work, rates, Policy::automatic, g == 0 ? 0 : stride_for(s, g), statics, prune_above);
+      if (p.prediction.bound_ns <= prune_above) incumbent = std::min(incumbent, p.prediction.total_ns);
       return p;
     };
-    return search(0, can_stream ? s : 0, kExhaustiveGpuCounts, with_gpu);
+    auto bound = [&](std::size_t g) { return with_gpu(g, -1).prediction.bound_ns; };
+    // The bound is valley-shaped in the GPU count: CPU time falls with it, copy and GPU time
+    // rise, DRAM moves one way. Find the valley, then walk outwards while the bound can still
+    // beat the best total; everything further out has a higher bound.
+    std::size_t lo = 0;
+    std::size_t hi = can_stream ? s : 0;
+    while (lo < hi) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (bound(mid + 1) < bound(mid)) lo = mid + 1;
+      else hi = mid;
+    }
+    const std::size_t valley = lo;
+    const std::size_t last = can_stream ? s : 0;
+    Plan best = with_gpu(valley, incumbent * slack);
+    for (std::size_t g = valley; g-- > 0;) {
+      const double threshold = incumbent * slack;
+      Plan p = with_gpu(g, threshold);
+      if (p.prediction.bound_ns > threshold) break;
+      if (better(p, best)) best = std::move(p);
+    }
+    for (std::size_t g = valley + 1; g <= last; ++g) {
+      const double threshold = incumbent * slack;
+      Plan p = with_gpu(g, threshold);
+      if (p.prediction.bound_ns > threshold) break;
+      if (better(p, best)) best = std::move(p);
+    }
+    return best;
   };
   Plan best = search(0, max_statics, kExhaustiveStaticCounts, with_statics);
   for (Plan& other : baselines) {

@@ -285,6 +285,33 @@ TEST(PerfModel, AutomaticNeverWorseThanOtherPolicies) {
   }
 }
 
+TEST(PerfModel, AutomaticMatchesExhaustiveSearch) {
+  // Every GPU count and static count, walked in full: the planner's pruned search must find
+  // the same minimum.
+  const PerfModel model;
+  Rates fast_cpu;
+  fast_cpu.cpu_update_params_per_s = 6e9;
+  Rates tight_dram;
+  tight_dram.host_dram_bytes_per_s = 80e9;
+  for (const Rates& r : {Rates{}, paper_v100(), fast_cpu, tight_dram}) {
+    for (std::size_t slots : {1, 2, 3}) {
+      Workload w = uniform(24);
+      w.subgroup_params.back() = 41'000'000;
+      w.gpu_static_limit = 4;
+      w.gpu_slot_limit = slots;
+      double best = std::numeric_limits<double>::infinity();
+      for (std::size_t statics = 0; statics <= 4; ++statics) {
+        const std::size_t s = 24 - statics;
+        for (std::size_t g = 0; g <= s; ++g) {
+          const double k = g == 0 ? 0 : static_cast<double>(s) / static_cast<double>(g);
+          best = std::min(best, model.predict(w, r, interleave(24, k, statics)).total_ns);
+        }
+      }
+      EXPECT_LE(model.plan(w, r, Policy::automatic).prediction.total_ns, best * (1 + 1e-9)) << "slots " << slots;
+    }
+  }
+}
+
 TEST(PerfModel, AutomaticPlanIsConsistent) {
   const PerfModel model;
   Workload w = uniform(50);

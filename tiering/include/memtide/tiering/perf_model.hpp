@@ -92,8 +92,10 @@ class PerfModel {
   /// - automatic: the lowest predicted total over every stride that gives a distinct GPU count
   ///   (k = s / n_gpu for n_gpu = 0..s, s = subgroups not static) and every static count up to
   ///   `work.gpu_static_limit`, plus the plans the other policies give for the same arguments,
-  ///   so it is never predicted worse than them. Ties go to fewer GPU subgroups. Large
-  ///   workloads (over 256 GPU counts or 32 static counts) are searched coarse to fine.
+  ///   so it is never predicted worse than them. Ties go to fewer GPU subgroups. Per static
+  ///   count the search starts at the GPU count with the lowest bound and walks outwards only
+  ///   while a placement's bound is below the best total so far (few walks per plan); over 32
+  ///   static counts are searched coarse to fine.
   /// `gpu_slots` is min(gpu_slot_limit, 3) when anything is streamed, else 0.
   /// Throws InvalidArgument as `predict` does, and for static_fraction outside [0, 1] or a
   /// negative or NaN k.
