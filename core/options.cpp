@@ -121,6 +121,20 @@ const std::vector<Row>& rows() {
          o.cpu_isa = std::string(v);
        },
        [](const Options& o) { return o.cpu_isa; }},
+      {"calibration_alpha", "number in (0, 1]",
+       "weight of a new measurement in the calibrated rates (exponential moving average; 1 = last one only)",
+       [](Options& o, std::string_view v) {
+         double a = 0.0;
+         auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), a);
+         if (ec != std::errc{} || end != v.data() + v.size() || !(a > 0.0 && a <= 1.0)) {
+           reject("calibration_alpha", v, "a number in (0, 1]");
+         }
+         o.calibration_alpha = a;
+       },
+       [](const Options& o) { return std::to_string(o.calibration_alpha); }},
+      {"calibration_history", "1..1000000", "update phases whose predicted-vs-measured error is kept for reports",
+       [](Options& o, std::string_view v) { o.calibration_history = parse_count("calibration_history", v, 1, 1000000); },
+       [](const Options& o) { return std::to_string(o.calibration_history); }},
   };
   return table;
 }

@@ -19,6 +19,7 @@
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/allocator/stats.hpp"
@@ -30,6 +31,7 @@
 #include "memtide/memtide.h"
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
+#include "memtide/tiering/perf_model.hpp"
 #include "memtide/core/thread_pool.hpp"
 
 namespace nb = nanobind;
@@ -273,6 +275,171 @@ bool adamw_step_cpu(const CpuArray& param, const CpuArray& grad, const CpuArray&
   return memtide::tiering::adamw_step(a, &memtide::default_pool());
 }
 
+
+// ---- update-phase PerfModel ------------------------------------------------------------------
+
+namespace tiering = memtide::tiering;
+
+struct RateField {
+  const char* key;
+  double tiering::Rates::*member;
+};
+constexpr RateField kRateFields[] = {
+    {"h2d_bytes_per_s", &tiering::Rates::h2d_bytes_per_s},
+    {"d2h_bytes_per_s", &tiering::Rates::d2h_bytes_per_s},
+    {"cpu_update_params_per_s", &tiering::Rates::cpu_update_params_per_s},
+    {"gpu_update_params_per_s", &tiering::Rates::gpu_update_params_per_s},
+    {"cpu_downscale_params_per_s", &tiering::Rates::cpu_downscale_params_per_s},
+    {"host_dram_bytes_per_s", &tiering::Rates::host_dram_bytes_per_s},
+    {"cpu_dram_bytes_per_param", &tiering::Rates::cpu_dram_bytes_per_param},
+};
+
+nb::dict rates_dict(const tiering::Rates& r) {
+  nb::dict d;
+  for (const RateField& f : kRateFields) d[f.key] = r.*f.member;
+  return d;
+}
+
+// Starts from the C++ defaults; `overrides` may set any subset of the fields.
+tiering::Rates rates_arg(const std::optional<nb::dict>& overrides) {
+  tiering::Rates r;
+  if (!overrides) return r;
+  for (auto [key, value] : *overrides) {
+    const std::string name = nb::cast<std::string>(key);
+    bool known = false;
+    for (const RateField& f : kRateFields) {
+      if (name == f.key) {
+        r.*f.member = nb::cast<double>(value);
+        known = true;
+      }
+    }
+    if (!known) {
+      std::string keys;
+      for (const RateField& f : kRateFields) keys += std::string(keys.empty() ? "" : ", ") + f.key;
+      value_error("rates: unknown key \"" + name + "\"; known keys: " + keys);
+    }
+  }
+  return r;
+}
+
+std::size_t count_arg(const char* name, std::int64_t value) {
+  if (value < 0) value_error(std::string(name) + " must be >= 0, got " + std::to_string(value));
+  return static_cast<std::size_t>(value);
+}
+
+tiering::Workload workload_arg(const std::vector<std::int64_t>& subgroup_params, std::int64_t low_precision_bytes,
+                               bool grads_on_host, std::int64_t gpu_slot_limit, std::int64_t gpu_static_limit) {
+  tiering::Workload w;
+  w.subgroup_params.reserve(subgroup_params.size());
+  for (std::int64_t p : subgroup_params) w.subgroup_params.push_back(count_arg("subgroup_params", p));
+  w.low_precision_bytes = count_arg("low_precision_bytes", low_precision_bytes);
+  w.grads_on_host = grads_on_host;
+  w.gpu_slot_limit = count_arg("gpu_slot_limit", gpu_slot_limit);
+  w.gpu_static_limit = count_arg("gpu_static_limit", gpu_static_limit);
+  return w;
+}
+
+const char* policy_key(tiering::Policy p) {
+  switch (p) {
+    case tiering::Policy::cpu: return "cpu";
+    case tiering::Policy::static_split: return "static";
+    case tiering::Policy::interleaved: return "interleaved";
+    case tiering::Policy::automatic: return "auto";
+  }
+  return "auto";
+}
+
+tiering::Policy policy_arg(const std::string& name) {
+  for (auto p : {tiering::Policy::cpu, tiering::Policy::static_split, tiering::Policy::interleaved,
+                 tiering::Policy::automatic}) {
+    if (name == policy_key(p)) return p;
+  }
+  // The C++ enumerators' spellings are accepted too.
+  if (name == "static_split") return tiering::Policy::static_split;
+  if (name == "automatic") return tiering::Policy::automatic;
+  value_error("policy: \"" + name + "\" is not a policy; expected cpu, static, interleaved or auto");
+}
+
+// One letter per subgroup: c (CPU), g (streamed through the GPU), s (GPU-static).
+std::string placement_string(const std::vector<tiering::Placement>& placement) {
+  std::string out;
+  out.reserve(placement.size());
+  for (tiering::Placement p : placement) {
+    out += p == tiering::Placement::cpu ? 'c' : p == tiering::Placement::gpu ? 'g' : 's';
+  }
+  return out;
+}
+
+std::vector<tiering::Placement> placement_arg(const std::string& text) {
+  std::vector<tiering::Placement> out;
+  out.reserve(text.size());
+  for (char c : text) {
+    if (c == 'c') out.push_back(tiering::Placement::cpu);
+    else if (c == 'g') out.push_back(tiering::Placement::gpu);
+    else if (c == 's') out.push_back(tiering::Placement::gpu_static);
+    else value_error(std::string("placement: '") + c + "' is not a placement; expected c (CPU), g (streamed GPU) or s (GPU-static)");
+  }
+  return out;
+}
+
+nb::dict prediction_dict(const tiering::Prediction& p) {
+  nb::dict d;
+  d["total_ns"] = p.total_ns;
+  d["bound_ns"] = p.bound_ns;
+  d["cpu_ns"] = p.cpu_ns;
+  d["gpu_ns"] = p.gpu_ns;
+  d["h2d_ns"] = p.h2d_ns;
+  d["d2h_ns"] = p.d2h_ns;
+  d["dram_ns"] = p.dram_ns;
+  d["busiest"] = p.busiest;
+  d["h2d_bytes"] = p.h2d_bytes;
+  d["d2h_bytes"] = p.d2h_bytes;
+  d["dram_bytes"] = p.dram_bytes;
+  return d;
+}
+
+nb::dict plan_dict(const tiering::Plan& p) {
+  nb::dict d;
+  d["policy"] = policy_key(p.policy);
+  d["placement"] = placement_string(p.placement);
+  d["k"] = p.k;
+  d["gpu_slots"] = p.gpu_slots;
+  d["gpu_streamed"] = p.gpu_streamed;
+  d["static_residents"] = p.static_residents;
+  d["prediction"] = prediction_dict(p.prediction);
+  return d;
+}
+
+nb::dict plan_update(const std::vector<std::int64_t>& subgroup_params, const std::string& policy,
+                     const std::optional<nb::dict>& rates, double static_fraction, double k,
+                     std::int64_t low_precision_bytes, bool grads_on_host, std::int64_t gpu_slot_limit,
+                     std::int64_t gpu_static_limit) {
+  const tiering::Workload w =
+      workload_arg(subgroup_params, low_precision_bytes, grads_on_host, gpu_slot_limit, gpu_static_limit);
+  const tiering::Rates r = rates_arg(rates);
+  const tiering::Policy pol = policy_arg(policy);
+  tiering::Plan plan;
+  {
+    nb::gil_scoped_release nogil;
+    plan = tiering::PerfModel{}.plan(w, r, pol, static_fraction, k);
+  }
+  return plan_dict(plan);
+}
+
+nb::dict predict_update(const std::vector<std::int64_t>& subgroup_params, const std::string& placement,
+                        const std::optional<nb::dict>& rates, std::int64_t low_precision_bytes, bool grads_on_host,
+                        std::int64_t gpu_slot_limit) {
+  const tiering::Workload w = workload_arg(subgroup_params, low_precision_bytes, grads_on_host, gpu_slot_limit, 0);
+  const tiering::Rates r = rates_arg(rates);
+  const std::vector<tiering::Placement> pl = placement_arg(placement);
+  tiering::Prediction p;
+  {
+    nb::gil_scoped_release nogil;
+    p = tiering::PerfModel{}.predict(w, r, pl);
+  }
+  return prediction_dict(p);
+}
+
 }  // namespace
 
 NB_MODULE(_memtide, m) {
@@ -413,4 +580,16 @@ NB_MODULE(_memtide, m) {
       "grad"_a.noconvert(), "grad_scale"_a = 1.0, "clip"_a = 1.0,
       "True if every grad[i] * grad_scale * clip (rounded as adamw_step_cpu computes it) is finite.\n"
       "grad: contiguous CPU float32, float16 or bfloat16 array.");
+  m.def("default_rates", [] { return rates_dict(tiering::Rates{}); },
+        "The update-phase PerfModel's default rates (bytes/s, params/s, bytes/param), keyed by field.");
+  m.def("plan_update", &plan_update, "subgroup_params"_a, "policy"_a = "auto", "rates"_a = nb::none(),
+        "static_fraction"_a = 0.2, "k"_a = 2.0, "low_precision_bytes"_a = 2, "grads_on_host"_a = true,
+        "gpu_slot_limit"_a = 3, "gpu_static_limit"_a = 0,
+        "The PerfModel's update-phase plan for `policy` (cpu, static, interleaved, auto).\n\n"
+        "`rates` overrides any of default_rates(). Returns policy, placement (one letter per subgroup:\n"
+        "c CPU, g streamed GPU, s GPU-static), k, gpu_slots, gpu_streamed, static_residents and the\n"
+        "prediction (total_ns, bound_ns, per-resource busy ns, busiest, bytes moved).");
+  m.def("predict_update", &predict_update, "subgroup_params"_a, "placement"_a, "rates"_a = nb::none(),
+        "low_precision_bytes"_a = 2, "grads_on_host"_a = true, "gpu_slot_limit"_a = 3,
+        "The PerfModel's predicted update phase for `placement` (one letter per subgroup: c, g, s).");
 }

@@ -1,13 +1,14 @@
-"""The ``memtide`` command line: ``memtide info`` and ``memtide run`` (training, or ``--trace``)."""
+"""The ``memtide`` command line: ``memtide info``, ``memtide run`` (training, or ``--trace``) and ``memtide plan``."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import math
 import platform
 import sys
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import memtide
 from memtide import train_job
@@ -73,16 +74,6 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     if value > _INT_MAX:
         raise argparse.ArgumentTypeError(f"must be at most {_INT_MAX}, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value}")
     return value
 
 
@@ -237,6 +228,255 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- plan ---------------------------------------------------------------------------------------
+
+# Optimizer state per param in host memory: fp32 params, exp_avg, exp_avg_sq and gradients.
+_HOST_STATE_BYTES = 16
+# Model memory that stays on the GPU all iteration: 16-bit params and 16-bit grads.
+_GPU_PERSISTENT_BYTES = 4
+# One GPU slot (or static resident) holds a subgroup's fp32 params, exp_avg, exp_avg_sq and grads.
+_SLOT_BYTES_PER_PARAM = 16
+# The model never uses more than three streaming slots (prefetch, update, flush).
+_USEFUL_SLOTS = 3
+
+
+_COUNT_SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_SIZE_UNITS = {
+    "": 1, "B": 1,
+    "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+
+# Where the defaults come from: the Deep Optimizer States testbed, per H100 (4 per node).
+_DEFAULTS_NOTE = (
+    "defaults: the Deep Optimizer States H100 testbed, per GPU (PCIe Gen5 ~55 GB/s each way pinned; "
+    "CPU update ~8 G params/s per node of 4 GPUs = 2 per GPU; host DRAM of one socket ~220 GB/s; "
+    "80 GiB HBM3; 512 GB host memory); memtide fuses the fp32->16-bit downscale into the CPU step. "
+    "Flags override."
+)
+
+
+def _split_number(text: str):
+    """'20B' -> (20.0, 'B'); '1.5GiB' -> (1.5, 'GIB'); '20e9' -> (2e10, '')."""
+    t = text.strip()
+    i = len(t)
+    while i > 0 and t[i - 1].isalpha():
+        i -= 1
+    # '20e9' ends in a digit; '2e' alone is no number and falls through to the float() error.
+    number, unit = t[:i], t[i:].upper()
+    if unit == "E":
+        number, unit = t, ""
+    return float(number), unit
+
+
+def _param_count(text: str) -> int:
+    """Parameters: 7000000000, 20e9, 20B, 1.5T, 100M, 350k."""
+    try:
+        number, unit = _split_number(text)
+        scale = _COUNT_SUFFIXES[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count; expected e.g. 20e9, 20B, 100M, 1.5T") from None
+    value = number * scale
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 parameter, got {text!r}")
+    return int(round(value))
+
+
+def _size(text: str) -> int:
+    """Bytes: 80GiB, 512GB, 1.5TiB, 4096."""
+    try:
+        number, unit = _split_number(text)
+        scale = _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; expected e.g. 80GiB, 512GB, 1.5TiB or a number of bytes") from None
+    value = number * scale
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a size >= 0, got {text!r}")
+    return int(round(value))
+
+
+def _positive_size(text: str) -> int:
+    value = _size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return value
+
+
+def _float(text: str, minimum: float, inclusive: bool, maximum: Optional[float] = None) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    ok = math.isfinite(value) and (value >= minimum if inclusive else value > minimum)
+    if maximum is not None:
+        ok = ok and value <= maximum
+    if not ok:
+        lo = f"{'>=' if inclusive else '>'} {minimum:g}"
+        accepted = f"a number {lo}" + (f" and <= {maximum:g}" if maximum is not None else "")
+        raise argparse.ArgumentTypeError(f"must be {accepted}, got {text!r}")
+    return value
+
+
+def _rate(text: str) -> float:
+    return _float(text, 0.0, inclusive=False)
+
+
+def _rate_or_zero(text: str) -> float:
+    return _float(text, 0.0, inclusive=True)
+
+
+def _fraction(text: str) -> float:
+    return _float(text, 0.0, inclusive=True, maximum=1.0)
+
+
+def _stride(text: str) -> float:
+    return _float(text, 0.0, inclusive=True)
+
+
+class PlanError(Exception):
+    """The machine cannot run the workload as asked (exit 1, message only)."""
+
+
+def _subgroups(params: int, size: int) -> List[int]:
+    full, rest = divmod(params, size)
+    return [size] * full + ([rest] if rest else [])
+
+
+def _plan(args: argparse.Namespace) -> Dict[str, Any]:
+    defaults = memtide.default_rates()
+    rates = dict(defaults)
+    flag_rates = {
+        "h2d": ("h2d_bytes_per_s", 1e9), "d2h": ("d2h_bytes_per_s", 1e9),
+        "cpu_update": ("cpu_update_params_per_s", 1e9), "gpu_update": ("gpu_update_params_per_s", 1e9),
+        "cpu_downscale": ("cpu_downscale_params_per_s", 1e9), "dram": ("host_dram_bytes_per_s", 1e9),
+    }
+    overridden = []
+    for flag, (key, scale) in flag_rates.items():
+        value = getattr(args, flag)
+        if value is not None:
+            rates[key] = value * scale
+            overridden.append("--" + flag.replace("_", "-"))
+
+    params = args.params
+    sizes = _subgroups(params, args.subgroup_size)
+    n = len(sizes)
+
+    host_state = _HOST_STATE_BYTES * params
+    if host_state > args.host_mem:
+        raise PlanError(
+            f"the optimizer state of {_format_count(params)} params needs {format_bytes(host_state)} of host "
+            f"memory ({_HOST_STATE_BYTES} B/param: fp32 params, exp_avg, exp_avg_sq, grads), but --host-mem is "
+            f"{format_bytes(args.host_mem)}: an NVMe tier is needed for this model (not planned here)")
+    persistent = _GPU_PERSISTENT_BYTES * params
+    if persistent + args.margin > args.gpu_mem:
+        raise PlanError(
+            f"the 16-bit params and grads of {_format_count(params)} params ({format_bytes(persistent)}) plus the "
+            f"margin ({format_bytes(args.margin)}) do not fit in --gpu-mem {format_bytes(args.gpu_mem)}: "
+            f"the model needs a layer window (parameters offloaded too), which this planner does not cover")
+    headroom = args.gpu_mem - persistent - args.margin
+    slot_bytes = _SLOT_BYTES_PER_PARAM * args.subgroup_size
+    slots = headroom // slot_bytes
+    used_by_slots = min(slots, _USEFUL_SLOTS) * slot_bytes
+    static_limit = min((headroom - used_by_slots) // slot_bytes, n)
+
+    policies = {}
+    for name in _POLICIES:
+        plan = memtide.plan_update(
+            sizes, policy=name, rates=rates, static_fraction=args.static_fraction, k=args.k,
+            gpu_slot_limit=slots, gpu_static_limit=static_limit)
+        pred = plan["prediction"]
+        seconds = pred["total_ns"] / 1e9
+        policies[name] = {
+            "k": plan["k"],
+            "gpu_streamed": plan["gpu_streamed"],
+            "static_residents": plan["static_residents"],
+            "gpu_slots": plan["gpu_slots"],
+            "predicted_update_s": seconds,
+            "bound_s": pred["bound_ns"] / 1e9,
+            "throughput_params_per_s": params / seconds if seconds > 0 else 0.0,
+            "busiest": pred["busiest"],
+            "busy_s": {r: pred[f"{r}_ns"] / 1e9 for r in ("cpu", "gpu", "h2d", "d2h", "dram")},
+            "placement": plan["placement"],
+        }
+    chosen = policies[args.policy]
+    return {
+        "params": params,
+        "subgroups": n,
+        "subgroup_size": args.subgroup_size,
+        "policy": args.policy,
+        "k": chosen["k"],
+        "static_residents": chosen["static_residents"],
+        "gpu_slots": chosen["gpu_slots"],
+        "predicted_update_s": chosen["predicted_update_s"],
+        "throughput_params_per_s": chosen["throughput_params_per_s"],
+        "busiest": chosen["busiest"],
+        "gpu": {
+            "memory": args.gpu_mem, "persistent": persistent, "margin": args.margin, "headroom": headroom,
+            "slot_bytes": slot_bytes, "slot_limit": slots, "static_limit": static_limit,
+        },
+        "host": {"memory": args.host_mem, "optimizer_state": host_state},
+        "rates": rates,
+        "overridden": overridden,
+        "defaults": _DEFAULTS_NOTE,
+        "policies": policies,
+    }
+
+
+def _print_plan(result: Dict[str, Any]) -> None:
+    g, h, r = result["gpu"], result["host"], result["rates"]
+    sizes = _subgroups(result["params"], result["subgroup_size"])
+    last = "" if sizes[-1] == sizes[0] else f", last {_format_count(sizes[-1])}"
+    print(f"model     {_format_count(result['params'])} params in {result['subgroups']} subgroups of "
+          f"{_format_count(result['subgroup_size'])}{last}")
+    print(f"GPU       {format_bytes(g['memory'])}: {format_bytes(g['persistent'])} 16-bit params + grads, margin "
+          f"{format_bytes(g['margin'])}, update headroom {format_bytes(g['headroom'])}")
+    print(f"          = {g['slot_limit']} slot(s) of {format_bytes(g['slot_bytes'])} (fp32 p, m, v, grad; "
+          f"up to {_USEFUL_SLOTS} used for streaming), up to {g['static_limit']} static resident(s) "
+          f"(activations not counted)")
+    print(f"host      {format_bytes(h['memory'])}: optimizer state {format_bytes(h['optimizer_state'])} fits")
+    downscale = ("fused into the CPU step" if r["cpu_downscale_params_per_s"] == 0
+                 else f"{r['cpu_downscale_params_per_s'] / 1e9:.2f} G params/s")
+    print(f"rates     H2D {r['h2d_bytes_per_s'] / 1e9:.1f} GB/s, D2H {r['d2h_bytes_per_s'] / 1e9:.1f} GB/s, "
+          f"CPU update {r['cpu_update_params_per_s'] / 1e9:.2f} G params/s, GPU update "
+          f"{r['gpu_update_params_per_s'] / 1e9:.1f} G params/s, downscale {downscale}, host DRAM "
+          f"{r['host_dram_bytes_per_s'] / 1e9:.0f} GB/s ({r['cpu_dram_bytes_per_param']:.0f} B/param per CPU update)")
+    note = result["defaults"]
+    if result["overridden"]:
+        note += f" Overridden here: {', '.join(result['overridden'])}."
+    print(f"          ({note})")
+    print()
+    print(f"{'policy':<13} {'k':>6}  {'GPU streamed':>12}  {'static':>6}  {'slots':>5}  {'update':>9}  "
+          f"{'bound':>9}  {'throughput':>16}  busiest")
+    for name, p in result["policies"].items():
+        k = f"{p['k']:.3f}" if p["k"] > 0 else "-"
+        marker = " *" if name == result["policy"] else ""
+        print(f"{name:<13} {k:>6}  {p['gpu_streamed']:>12}  {p['static_residents']:>6}  {p['gpu_slots']:>5}  "
+              f"{_format_duration(p['predicted_update_s'] * 1e9):>9}  {_format_duration(p['bound_s'] * 1e9):>9}  "
+              f"{_format_count(p['throughput_params_per_s']) + ' params/s':>16}  {p['busiest']}{marker}")
+    chosen = result["policies"][result["policy"]]
+    print()
+    print(f"{result['policy']}: k = {chosen['k']:.3f} (one in every k streamed subgroups on the GPU), "
+          f"{chosen['static_residents']} static resident(s), {chosen['gpu_slots']} GPU slot(s); predicted update "
+          f"{_format_duration(chosen['predicted_update_s'] * 1e9)}, {_format_count(chosen['throughput_params_per_s'])}"
+          f" params/s; busiest resource: {chosen['busiest']}")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        result = _plan(args)
+    except PlanError as e:
+        _error(e)
+        return EXIT_FAILURE
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    else:
+        _print_plan(result)
+    return 0
+
+
 def _print_train(r: Dict[str, Any]) -> None:
     m, o, u = r["model"], r["optimizer"], r["update"]
     print()
@@ -299,6 +539,43 @@ class _UsageError(ValueError):
     """A combination of flags that argparse cannot check on its own."""
 
 
+def _add_plan_parser(sub) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="plan the optimizer update phase (CPU/GPU placement of subgroups) with the PerfModel",
+        description="Predicts the optimizer update phase for every policy (cpu, static, "
+        "interleaved, auto) with memtide's PerfModel and prints the plans. " + _DEFAULTS_NOTE,
+    )
+    plan.add_argument("--params", type=_param_count, default=20_000_000_000, metavar="N",
+                      help="parameters this GPU's optimizer updates, e.g. 20e9 or 20B (default: 20B, GPT-NeoX-20B)")
+    plan.add_argument("--subgroup-size", type=_param_count, default=100_000_000, metavar="N",
+                      help="parameters per optimizer subgroup (default: 100M, as in the paper)")
+    plan.add_argument("--gpu-mem", type=_positive_size, default=80 * 2**30, metavar="SIZE",
+                      help="GPU memory, e.g. 80GiB (default: 80GiB)")
+    plan.add_argument("--host-mem", type=_positive_size, default=512 * 10**9, metavar="SIZE",
+                      help="host memory for optimizer state, e.g. 512GB (default: 512GB)")
+    plan.add_argument("--margin", type=_size, default=2 * 2**30, metavar="SIZE",
+                      help="GPU memory kept free: CUDA context, workspaces, fragmentation (default: 2GiB)")
+    plan.add_argument("--h2d", type=_rate, default=None, metavar="GB/s", help="pinned host-to-device rate")
+    plan.add_argument("--d2h", type=_rate, default=None, metavar="GB/s", help="pinned device-to-host rate")
+    plan.add_argument("--cpu-update", type=_rate, default=None, metavar="G/s",
+                      help="CPU optimizer step, G params/s (U_c)")
+    plan.add_argument("--gpu-update", type=_rate, default=None, metavar="G/s",
+                      help="GPU optimizer step, G params/s (U_g)")
+    plan.add_argument("--cpu-downscale", type=_rate_or_zero, default=None, metavar="G/s",
+                      help="separate fp32->16-bit pass on the CPU, G params/s (D_c); 0 = fused into the step")
+    plan.add_argument("--dram", type=_rate, default=None, metavar="GB/s",
+                      help="host DRAM bandwidth shared by CPU updates and DMA")
+    plan.add_argument("--static-fraction", type=_fraction, default=0.2, metavar="F",
+                      help="GPU-resident share for the static policy (default: 0.2)")
+    plan.add_argument("--k", type=_stride, default=2.0, metavar="K",
+                      help="stride for the interleaved policy: one in every K subgroups on the GPU (default: 2)")
+    plan.add_argument("--policy", choices=_POLICIES, default="auto",
+                      help="the plan reported at the top level (default: auto); all are printed")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of text")
+    plan.set_defaults(func=_cmd_plan)
+
+
 # ---- main ---------------------------------------------------------------------------------------
 
 
@@ -340,6 +617,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="device backend (default: MEMTIDE_DEVICE, else auto); sim trains on CPU tensors")
     run.add_argument("--json", action="store_true", help="print JSON instead of text")
     run.set_defaults(func=_cmd_run)
+
+    _add_plan_parser(sub)
     return parser
 
 

@@ -7,6 +7,21 @@
 /// updates and DMA, (c) how many GPU slots fit in the update-phase headroom, and (d) separate H2D
 /// and D2H rates. It predicts the update time of any placement; the planner searches placements.
 /// Its yardstick is the resource bound: the busiest resource's time (CPU, GPU, H2D, D2H, DRAM).
+///
+/// `predict` walks the subgroups as the UpdateScheduler runs them (Algorithm 1, extended) on a
+/// virtual clock, so its total adds what the bound misses (pipeline fill and drain, DRAM
+/// contention, too few GPU slots). The walk assumes this schedule:
+/// - the CPU updates its subgroups one after another in update order; each one's low-precision
+///   params go H2D as soon as it is done;
+/// - GPU inputs (streamed state 12 B/param, plus 4 B/param of fp32 grads when they are on the
+///   host; a static resident's host grads) are issued in update order on one H2D stream; a
+///   streamed input waits for a free GPU slot (a slot is freed when its subgroup's flush ends);
+/// - the GPU updates its subgroups (streamed and static) in update order, each once its input
+///   is on the device; streamed ones are flushed D2H (12 B/param) in the same order;
+/// - each copy engine serves copies in the order they became ready (GPU input first on a tie);
+/// - DMA takes the host DRAM bandwidth it needs first; the CPU update runs at
+///   min(U_c, DRAM left / bytes per param) (the paper's model has no contention term).
+/// Cost: O(n) time and memory per `predict`; deterministic (no clocks, no randomness).
 
 #include <cstddef>
 #include <string>
@@ -42,6 +57,8 @@ struct Prediction {
   double bound_ns = 0;  ///< the busiest resource's time: no schedule of this placement beats it
   double cpu_ns = 0, gpu_ns = 0, h2d_ns = 0, d2h_ns = 0, dram_ns = 0;
   std::string busiest;  ///< "cpu", "gpu", "h2d", "d2h" or "dram"
+  double h2d_bytes = 0, d2h_bytes = 0;  ///< bytes each copy engine moves
+  double dram_bytes = 0;                ///< host DRAM traffic: CPU updates plus all DMA
 };
 
 /// A placement for one update phase.
@@ -52,15 +69,36 @@ struct Plan {
   std::size_t gpu_slots = 0;         ///< GPU buffers the scheduler takes for streamed subgroups
   std::size_t static_residents = 0;
   Prediction prediction;
+  std::size_t gpu_streamed = 0;      ///< subgroups placed Placement::gpu
 };
 
+/// Stateless and cheap to copy; safe to use from several threads at once.
 class PerfModel {
  public:
   /// Update time of `placement` (one entry per subgroup) under `rates`.
+  /// Throws InvalidArgument (naming the field) for a non-positive or NaN rate, an empty workload,
+  /// a zero-size subgroup, a placement of the wrong length, or streamed GPU subgroups when
+  /// `work.gpu_slot_limit` is 0.
   [[nodiscard]] Prediction predict(const Workload& work, const Rates& rates,
                                    const std::vector<Placement>& placement) const;
   /// The plan `policy` gives. `static_fraction` is the GPU-resident share for static_split;
   /// `k` is the stride for interleaved.
+  ///
+  /// - cpu: every subgroup on the CPU.
+  /// - static_split: round(static_fraction * n) static residents (last), capped by
+  ///   `work.gpu_static_limit`; the rest on the CPU.
+  /// - interleaved: `interleave(n, k, 0)`; with `work.gpu_slot_limit` 0 nothing can be streamed,
+  ///   so the plan degrades to all-CPU (k = 0).
+  /// - automatic: the lowest predicted total over every stride that gives a distinct GPU count
+  ///   (k = s / n_gpu for n_gpu = 0..s, s = subgroups not static) and every static count up to
+  ///   `work.gpu_static_limit`, plus the plans the other policies give for the same arguments,
+  ///   so it is never predicted worse than them. Ties go to fewer GPU subgroups. Per static
+  ///   count the search starts at the GPU count with the lowest bound and walks outwards only
+  ///   while a placement's bound is below the best total so far (few walks per plan); over 32
+  ///   static counts are searched coarse to fine.
+  /// `gpu_slots` is min(gpu_slot_limit, 3) when anything is streamed, else 0.
+  /// Throws InvalidArgument as `predict` does, and for static_fraction outside [0, 1] or a
+  /// negative or NaN k.
   [[nodiscard]] Plan plan(const Workload& work, const Rates& rates, Policy policy,
                           double static_fraction = 0.2, double k = 2) const;
 };

@@ -1,0 +1,431 @@
+#include "memtide/tiering/perf_model.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "memtide/core/error.hpp"
+
+using namespace memtide::tiering;
+
+namespace {
+
+constexpr std::size_t k100M = 100'000'000;
+
+// The paper's V100 check of Eq. 1 (section 5.4): B = 3 G fp32 params/s each way (12 GB/s),
+// U_g = 35, U_c = 2, D_c = 8.7 G params/s. Eq. 1 has no DRAM term and keeps the gradients of
+// GPU-updated subgroups on the GPU.
+Rates paper_v100() {
+  Rates r;
+  r.h2d_bytes_per_s = 3e9 * 4;
+  r.d2h_bytes_per_s = 3e9 * 4;
+  r.gpu_update_params_per_s = 35e9;
+  r.cpu_update_params_per_s = 2e9;
+  r.cpu_downscale_params_per_s = 8.7e9;
+  r.host_dram_bytes_per_s = 1e18;
+  return r;
+}
+
+Workload uniform(std::size_t n, std::size_t params = k100M) {
+  Workload w;
+  w.subgroup_params.assign(n, params);
+  return w;
+}
+
+std::size_t gpu_count(const Plan& p) { return p.gpu_streamed + p.static_residents; }
+
+double max_resource(const Prediction& p) { return std::max({p.cpu_ns, p.gpu_ns, p.h2d_ns, p.d2h_ns, p.dram_ns}); }
+
+// The paper's k CPU : 1 GPU pattern is interleave()'s stride k + 1.
+std::vector<Placement> paper_pattern(std::size_t n, int cpu_per_gpu) {
+  return interleave(n, static_cast<double>(cpu_per_gpu + 1), 0);
+}
+
+TEST(PerfModel, PaperEq1StrideOnV100) {
+  const Rates r = paper_v100();
+  const double B = r.h2d_bytes_per_s / 4;  // fp32 params per second
+  const double eq1 = (3 / B + 1 / r.gpu_update_params_per_s) /
+                     (1 / r.cpu_update_params_per_s + 1 / r.cpu_downscale_params_per_s - 1 / (2 * B));
+  ASSERT_EQ(std::lround(eq1), 2) << "Eq. 1 gives k = " << eq1;
+
+  Workload w = uniform(72);
+  w.grads_on_host = false;
+  const PerfModel model;
+  int best = 0;
+  double best_ns = std::numeric_limits<double>::infinity();
+  for (int k = 1; k <= 8; ++k) {
+    const Prediction p = model.predict(w, r, paper_pattern(72, k));
+    if (p.total_ns < best_ns) {
+      best_ns = p.total_ns;
+      best = k;
+    }
+  }
+  EXPECT_EQ(best, std::lround(eq1));
+}
+
+TEST(PerfModel, SingleSubgroupTimesAreSerial) {
+  Rates r;
+  r.host_dram_bytes_per_s = 1e18;  // no contention: the expected times are plain sums
+  const PerfModel model;
+  Workload w = uniform(1);
+  const double p = static_cast<double>(k100M);
+
+  const Prediction cpu = model.predict(w, r, {Placement::cpu});
+  const double cpu_expected = p / r.cpu_update_params_per_s + 2 * p / r.h2d_bytes_per_s;
+  EXPECT_NEAR(cpu.total_ns, cpu_expected * 1e9, 1e-6 * cpu_expected * 1e9);
+  EXPECT_DOUBLE_EQ(cpu.h2d_bytes, 2 * p);
+  EXPECT_DOUBLE_EQ(cpu.d2h_bytes, 0);
+
+  const Prediction gpu = model.predict(w, r, {Placement::gpu});
+  const double gpu_expected = 16 * p / r.h2d_bytes_per_s + p / r.gpu_update_params_per_s + 12 * p / r.d2h_bytes_per_s;
+  EXPECT_NEAR(gpu.total_ns, gpu_expected * 1e9, 1e-6 * gpu_expected * 1e9);
+
+  w.grads_on_host = false;
+  const Prediction st = model.predict(w, r, {Placement::gpu_static});
+  EXPECT_NEAR(st.total_ns, p / r.gpu_update_params_per_s * 1e9, 1.0);
+  EXPECT_DOUBLE_EQ(st.h2d_bytes, 0);
+}
+
+TEST(PerfModel, CountsBytesPerPlacement) {
+  Rates r;
+  r.cpu_downscale_params_per_s = 0;
+  Workload w;
+  w.subgroup_params = {100, 200, 300, 400};
+  w.low_precision_bytes = 2;
+  w.grads_on_host = true;
+  const std::vector<Placement> placement = {Placement::cpu, Placement::gpu, Placement::cpu, Placement::gpu_static};
+  const Prediction p = PerfModel{}.predict(w, r, placement);
+  const double cpu = 100 + 300, streamed = 200, statics = 400;
+  EXPECT_DOUBLE_EQ(p.h2d_bytes, 2 * cpu + 16 * streamed + 4 * statics);
+  EXPECT_DOUBLE_EQ(p.d2h_bytes, 12 * streamed);
+  EXPECT_DOUBLE_EQ(p.dram_bytes, r.cpu_dram_bytes_per_param * cpu + p.h2d_bytes + p.d2h_bytes);
+  EXPECT_DOUBLE_EQ(p.cpu_ns, cpu / r.cpu_update_params_per_s * 1e9);
+  EXPECT_DOUBLE_EQ(p.gpu_ns, (streamed + statics) / r.gpu_update_params_per_s * 1e9);
+
+  // A separate downscale pass costs CPU time; the fused step does not.
+  r.cpu_downscale_params_per_s = 8e9;
+  const Prediction q = PerfModel{}.predict(w, r, placement);
+  EXPECT_DOUBLE_EQ(q.cpu_ns, cpu * (1 / r.cpu_update_params_per_s + 1 / r.cpu_downscale_params_per_s) * 1e9);
+  EXPECT_GT(q.dram_bytes, p.dram_bytes);
+}
+
+TEST(PerfModel, BoundIsBusiestResourceAndNeverAboveTotal) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> place(0, 2);
+  std::uniform_int_distribution<std::size_t> size(1'000'000, 200'000'000);
+  std::uniform_real_distribution<double> scale(0.25, 4.0);
+  const PerfModel model;
+  for (int trial = 0; trial < 200; ++trial) {
+    Rates r;
+    r.h2d_bytes_per_s *= scale(rng);
+    r.d2h_bytes_per_s *= scale(rng);
+    r.cpu_update_params_per_s *= scale(rng);
+    r.gpu_update_params_per_s *= scale(rng);
+    r.host_dram_bytes_per_s *= scale(rng) / 2;
+    if (trial % 3 == 0) r.cpu_downscale_params_per_s = 8e9 * scale(rng);
+    Workload w;
+    const std::size_t n = 1 + static_cast<std::size_t>(trial % 40);
+    std::vector<Placement> placement;
+    for (std::size_t i = 0; i < n; ++i) {
+      w.subgroup_params.push_back(size(rng));
+      placement.push_back(static_cast<Placement>(place(rng)));
+    }
+    w.grads_on_host = trial % 2 == 0;
+    w.gpu_slot_limit = 1 + static_cast<std::size_t>(trial % 4);
+    const Prediction p = model.predict(w, r, placement);
+    EXPECT_DOUBLE_EQ(p.bound_ns, max_resource(p));
+    EXPECT_LE(p.bound_ns, p.total_ns) << "trial " << trial;
+    EXPECT_TRUE(std::isfinite(p.total_ns));
+  }
+}
+
+TEST(PerfModel, BusiestNamesTheResource) {
+  Rates r;
+  const PerfModel model;
+  const Workload w = uniform(10);
+  EXPECT_EQ(model.predict(w, r, interleave(10, 0, 0)).busiest, "cpu");
+  r.cpu_update_params_per_s = 1e12;
+  r.host_dram_bytes_per_s = 1e9;
+  EXPECT_EQ(model.predict(w, r, interleave(10, 0, 0)).busiest, "dram");
+  r = Rates{};
+  EXPECT_EQ(model.predict(w, r, interleave(10, 1, 0)).busiest, "h2d");
+  r.d2h_bytes_per_s = 1e9;
+  EXPECT_EQ(model.predict(w, r, interleave(10, 1, 0)).busiest, "d2h");
+  r = Rates{};
+  r.gpu_update_params_per_s = 1e6;
+  EXPECT_EQ(model.predict(w, r, interleave(10, 1, 0)).busiest, "gpu");
+}
+
+TEST(PerfModel, DramContentionSlowsTheCpu) {
+  // DRAM with room for the CPU update alone but not for it and full-duplex DMA together: the
+  // total DRAM traffic is not the bottleneck, the overlap is.
+  Rates r;
+  r.host_dram_bytes_per_s = 2 * r.cpu_update_params_per_s * r.cpu_dram_bytes_per_param;
+  Rates ample = r;
+  ample.host_dram_bytes_per_s = 1e18;
+  const Workload w = uniform(12);
+  const auto placement = interleave(12, 3, 0);
+  const PerfModel model;
+  const Prediction tight = model.predict(w, r, placement);
+  const Prediction loose = model.predict(w, ample, placement);
+  ASSERT_EQ(tight.busiest, "cpu");
+  ASSERT_EQ(loose.busiest, "cpu");
+  EXPECT_DOUBLE_EQ(tight.bound_ns, loose.bound_ns);
+  EXPECT_GT(tight.total_ns, loose.total_ns * 1.02);
+}
+
+TEST(PerfModel, FillAndDrainAreCounted) {
+  // All on the GPU: nothing overlaps the first prefetch or the last flush, so the walk must
+  // exceed the bound by at least those two.
+  Rates r;
+  const Workload w = uniform(8);
+  const Prediction p = PerfModel{}.predict(w, r, interleave(8, 1, 0));
+  const double p1 = static_cast<double>(k100M);
+  const double fill = 16 * p1 / r.h2d_bytes_per_s * 1e9;
+  const double drain = 12 * p1 / r.d2h_bytes_per_s * 1e9;
+  EXPECT_GE(p.total_ns, p.h2d_ns + drain * (1 - 1e-9));
+  EXPECT_GE(p.total_ns, fill + p.d2h_ns * (1 - 1e-9));
+}
+
+TEST(PerfModel, MoreSlotsNeverWorse) {
+  const PerfModel model;
+  for (const Rates& r : {Rates{}, paper_v100()}) {
+    for (double k : {1.0, 1.5, 2.0, 3.0}) {
+      Workload w = uniform(30);
+      double previous = std::numeric_limits<double>::infinity();
+      for (std::size_t slots = 1; slots <= 5; ++slots) {
+        w.gpu_slot_limit = slots;
+        const Prediction p = model.predict(w, r, interleave(30, k, 2));
+        EXPECT_LE(p.total_ns, previous * (1 + 1e-12)) << "k " << k << ", slots " << slots;
+        previous = p.total_ns;
+      }
+    }
+    Workload w = uniform(30);
+    double previous = std::numeric_limits<double>::infinity();
+    for (std::size_t slots = 0; slots <= 5; ++slots) {
+      w.gpu_slot_limit = slots;
+      const Plan plan = model.plan(w, r, Policy::automatic);
+      EXPECT_LE(plan.prediction.total_ns, previous * (1 + 1e-12)) << "slots " << slots;
+      previous = plan.prediction.total_ns;
+    }
+  }
+}
+
+TEST(PerfModel, OneSlotSerializesPrefetchUpdateFlush) {
+  Rates r;
+  Workload w = uniform(6);
+  w.gpu_slot_limit = 1;
+  const Prediction p = PerfModel{}.predict(w, r, interleave(6, 1, 0));
+  const double p1 = static_cast<double>(k100M);
+  const double one = (16 * p1 / r.h2d_bytes_per_s + p1 / r.gpu_update_params_per_s + 12 * p1 / r.d2h_bytes_per_s) * 1e9;
+  EXPECT_NEAR(p.total_ns, 6 * one, 1e-6 * 6 * one);
+}
+
+TEST(PerfModel, ZeroSlotsMeansNoStreamedGpu) {
+  Rates r;
+  Workload w = uniform(20);
+  w.gpu_slot_limit = 0;
+  w.gpu_static_limit = 4;
+  const PerfModel model;
+  EXPECT_THROW((void)model.predict(w, r, interleave(20, 2, 0)), memtide::InvalidArgument);
+  EXPECT_NO_THROW((void)model.predict(w, r, interleave(20, 0, 4)));
+  for (Policy policy : {Policy::cpu, Policy::static_split, Policy::interleaved, Policy::automatic}) {
+    const Plan plan = model.plan(w, r, policy, 0.2, 2);
+    EXPECT_EQ(plan.gpu_streamed, 0U);
+    EXPECT_EQ(plan.gpu_slots, 0U);
+    for (Placement p : plan.placement) EXPECT_NE(p, Placement::gpu);
+  }
+}
+
+TEST(PerfModel, FasterCpuSendsFewerSubgroupsToTheGpu) {
+  const PerfModel model;
+  Workload w = uniform(60);
+  w.gpu_static_limit = 4;
+  std::size_t previous = w.subgroup_params.size() + 1;
+  for (double uc : {0.25e9, 0.5e9, 1e9, 2e9, 4e9, 8e9, 16e9, 64e9}) {
+    Rates r;
+    r.cpu_update_params_per_s = uc;
+    const Plan plan = model.plan(w, r, Policy::automatic);
+    EXPECT_LE(gpu_count(plan), previous) << "U_c " << uc;
+    previous = gpu_count(plan);
+  }
+  EXPECT_LT(previous, w.subgroup_params.size());
+}
+
+TEST(PerfModel, AutomaticNeverWorseThanOtherPolicies) {
+  const PerfModel model;
+  Rates fast_cpu;
+  fast_cpu.cpu_update_params_per_s = 12e9;
+  Rates tight_dram;
+  tight_dram.host_dram_bytes_per_s = 70e9;
+  Rates slow_link;
+  slow_link.h2d_bytes_per_s = 12e9;
+  slow_link.d2h_bytes_per_s = 6e9;
+  for (const Rates& r : {Rates{}, paper_v100(), fast_cpu, tight_dram, slow_link}) {
+    for (std::size_t statics : {0, 3, 50}) {
+      Workload w = uniform(40);
+      w.subgroup_params.back() = 37'000'000;  // a partial last subgroup
+      w.gpu_static_limit = statics;
+      for (double f : {0.0, 0.5}) {
+        for (double k : {0.0, 1.5, 2.0, 3.0, 7.0}) {
+          const Plan best = model.plan(w, r, Policy::automatic, f, k);
+          for (Policy other : {Policy::cpu, Policy::static_split, Policy::interleaved}) {
+            const Plan p = model.plan(w, r, other, f, k);
+            EXPECT_LE(best.prediction.total_ns, p.prediction.total_ns * (1 + 1e-9))
+                << "policy " << static_cast<int>(other) << ", f " << f << ", k " << k << ", statics " << statics;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PerfModel, AutomaticMatchesExhaustiveSearch) {
+  // Every GPU count and static count, walked in full: the planner's pruned search must find
+  // the same minimum.
+  const PerfModel model;
+  Rates fast_cpu;
+  fast_cpu.cpu_update_params_per_s = 6e9;
+  Rates tight_dram;
+  tight_dram.host_dram_bytes_per_s = 80e9;
+  for (const Rates& r : {Rates{}, paper_v100(), fast_cpu, tight_dram}) {
+    for (std::size_t slots : {1, 2, 3}) {
+      Workload w = uniform(24);
+      w.subgroup_params.back() = 41'000'000;
+      w.gpu_static_limit = 4;
+      w.gpu_slot_limit = slots;
+      double best = std::numeric_limits<double>::infinity();
+      for (std::size_t statics = 0; statics <= 4; ++statics) {
+        const std::size_t s = 24 - statics;
+        for (std::size_t g = 0; g <= s; ++g) {
+          const double k = g == 0 ? 0 : static_cast<double>(s) / static_cast<double>(g);
+          best = std::min(best, model.predict(w, r, interleave(24, k, statics)).total_ns);
+        }
+      }
+      EXPECT_LE(model.plan(w, r, Policy::automatic).prediction.total_ns, best * (1 + 1e-9)) << "slots " << slots;
+    }
+  }
+}
+
+TEST(PerfModel, AutomaticPlanIsConsistent) {
+  const PerfModel model;
+  Workload w = uniform(50);
+  w.gpu_static_limit = 5;
+  const Plan plan = model.plan(w, Rates{}, Policy::automatic);
+  EXPECT_EQ(plan.policy, Policy::automatic);
+  ASSERT_EQ(plan.placement.size(), 50U);
+  // The scheduler may rebuild the placement from k and the static count.
+  EXPECT_EQ(plan.placement, interleave(50, plan.k, plan.static_residents));
+  EXPECT_GT(plan.gpu_streamed, 0U);
+  EXPECT_EQ(plan.gpu_slots, std::min<std::size_t>(w.gpu_slot_limit, 3));
+  EXPECT_LE(plan.static_residents, w.gpu_static_limit);
+  const Prediction again = model.predict(w, Rates{}, plan.placement);
+  EXPECT_EQ(again.total_ns, plan.prediction.total_ns);  // deterministic, bit for bit
+  // With H100-like rates well over half the subgroups are best updated on the GPU (DESIGN).
+  EXPECT_GT(gpu_count(plan) * 2, w.subgroup_params.size());
+}
+
+TEST(PerfModel, AutomaticSearchesLargeWorkloads) {
+  // Above the exhaustive sizes the search goes coarse to fine; it must still beat the others.
+  const PerfModel model;
+  Workload w = uniform(1500, 10'000'000);
+  w.gpu_static_limit = 100;
+  const Plan best = model.plan(w, Rates{}, Policy::automatic, 0.05, 2);
+  for (Policy other : {Policy::cpu, Policy::static_split, Policy::interleaved}) {
+    EXPECT_LE(best.prediction.total_ns, model.plan(w, Rates{}, other, 0.05, 2).prediction.total_ns * (1 + 1e-9));
+  }
+  // And it lands close to the resource bound of its own placement.
+  EXPECT_LT(best.prediction.total_ns, best.prediction.bound_ns * 1.05);
+}
+
+TEST(PerfModel, StaticSplitRespectsTheCap) {
+  const PerfModel model;
+  Workload w = uniform(20);
+  w.gpu_static_limit = 3;
+  Plan p = model.plan(w, Rates{}, Policy::static_split, 0.5);
+  EXPECT_EQ(p.static_residents, 3U);
+  EXPECT_EQ(p.gpu_streamed, 0U);
+  EXPECT_EQ(p.k, 0);
+  for (std::size_t i = 0; i < 20; ++i) {
+    EXPECT_EQ(p.placement[i], i >= 17 ? Placement::gpu_static : Placement::cpu) << i;  // residents last
+  }
+  w.gpu_static_limit = 100;
+  EXPECT_EQ(model.plan(w, Rates{}, Policy::static_split, 0.5).static_residents, 10U);
+  EXPECT_EQ(model.plan(w, Rates{}, Policy::static_split, 0.24).static_residents, 5U);
+  w.gpu_static_limit = 0;
+  EXPECT_EQ(model.plan(w, Rates{}, Policy::static_split, 1.0).static_residents, 0U);
+}
+
+TEST(PerfModel, InterleavedAndCpuPlans) {
+  const PerfModel model;
+  const Workload w = uniform(12);
+  const Plan cpu = model.plan(w, Rates{}, Policy::cpu);
+  EXPECT_EQ(cpu.placement, std::vector<Placement>(12, Placement::cpu));
+  EXPECT_EQ(cpu.k, 0);
+  EXPECT_EQ(cpu.gpu_slots, 0U);
+  const Plan inter = model.plan(w, Rates{}, Policy::interleaved, 0.2, 3);
+  EXPECT_EQ(inter.placement, interleave(12, 3, 0));
+  EXPECT_EQ(inter.gpu_streamed, 4U);
+  EXPECT_EQ(inter.k, 3);
+  EXPECT_EQ(inter.gpu_slots, 3U);
+}
+
+template <class F>
+void expect_invalid(const F& f, const std::string& field) {
+  try {
+    f();
+    ADD_FAILURE() << "no InvalidArgument for " << field;
+  } catch (const memtide::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+  }
+}
+
+TEST(PerfModel, RejectsBadInputs) {
+  const PerfModel model;
+  const Workload w = uniform(4);
+  const auto placement = interleave(4, 2, 0);
+  const double bad_values[] = {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()};
+  struct Field {
+    const char* name;
+    double Rates::*member;
+    bool zero_ok;
+  };
+  const Field fields[] = {
+      {"h2d_bytes_per_s", &Rates::h2d_bytes_per_s, false},
+      {"d2h_bytes_per_s", &Rates::d2h_bytes_per_s, false},
+      {"cpu_update_params_per_s", &Rates::cpu_update_params_per_s, false},
+      {"gpu_update_params_per_s", &Rates::gpu_update_params_per_s, false},
+      {"cpu_downscale_params_per_s", &Rates::cpu_downscale_params_per_s, true},
+      {"host_dram_bytes_per_s", &Rates::host_dram_bytes_per_s, false},
+      {"cpu_dram_bytes_per_param", &Rates::cpu_dram_bytes_per_param, true},
+  };
+  for (const Field& f : fields) {
+    for (double v : bad_values) {
+      if (v == 0.0 && f.zero_ok) continue;
+      Rates r;
+      r.*f.member = v;
+      expect_invalid([&] { (void)model.predict(w, r, placement); }, f.name);
+      expect_invalid([&] { (void)model.plan(w, r, Policy::automatic); }, f.name);
+    }
+  }
+  expect_invalid([&] { (void)model.predict(Workload{}, Rates{}, {}); }, "subgroup_params");
+  expect_invalid([&] { (void)model.plan(Workload{}, Rates{}, Policy::cpu); }, "subgroup_params");
+  Workload zero = uniform(3);
+  zero.subgroup_params[1] = 0;
+  expect_invalid([&] { (void)model.predict(zero, Rates{}, interleave(3, 0, 0)); }, "subgroup_params[1]");
+  expect_invalid([&] { (void)model.predict(w, Rates{}, interleave(3, 0, 0)); }, "placement");
+  expect_invalid([&] { (void)model.plan(w, Rates{}, Policy::static_split, 1.5); }, "static_fraction");
+  expect_invalid([&] { (void)model.plan(w, Rates{}, Policy::static_split, std::nan("")); }, "static_fraction");
+  expect_invalid([&] { (void)model.plan(w, Rates{}, Policy::interleaved, 0.2, -1); }, "k =");
+  expect_invalid([&] { (void)model.plan(w, Rates{}, Policy::interleaved, 0.2, std::nan("")); }, "k =");
+  Workload lp = uniform(4);
+  lp.low_precision_bytes = 0;
+  expect_invalid([&] { (void)model.predict(lp, Rates{}, placement); }, "low_precision_bytes");
+}
+
+}  // namespace

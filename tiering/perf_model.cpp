@@ -1,0 +1,502 @@
+#include "memtide/tiering/perf_model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <string>
+
+#include "memtide/core/assert.hpp"
+#include "memtide/core/error.hpp"
+
+namespace memtide::tiering {
+namespace {
+
+constexpr double kStateBytesPerParam = 12;  // fp32 param, exp_avg, exp_avg_sq
+constexpr double kGradBytesPerParam = 4;    // fp32 gradient
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// The walk never hands out more slots than this: a fourth buffer has nothing left to overlap.
+constexpr std::size_t kUsefulSlots = 3;
+
+std::string show(double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+void require_rate(const char* field, double v) {
+  if (!(v > 0) || !std::isfinite(v)) {
+    throw InvalidArgument(std::string("PerfModel: rates.") + field + " = " + show(v) +
+                          " is not accepted: expected a positive, finite number");
+  }
+}
+
+void require_non_negative(const char* field, double v) {
+  if (!(v >= 0) || !std::isfinite(v)) {
+    throw InvalidArgument(std::string("PerfModel: rates.") + field + " = " + show(v) +
+                          " is not accepted: expected a finite number >= 0");
+  }
+}
+
+void validate(const Workload& work, const Rates& r) {
+  require_rate("h2d_bytes_per_s", r.h2d_bytes_per_s);
+  require_rate("d2h_bytes_per_s", r.d2h_bytes_per_s);
+  require_rate("cpu_update_params_per_s", r.cpu_update_params_per_s);
+  require_rate("gpu_update_params_per_s", r.gpu_update_params_per_s);
+  require_non_negative("cpu_downscale_params_per_s", r.cpu_downscale_params_per_s);
+  require_rate("host_dram_bytes_per_s", r.host_dram_bytes_per_s);
+  require_non_negative("cpu_dram_bytes_per_param", r.cpu_dram_bytes_per_param);
+  if (work.subgroup_params.empty()) {
+    throw InvalidArgument("PerfModel: workload.subgroup_params is empty: expected at least one subgroup");
+  }
+  for (std::size_t i = 0; i < work.subgroup_params.size(); ++i) {
+    if (work.subgroup_params[i] == 0) {
+      throw InvalidArgument("PerfModel: workload.subgroup_params[" + std::to_string(i) +
+                            "] = 0 is not accepted: every subgroup needs at least one param");
+    }
+  }
+  if (work.low_precision_bytes == 0 || work.low_precision_bytes > 4) {
+    throw InvalidArgument("PerfModel: workload.low_precision_bytes = " + std::to_string(work.low_precision_bytes) +
+                          " is not accepted: expected 1 to 4");
+  }
+}
+
+// Per-subgroup costs, shared by the busy-time sums and the walk.
+struct Costs {
+  double cpu_s_per_param;       // update (+ separate downscale) on the CPU
+  double cpu_dram_per_param;    // host DRAM bytes the CPU moves per param
+  double lp_bytes_per_param;    // low-precision params sent H2D after a CPU update
+  double in_streamed_per_param; // H2D bytes into a GPU slot
+  double in_static_per_param;   // H2D bytes a static resident needs (host grads)
+  double out_per_param;         // D2H bytes of a flush
+
+  Costs(const Workload& w, const Rates& r) {
+    const bool separate_downscale = r.cpu_downscale_params_per_s > 0;
+    const double lp = static_cast<double>(w.low_precision_bytes);
+    cpu_s_per_param = 1 / r.cpu_update_params_per_s + (separate_downscale ? 1 / r.cpu_downscale_params_per_s : 0);
+    // A separate downscale pass reads the fp32 params again and writes the low-precision copy.
+    cpu_dram_per_param = r.cpu_dram_bytes_per_param + (separate_downscale ? kGradBytesPerParam + lp : 0);
+    lp_bytes_per_param = lp;
+    const double grads = w.grads_on_host ? kGradBytesPerParam : 0;
+    in_streamed_per_param = kStateBytesPerParam + grads;
+    in_static_per_param = grads;
+    out_per_param = kStateBytesPerParam;
+  }
+};
+
+// The busy time of each resource: the resource bound's ingredients.
+void busy_times(const Workload& w, const Rates& r, const Costs& c, const std::vector<Placement>& placement,
+                Prediction& out) {
+  double cpu_params = 0, gpu_params = 0, streamed_params = 0, static_params = 0;
+  for (std::size_t i = 0; i < placement.size(); ++i) {
+    const auto p = static_cast<double>(w.subgroup_params[i]);
+    switch (placement[i]) {
+      case Placement::cpu: cpu_params += p; break;
+      case Placement::gpu: streamed_params += p; gpu_params += p; break;
+      case Placement::gpu_static: static_params += p; gpu_params += p; break;
+    }
+  }
+  out.h2d_bytes = cpu_params * c.lp_bytes_per_param + streamed_params * c.in_streamed_per_param +
+                  static_params * c.in_static_per_param;
+  out.d2h_bytes = streamed_params * c.out_per_param;
+  out.dram_bytes = cpu_params * c.cpu_dram_per_param + out.h2d_bytes + out.d2h_bytes;
+  out.cpu_ns = cpu_params * c.cpu_s_per_param * 1e9;
+  out.gpu_ns = gpu_params / r.gpu_update_params_per_s * 1e9;
+  out.h2d_ns = out.h2d_bytes / r.h2d_bytes_per_s * 1e9;
+  out.d2h_ns = out.d2h_bytes / r.d2h_bytes_per_s * 1e9;
+  out.dram_ns = out.dram_bytes / r.host_dram_bytes_per_s * 1e9;
+  const std::pair<double, const char*> resources[] = {
+      {out.cpu_ns, "cpu"}, {out.gpu_ns, "gpu"}, {out.h2d_ns, "h2d"}, {out.d2h_ns, "d2h"}, {out.dram_ns, "dram"}};
+  out.bound_ns = 0;
+  out.busiest = "cpu";
+  for (const auto& [ns, name] : resources) {
+    if (ns > out.bound_ns) {
+      out.bound_ns = ns;
+      out.busiest = name;
+    }
+  }
+}
+
+// The pipeline walk: a fluid event simulation over four queues (CPU, H2D, GPU, D2H). Every task
+// becomes ready when another one completes, so the only events are completions: O(n) of them,
+// each handled in O(1).
+class Walk {
+ public:
+  Walk(const Workload& w, const Rates& r, const Costs& c, const std::vector<Placement>& placement,
+       std::size_t slots)
+      : w_(w), r_(r), c_(c), slots_(slots) {
+    for (std::size_t i = 0; i < placement.size(); ++i) {
+      if (placement[i] == Placement::cpu) {
+        cpu_tasks_.push_back(i);
+      } else {
+        gpu_tasks_.push_back({i, placement[i] == Placement::gpu});
+      }
+    }
+    lp_ready_at_.reserve(cpu_tasks_.size());
+    input_ready_at_.assign(gpu_tasks_.size(), kInf);
+    input_done_.assign(gpu_tasks_.size(), false);
+    flush_queue_.reserve(gpu_tasks_.size());
+    flush_done_at_.reserve(gpu_tasks_.size());
+  }
+
+  /// Runs every task; returns when the last one ends, in seconds.
+  double run() {
+    std::size_t guard = 8 * (cpu_tasks_.size() + gpu_tasks_.size()) + 16;
+    for (;;) {
+      start_ready();
+      if (!cpu_job_.active && !h2d_job_.active && !gpu_job_.active && !d2h_job_.active) break;
+      // Every step ends at least one task; more steps than tasks would be a bug in the walk.
+      if (guard-- == 0) throw Error("PerfModel: internal error: the pipeline walk did not finish");
+      step();
+    }
+    MEMTIDE_ASSERT(cpu_next_ == cpu_tasks_.size() && lp_next_ == cpu_tasks_.size());
+    MEMTIDE_ASSERT(gpu_next_ == gpu_tasks_.size() && flush_next_ == flush_queue_.size());
+    return t_;
+  }
+
+ private:
+  struct GpuTask {
+    std::size_t subgroup;
+    bool streamed;
+  };
+  struct Job {
+    bool active = false;
+    double remaining = 0;   // params (CPU, GPU) or bytes (copies)
+    std::size_t task = 0;   // ordinal in cpu_tasks_ or gpu_tasks_
+    bool is_input = false;  // H2D: a GPU input (else a CPU subgroup's low-precision params)
+  };
+
+  [[nodiscard]] double params(std::size_t subgroup) const {
+    return static_cast<double>(w_.subgroup_params[subgroup]);
+  }
+
+  [[nodiscard]] double input_bytes(std::size_t j) const {
+    const GpuTask& g = gpu_tasks_[j];
+    return params(g.subgroup) * (g.streamed ? c_.in_streamed_per_param : c_.in_static_per_param);
+  }
+
+  // Issues GPU inputs in order as far as slots allow: an input is ready after the previous one
+  // (one prefetch stream), and a streamed one only once the flush holding its slot has ended.
+  void issue_inputs() {
+    while (input_issued_ < gpu_tasks_.size()) {
+      const std::size_t j = input_issued_;
+      double ready = j == 0 ? 0.0 : input_ready_at_[j - 1];
+      if (gpu_tasks_[j].streamed) {
+        if (streamed_issued_ >= slots_) {
+          const std::size_t holder = streamed_issued_ - slots_;  // the flush that frees our slot
+          if (holder >= flush_done_at_.size()) return;
+          ready = std::max(ready, flush_done_at_[holder]);
+        }
+        ++streamed_issued_;
+      }
+      input_ready_at_[j] = ready;
+      ++input_issued_;
+    }
+  }
+
+  void start_ready() {
+    if (!cpu_job_.active && cpu_next_ < cpu_tasks_.size()) {
+      const std::size_t k = cpu_next_++;
+      cpu_job_ = {true, params(cpu_tasks_[k]), k, false};
+    }
+    issue_inputs();
+    // A static resident whose grads are already on the GPU needs no copy.
+    while (input_started_ < input_issued_ && input_bytes(input_started_) == 0) input_done_[input_started_++] = true;
+    if (!h2d_job_.active) {
+      const bool input = input_started_ < input_issued_;
+      const bool lp = lp_next_ < lp_ready_at_.size();
+      if (input && (!lp || input_ready_at_[input_started_] <= lp_ready_at_[lp_next_])) {
+        const std::size_t j = input_started_++;
+        h2d_job_ = {true, input_bytes(j), j, true};
+      } else if (lp) {
+        const std::size_t k = lp_next_++;
+        h2d_job_ = {true, params(cpu_tasks_[k]) * c_.lp_bytes_per_param, k, false};
+      }
+    }
+    if (!gpu_job_.active && gpu_next_ < gpu_tasks_.size() && input_done_[gpu_next_]) {
+      const std::size_t j = gpu_next_++;
+      gpu_job_ = {true, params(gpu_tasks_[j].subgroup), j, false};
+    }
+    if (!d2h_job_.active && flush_next_ < flush_queue_.size()) {
+      const std::size_t j = flush_queue_[flush_next_++];
+      d2h_job_ = {true, params(gpu_tasks_[j].subgroup) * c_.out_per_param, j, false};
+    }
+  }
+
+  // Advances the clock to the next completion and handles what completes there.
+  void step() {
+    // DMA takes the DRAM bandwidth it needs first (both engines scaled down if DRAM cannot feed
+    // them); the CPU update gets what is left.
+    double h2d_rate = h2d_job_.active ? r_.h2d_bytes_per_s : 0;
+    double d2h_rate = d2h_job_.active ? r_.d2h_bytes_per_s : 0;
+    const double dma = h2d_rate + d2h_rate;
+    if (dma > r_.host_dram_bytes_per_s) {
+      const double scale = r_.host_dram_bytes_per_s / dma;
+      h2d_rate *= scale;
+      d2h_rate *= scale;
+    }
+    double cpu_rate = 0;  // params/s
+    if (cpu_job_.active) {
+      cpu_rate = 1 / c_.cpu_s_per_param;
+      if (c_.cpu_dram_per_param > 0) {
+        const double left = std::max(0.0, r_.host_dram_bytes_per_s - h2d_rate - d2h_rate);
+        cpu_rate = std::min(cpu_rate, left / c_.cpu_dram_per_param);
+      }
+    }
+    const double gpu_rate = gpu_job_.active ? r_.gpu_update_params_per_s : 0;
+
+    auto finish_in = [](const Job& job, double rate) {
+      return job.active && rate > 0 ? job.remaining / rate : kInf;
+    };
+    const double t_cpu = finish_in(cpu_job_, cpu_rate);
+    const double t_h2d = finish_in(h2d_job_, h2d_rate);
+    const double t_gpu = finish_in(gpu_job_, gpu_rate);
+    const double t_d2h = finish_in(d2h_job_, d2h_rate);
+    const double dt = std::min({t_cpu, t_h2d, t_gpu, t_d2h});
+    MEMTIDE_ASSERT(dt < kInf);
+    t_ += dt;
+    // Jobs ending within rounding of this step end now, not after a step of a few ulps.
+    const double tol = dt * 1e-12;
+    auto advance = [&](Job& job, double rate, double t_done) {
+      if (!job.active) return false;
+      if (t_done <= dt + tol) {
+        job.active = false;
+        return true;
+      }
+      job.remaining -= rate * dt;
+      return false;
+    };
+    if (advance(cpu_job_, cpu_rate, t_cpu)) lp_ready_at_.push_back(t_);
+    if (advance(h2d_job_, h2d_rate, t_h2d) && h2d_job_.is_input) input_done_[h2d_job_.task] = true;
+    if (advance(gpu_job_, gpu_rate, t_gpu) && gpu_tasks_[gpu_job_.task].streamed) {
+      flush_queue_.push_back(gpu_job_.task);
+    }
+    if (advance(d2h_job_, d2h_rate, t_d2h)) flush_done_at_.push_back(t_);
+  }
+
+  const Workload& w_;
+  const Rates& r_;
+  const Costs& c_;
+  std::size_t slots_;
+
+  std::vector<std::size_t> cpu_tasks_;  // subgroup of each CPU task, in update order
+  std::vector<GpuTask> gpu_tasks_;      // GPU tasks (streamed and static), in update order
+
+  double t_ = 0;  // seconds
+  Job cpu_job_, h2d_job_, gpu_job_, d2h_job_;
+
+  std::size_t cpu_next_ = 0;          // next CPU task to start
+  std::vector<double> lp_ready_at_;   // when each finished CPU task's copy became ready
+  std::size_t lp_next_ = 0;           // next low-precision copy to start
+
+  std::size_t input_issued_ = 0;      // GPU inputs with a known ready time
+  std::size_t streamed_issued_ = 0;   // ... of which streamed (each holds a slot)
+  std::size_t input_started_ = 0;     // GPU inputs started on the H2D engine
+  std::vector<double> input_ready_at_;
+  std::vector<bool> input_done_;
+  std::size_t gpu_next_ = 0;          // next GPU task to start
+
+  std::vector<std::size_t> flush_queue_;  // streamed GPU tasks done, awaiting their flush
+  std::size_t flush_next_ = 0;
+  std::vector<double> flush_done_at_;     // when each flush ended (frees a slot)
+};
+
+std::size_t useful_slots(const Workload& w) { return std::min(w.gpu_slot_limit, kUsefulSlots); }
+
+// `prune_above`: when the bound alone exceeds it, the walk is skipped and total_ns is left at
+// the bound (a lower bound of the true total), which is enough to lose against a plan that
+// fully predicted `prune_above`.
+Prediction predict_valid(const Workload& w, const Rates& r, const std::vector<Placement>& placement,
+                         double prune_above = kInf) {
+  const Costs costs(w, r);
+  Prediction out;
+  busy_times(w, r, costs, placement, out);
+  if (out.bound_ns > prune_above) {
+    out.total_ns = out.bound_ns;
+    return out;
+  }
+  Walk walk(w, r, costs, placement, useful_slots(w));
+  // The walk never beats the bound; max() only guards rounding.
+  out.total_ns = std::max(walk.run() * 1e9, out.bound_ns);
+  return out;
+}
+
+struct Counts {
+  std::size_t streamed = 0;
+  std::size_t statics = 0;
+};
+
+Counts count(const std::vector<Placement>& placement) {
+  Counts c;
+  for (Placement p : placement) {
+    if (p == Placement::gpu) ++c.streamed;
+    if (p == Placement::gpu_static) ++c.statics;
+  }
+  return c;
+}
+
+Plan make_plan(const Workload& w, const Rates& r, Policy policy, double k, std::size_t statics,
+               double prune_above = kInf) {
+  Plan plan;
+  plan.policy = policy;
+  plan.placement = interleave(w.subgroup_params.size(), k, statics);
+  const Counts c = count(plan.placement);
+  plan.gpu_streamed = c.streamed;
+  plan.static_residents = c.statics;
+  plan.k = c.streamed > 0 ? std::max(k, 1.0) : 0;
+  plan.gpu_slots = c.streamed > 0 ? useful_slots(w) : 0;
+  plan.prediction = predict_valid(w, r, plan.placement, prune_above);
+  return plan;
+}
+
+// The stride that puts exactly `g` of `s` streamable subgroups on the GPU.
+double stride_for(std::size_t s, std::size_t g) {
+  double k = static_cast<double>(s) / static_cast<double>(g);
+  // interleave() counts floor(s / k) GPU subgroups; s / (s / g) can round just below g.
+  for (int i = 0; i < 8 && std::floor(static_cast<double>(s) / k) < static_cast<double>(g); ++i) {
+    k = std::nextafter(k, 0.0);
+  }
+  return k;
+}
+
+// Lower predicted total wins; within a relative 1e-9 the plan with fewer GPU subgroups does.
+bool better(const Plan& a, const Plan& b) {
+  const double ta = a.prediction.total_ns;
+  const double tb = b.prediction.total_ns;
+  const double tol = 1e-9 * std::max(ta, tb);
+  if (ta < tb - tol) return true;
+  if (ta > tb + tol) return false;
+  return a.gpu_streamed + a.static_residents < b.gpu_streamed + b.static_residents;
+}
+
+// Minimizes `eval` over the integers lo..hi: every point when there are at most `exhaustive`,
+// else 33 evenly spaced points, then again around the best of them. Ties go to the lower point.
+template <class Eval>
+Plan search(std::size_t lo, std::size_t hi, std::size_t exhaustive, const Eval& eval) {
+  Plan best = eval(lo);
+  if (hi - lo + 1 <= exhaustive) {
+    for (std::size_t x = lo + 1; x <= hi; ++x) {
+      Plan p = eval(x);
+      if (better(p, best)) best = std::move(p);
+    }
+    return best;
+  }
+  constexpr std::size_t kPoints = 32;
+  const double step = static_cast<double>(hi - lo) / kPoints;
+  auto point = [&](std::size_t i) { return lo + static_cast<std::size_t>(std::llround(step * static_cast<double>(i))); };
+  std::size_t best_i = 0;
+  for (std::size_t i = 1; i <= kPoints; ++i) {
+    Plan p = eval(point(i));
+    if (better(p, best)) {
+      best = std::move(p);
+      best_i = i;
+    }
+  }
+  const std::size_t from = point(best_i == 0 ? 0 : best_i - 1);
+  const std::size_t to = point(std::min(best_i + 1, kPoints));
+  Plan refined = search(from, to, exhaustive, eval);
+  return better(refined, best) ? refined : best;
+}
+
+}  // namespace
+
+Prediction PerfModel::predict(const Workload& work, const Rates& rates, const std::vector<Placement>& placement) const {
+  validate(work, rates);
+  if (placement.size() != work.subgroup_params.size()) {
+    throw InvalidArgument("PerfModel: placement has " + std::to_string(placement.size()) +
+                          " entries: expected one per subgroup (" + std::to_string(work.subgroup_params.size()) + ")");
+  }
+  const Counts c = count(placement);
+  if (c.streamed > 0 && work.gpu_slot_limit == 0) {
+    throw InvalidArgument("PerfModel: placement streams " + std::to_string(c.streamed) +
+                          " subgroups through the GPU but workload.gpu_slot_limit = 0: expected no Placement::gpu "
+                          "entries, or at least one slot");
+  }
+  return predict_valid(work, rates, placement);
+}
+
+Plan PerfModel::plan(const Workload& work, const Rates& rates, Policy policy, double static_fraction,
+                     double k) const {
+  validate(work, rates);
+  if (!(static_fraction >= 0 && static_fraction <= 1)) {
+    throw InvalidArgument("PerfModel: static_fraction = " + show(static_fraction) +
+                          " is not accepted: expected a number in [0, 1]");
+  }
+  if (!(k >= 0) || !std::isfinite(k)) {
+    throw InvalidArgument("PerfModel: k = " + show(k) +
+                          " is not accepted: expected a finite stride >= 0 (0 = nothing streamed)");
+  }
+  const std::size_t n = work.subgroup_params.size();
+  const bool can_stream = work.gpu_slot_limit > 0;
+  const std::size_t max_statics = std::min(work.gpu_static_limit, n);
+
+  auto cpu = [&] { return make_plan(work, rates, Policy::cpu, 0, 0); };
+  auto static_split = [&] {
+    const auto wanted = static_cast<std::size_t>(std::llround(static_fraction * static_cast<double>(n)));
+    return make_plan(work, rates, Policy::static_split, 0, std::min(wanted, max_statics));
+  };
+  auto interleaved = [&] { return make_plan(work, rates, Policy::interleaved, can_stream ? k : 0, 0); };
+
+  switch (policy) {
+    case Policy::cpu: return cpu();
+    case Policy::static_split: return static_split();
+    case Policy::interleaved: return interleaved();
+    case Policy::automatic: break;
+  }
+
+  // The other policies' plans go first: they are candidates too, and their totals let the
+  // search skip the walk of every placement whose bound is already worse (most of them).
+  Plan baselines[] = {cpu(), static_split(), interleaved()};
+  double incumbent = kInf;
+  for (const Plan& p : baselines) incumbent = std::min(incumbent, p.prediction.total_ns);
+  // Plans whose bound is this much above the best total are not walked: far enough above that
+  // better()'s tie tolerance cannot pick one of them.
+  const double slack = 1 + 1e-6;
+
+  constexpr std::size_t kExhaustiveStaticCounts = 32;
+  auto with_statics = [&](std::size_t statics) {
+    const std::size_t s = n - statics;
+    auto with_gpu = [&](std::size_t g, double prune_above) {
+      Plan p = make_plan(work, rates, Policy::automatic, g == 0 ? 0 : stride_for(s, g), statics, prune_above);
+      if (p.prediction.bound_ns <= prune_above) incumbent = std::min(incumbent, p.prediction.total_ns);
+      return p;
+    };
+    auto bound = [&](std::size_t g) { return with_gpu(g, -1).prediction.bound_ns; };
+    // The bound is valley-shaped in the GPU count: CPU time falls with it, copy and GPU time
+    // rise, DRAM moves one way. Find the valley, then walk outwards while the bound can still
+    // beat the best total; everything further out has a higher bound.
+    std::size_t lo = 0;
+    std::size_t hi = can_stream ? s : 0;
+    while (lo < hi) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (bound(mid + 1) < bound(mid)) lo = mid + 1;
+      else hi = mid;
+    }
+    const std::size_t valley = lo;
+    const std::size_t last = can_stream ? s : 0;
+    Plan best = with_gpu(valley, incumbent * slack);
+    for (std::size_t g = valley; g-- > 0;) {
+      const double threshold = incumbent * slack;
+      Plan p = with_gpu(g, threshold);
+      if (p.prediction.bound_ns > threshold) break;
+      if (better(p, best)) best = std::move(p);
+    }
+    for (std::size_t g = valley + 1; g <= last; ++g) {
+      const double threshold = incumbent * slack;
+      Plan p = with_gpu(g, threshold);
+      if (p.prediction.bound_ns > threshold) break;
+      if (better(p, best)) best = std::move(p);
+    }
+    return best;
+  };
+  Plan best = search(0, max_statics, kExhaustiveStaticCounts, with_statics);
+  for (Plan& other : baselines) {
+    if (better(other, best)) {
+      other.policy = Policy::automatic;
+      best = std::move(other);
+    }
+  }
+  return best;
+}
+
+}  // namespace memtide::tiering
