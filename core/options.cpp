@@ -121,6 +121,9 @@ const std::vector<Row>& rows() {
          o.cpu_isa = std::string(v);
        },
        [](const Options& o) { return o.cpu_isa; }},
+      {"subgroup_size", "1..1000000000000", "parameters per optimizer subgroup (the unit of CPU/GPU placement)",
+       [](Options& o, std::string_view v) { o.subgroup_size = parse_count("subgroup_size", v, 1, 1000000000000ULL); },
+       [](const Options& o) { return std::to_string(o.subgroup_size); }},
   };
   return table;
 }

@@ -100,6 +100,28 @@ double SimDevice::host_work(double dram_bytes, double max_bytes_per_s) {
   return end - start;
 }
 
+double SimDevice::enqueue_compute(Stream stream, double hbm_bytes, const std::function<void()>& body, double min_ns) {
+  if (!(hbm_bytes >= 0) || !(min_ns >= 0)) {
+    throw InvalidArgument("SimDevice::enqueue_compute: hbm_bytes and min_ns must be >= 0, got " +
+                          std::to_string(hbm_bytes) + " and " + std::to_string(min_ns));
+  }
+  double end = 0;
+  {
+  std::lock_guard lock(mutex_);
+  // The kernel runs at HBM speed unless min_ns says it is compute-bound: lower the rate to fit.
+  double rate = config_.hbm_bytes_per_s;
+  if (min_ns > 0 && hbm_bytes / rate * 1e9 < min_ns) rate = hbm_bytes > 0 ? hbm_bytes / min_ns * 1e9 : 0;
+  if (rate > 0) {
+    end = schedule_locked(stream_locked(stream), compute_, hbm_bytes, rate, 0.0);
+  } else {  // no bytes: a pure-latency (or min_ns) kernel
+    end = schedule_locked(stream_locked(stream), compute_, 1.0, 1e9 / std::max(min_ns, 1e-3), 0.0);
+  }
+  }
+  // Outside the lock: the simulated kernel may be long, and it touches only memory it was given.
+  if (!config_.phantom && body) body();
+  return end;
+}
+
 double SimDevice::stream_ready_ns(Stream stream) {
   std::lock_guard lock(mutex_);
   return stream_locked(stream).ready_ns;
