@@ -43,6 +43,9 @@ double SimDevice::DramTimeline::reserve(double t0, double bytes, double max_rate
       const double can = rate * (seg_end - t) / 1e9;
       if (can >= remaining) {
         const double end = t + remaining / rate * 1e9;
+        // A rounding residue of a transfer that ended on a step boundary: reserving it would
+        // add its rate to the whole next step (to infinity, if that step is the last).
+        if (!(end > t)) return t;
         split_at(end);
         it->second += rate * dram_factor;
         return end;
