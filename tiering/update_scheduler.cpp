@@ -242,7 +242,11 @@ bool UpdateScheduler::check_gradients(const StepParams& params) {
   for (std::size_t i = 0; i < state_.size() && finite; ++i) {
     const Subgroup& g = state_[i];
     if (g.device_grad != nullptr) {
-      if (!on_device) device_.memset_async(device_counter_, 0, sizeof(unsigned int), compute_);
+      if (!on_device) {  // device gradients were produced on the training stream
+        device_.record_event(phase_start_, config_.main_stream);
+        device_.stream_wait_event(compute_, phase_start_);
+        device_.memset_async(device_counter_, 0, sizeof(unsigned int), compute_);
+      }
       on_device = true;
       count_nonfinite_async(device_, compute_, g.device_grad, DType::fp32, g.n, params.grad_scale, params.clip,
                             device_counter_);
