@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-release}
-cmake --preset "$preset" -DMEMTIDE_BUILD_TESTS=OFF >/dev/null
+cmake --preset "$preset" >/dev/null  # only the simulator target is built below
 nice -n 19 cmake --build --preset "$preset" --target memtide_sim_update
 bin="build/$preset/bench/memtide_sim_update"
 stem="bench/results/$(date +%Y-%m-%d)-sim-update-sweep"
