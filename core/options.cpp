@@ -135,6 +135,9 @@ const std::vector<Row>& rows() {
       {"calibration_history", "1..1000000", "update phases whose predicted-vs-measured error is kept for reports",
        [](Options& o, std::string_view v) { o.calibration_history = parse_count("calibration_history", v, 1, 1000000); },
        [](const Options& o) { return std::to_string(o.calibration_history); }},
+      {"subgroup_size", "1..1000000000000", "parameters per optimizer subgroup (the unit of CPU/GPU placement)",
+       [](Options& o, std::string_view v) { o.subgroup_size = parse_count("subgroup_size", v, 1, 1000000000000ULL); },
+       [](const Options& o) { return std::to_string(o.subgroup_size); }},
   };
   return table;
 }

@@ -43,6 +43,9 @@ double SimDevice::DramTimeline::reserve(double t0, double bytes, double max_rate
       const double can = rate * (seg_end - t) / 1e9;
       if (can >= remaining) {
         const double end = t + remaining / rate * 1e9;
+        // A rounding residue of a transfer that ended on a step boundary: reserving it would
+        // add its rate to the whole next step (to infinity, if that step is the last).
+        if (!(end > t)) return t;
         split_at(end);
         it->second += rate * dram_factor;
         return end;
@@ -98,6 +101,28 @@ double SimDevice::host_work(double dram_bytes, double max_bytes_per_s) {
   const double end = dram_.reserve(start, dram_bytes, max_bytes_per_s, 1.0);
   set_host_now_locked(end);
   return end - start;
+}
+
+double SimDevice::enqueue_compute(Stream stream, double hbm_bytes, const std::function<void()>& body, double min_ns) {
+  if (!(hbm_bytes >= 0) || !(min_ns >= 0)) {
+    throw InvalidArgument("SimDevice::enqueue_compute: hbm_bytes and min_ns must be >= 0, got " +
+                          std::to_string(hbm_bytes) + " and " + std::to_string(min_ns));
+  }
+  double end = 0;
+  {
+  std::lock_guard lock(mutex_);
+  // The kernel runs at HBM speed unless min_ns says it is compute-bound: lower the rate to fit.
+  double rate = config_.hbm_bytes_per_s;
+  if (min_ns > 0 && hbm_bytes / rate * 1e9 < min_ns) rate = hbm_bytes > 0 ? hbm_bytes / min_ns * 1e9 : 0;
+  if (rate > 0) {
+    end = schedule_locked(stream_locked(stream), compute_, hbm_bytes, rate, 0.0);
+  } else {  // no bytes: a pure-latency (or min_ns) kernel
+    end = schedule_locked(stream_locked(stream), compute_, 1.0, 1e9 / std::max(min_ns, 1e-3), 0.0);
+  }
+  }
+  // Outside the lock: the simulated kernel may be long, and it touches only memory it was given.
+  if (!config_.phantom && body) body();
+  return end;
 }
 
 double SimDevice::stream_ready_ns(Stream stream) {

@@ -38,6 +38,13 @@ struct SimConfig {
   double hbm_bytes_per_s = 3.0e12;
   double host_dram_bytes_per_s = 220e9;
   double op_latency_ns = 2000.0;  ///< launch + DMA setup per operation
+  /// Device-side optimizer step throughput (params/s). An H100 streams the ~30 B/param of a
+  /// fused AdamW step far faster than this; 25 G params/s is the paper's testbed figure per GPU
+  /// (about 100 G params/s for the 4-GPU node). 0 = derive the step's time from HBM bytes alone.
+  double gpu_update_params_per_s = 25e9;
+  /// Host CPU optimizer step throughput (params/s) that callers simulating a CPU update pass to
+  /// host_work (the paper's host: ~8 G params/s for 4 GPUs, 2 G params/s per GPU).
+  double cpu_update_params_per_s = 2e9;
   int index = 0;
 };
 
@@ -61,6 +68,10 @@ class SimDevice final : public Device {
   /// The host streams `dram_bytes` through DRAM at up to `max_bytes_per_s` (a CPU kernel), sharing
   /// DRAM with in-flight DMA. Advances the host clock and returns the duration in ns.
   double host_work(double dram_bytes, double max_bytes_per_s);
+  /// Device-side compute on `stream` (a kernel): it moves `hbm_bytes` through HBM and lasts at
+  /// least `min_ns`. In data mode `body` runs now, on the host, over this device's memory (it is
+  /// the simulated kernel); in phantom mode it is not called. Returns the virtual end time.
+  double enqueue_compute(Stream stream, double hbm_bytes, const std::function<void()>& body, double min_ns = 0);
   /// When the last operation queued on `stream` completes, in virtual ns.
   [[nodiscard]] double stream_ready_ns(Stream stream);
 

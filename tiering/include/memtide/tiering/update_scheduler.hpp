@@ -1,0 +1,181 @@
+#pragma once
+/// @file
+/// UpdateScheduler: one optimizer update phase for a Plan (paper Algorithm 1, section 4.3).
+///
+/// Walking the subgroups in order:
+/// - a CPU subgroup is stepped by the fused CPU kernel on the ThreadPool, which writes the
+///   low-precision params into a pinned staging buffer; that buffer then goes H2D into the
+///   model's parameter storage on the upload stream;
+/// - a streamed GPU subgroup's state (p, m, v, and the gradient when it is on the host) was
+///   prefetched H2D into a GPU slot ahead of use on the prefetch stream; it is stepped on the
+///   compute stream (the kernel writes the model's low-precision params too) and flushed D2H on
+///   the flush stream, while the next prefetch into the freed slot is queued: both PCIe
+///   directions at once. Lookahead is bounded by the plan's slots;
+/// - a static resident lives on the GPU between phases (placed last by the planner, so its
+///   steps cover the tail of the transfers).
+///
+/// Events order everything; the host waits only before overwriting a staging buffer, for the
+/// gradient check, and at the end of the phase. Slots come from the CachingAllocator when the
+/// phase begins and go back when it ends: nothing is allocated inside the loop. The same code
+/// runs on SimDevice (CPU work advances the virtual host clock through host_work; in data mode
+/// the kernels really run) and on CudaDevice (real threads and streams).
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "memtide/allocator/caching_allocator.hpp"
+#include "memtide/tiering/optimizer_state.hpp"
+#include "memtide/tiering/perf_model.hpp"
+
+namespace memtide::tiering {
+
+/// Hyper-parameters of one step (see AdamwArgs).
+struct StepParams {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  std::int64_t step = 1;
+  double grad_scale = 1.0;
+  double clip = 1.0;
+  bool l2 = false;
+  /// Set when the gradients were already checked (the GradSink checks them on the GPU on their
+  /// way to the host); nullopt: the scheduler checks every gradient before stepping anything.
+  std::optional<bool> grads_finite;
+};
+
+struct SchedulerConfig {
+  std::size_t staging_buffers = 2;  ///< pinned low-precision staging buffers for CPU subgroups
+  Stream main_stream{};             ///< the training stream: phase start orders after it; slots return to it
+  CpuIsa isa = CpuIsa::automatic;
+};
+
+/// How long one resource was busy in a phase (the union of its operations' intervals) and what
+/// it moved.
+struct ResourceUse {
+  double busy_ns = 0;
+  double bytes = 0;
+  double params = 0;
+  std::uint64_t ops = 0;
+};
+
+/// Rates measured in one phase, in the units Calibration consumes (0 where nothing ran).
+struct Measurements {
+  double h2d_bytes_per_ns = 0;
+  double d2h_bytes_per_ns = 0;
+  double cpu_update_params_per_ns = 0;
+  double gpu_update_params_per_ns = 0;
+  double phase_ns = 0;
+};
+
+struct StepReport {
+  bool skipped = false;  ///< a gradient was not finite: nothing was stepped
+  double phase_ns = 0;   ///< from the phase start to the last transfer's end (host clock)
+  ResourceUse cpu, gpu, h2d, d2h;
+  double h2d_d2h_overlap_ns = 0;  ///< time both PCIe directions were busy at once
+  std::size_t params_cpu = 0;
+  std::size_t params_gpu = 0;
+  std::size_t params_gpu_static = 0;
+  /// CachingAllocator counts: allocations made while setting up the phase, and inside the loop
+  /// (must be 0), and device segment allocations inside the loop (must be 0).
+  std::int64_t setup_allocations = 0;
+  std::int64_t loop_allocations = 0;
+  std::int64_t loop_device_allocs = 0;
+
+  [[nodiscard]] Measurements measurements() const;
+};
+
+class UpdateScheduler {
+ public:
+  /// `pool`: the CPU update's threads (null = the calling thread only). `staging_slabs`: where
+  /// pinned staging comes from (null: heap memory registered with the device).
+  UpdateScheduler(OptimizerState& state, CachingAllocator& allocator, ThreadPool* pool, SchedulerConfig config = {},
+                  SlabSource* staging_slabs = nullptr);
+  /// Moves static residents back to the host arrays, frees device memory, streams and events.
+  ~UpdateScheduler();
+  UpdateScheduler(const UpdateScheduler&) = delete;
+  UpdateScheduler& operator=(const UpdateScheduler&) = delete;
+
+  /// Runs one update phase for `plan` (one placement per subgroup; gpu_slots >= 1 when any is
+  /// Placement::gpu). Returns when every update and transfer has completed.
+  StepReport run(const Plan& plan, const StepParams& params);
+
+  /// Copies the state of static residents back into the host arrays (checkpoints, tests).
+  void sync_to_host();
+  /// Moves every static resident back to the host and frees its device memory.
+  void release_residents();
+  [[nodiscard]] bool is_resident(std::size_t subgroup) const;
+
+ private:
+  enum class OpKind : std::uint8_t { h2d, d2h, gpu };
+  struct Op {
+    OpKind kind;
+    Event start, end;
+    double bytes;
+    double params;
+  };
+  struct Arrays {  ///< p, m, v, g of one subgroup in device memory
+    void* block = nullptr;
+    float* p = nullptr;
+    float* m = nullptr;
+    float* v = nullptr;
+    float* g = nullptr;
+  };
+
+  // The phases of Algorithm 1.
+  bool check_gradients(const StepParams& params);
+  void begin_phase(const Plan& plan);
+  void prefetch_in(std::size_t j);
+  void gpu_update(std::size_t j, const StepParams& params);
+  void static_update(std::size_t i, const StepParams& params);
+  void cpu_update(std::size_t i, const StepParams& params);
+  StepReport end_phase(double phase_start_ns);
+
+  // Stream ordering, in one place: `work` runs on `stream` after `after`, between timing events.
+  template <typename Work>
+  Event enqueue(OpKind kind, Stream stream, Event after, double bytes, double params, Work&& work);
+
+  void place_residents(const std::vector<Placement>& placement);
+  Arrays carve(void* block, std::size_t n, bool with_grad) const;
+  AdamwArgs args_for(const StepParams& params, std::size_t i) const;
+  double host_now_ns();
+  Event take_event();
+
+  OptimizerState& state_;
+  Device& device_;
+  CachingAllocator& allocator_;
+  ThreadPool* pool_;
+  SchedulerConfig config_;
+  bool phantom_;
+  double cpu_bytes_per_param_ = 0;  ///< DRAM traffic of one CPU-updated param
+
+  Stream prefetch_{}, upload_{}, compute_{}, flush_{};
+  Event phase_start_{};
+  std::vector<Event> events_;  ///< timing events, reused every phase
+  std::size_t next_event_ = 0;
+  std::vector<Op> ops_;
+
+  std::vector<PinnedBuffer> staging_;
+  std::vector<Event> staging_free_;
+  PinnedBuffer host_counter_;
+  unsigned int* device_counter_ = nullptr;
+
+  std::vector<Arrays> residents_;  ///< per subgroup; block != null when GPU-resident
+  std::vector<Arrays> slots_;
+  std::vector<Event> slot_free_;
+  std::vector<std::size_t> streamed_;  ///< subgroups placed Placement::gpu, in order
+  std::vector<Event> prefetched_;      ///< per streamed subgroup
+  std::vector<std::size_t> streamed_index_;  ///< subgroup -> index in streamed_
+  AllocatorStats setup_stats_{};
+  std::int64_t setup_allocations_ = 0;
+  std::size_t cpu_count_ = 0;
+  double cpu_busy_ns_ = 0;
+  double cpu_params_ = 0;
+  std::uint64_t cpu_ops_ = 0;
+  std::size_t params_[3] = {0, 0, 0};
+};
+
+}  // namespace memtide::tiering

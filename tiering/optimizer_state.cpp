@@ -1,0 +1,229 @@
+#include "memtide/tiering/optimizer_state.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "memtide/core/error.hpp"
+#include "memtide/core/options.hpp"
+#include "memtide/device/sim_device.hpp"
+
+namespace memtide::tiering {
+namespace {
+
+constexpr std::size_t kArrayAlign = 64;
+// Phantom host addresses: far from the heap, the stack and SimDevice's phantom device range, so
+// a stray dereference faults instead of corrupting memory.
+constexpr std::uintptr_t kPhantomHostBase = std::uintptr_t{0x6d68} << 32;
+std::atomic<std::uintptr_t> g_next_phantom{kPhantomHostBase};
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+std::size_t resolve_subgroup_size(std::size_t requested) {
+  return requested != 0 ? requested : static_cast<std::size_t>(options().subgroup_size);
+}
+
+std::vector<std::size_t> split(std::size_t total, std::size_t per) {
+  std::vector<std::size_t> sizes;
+  for (std::size_t at = 0; at < total; at += per) sizes.push_back(std::min(per, total - at));
+  return sizes;
+}
+
+void check_total(std::size_t total, const char* who) {
+  if (total == 0) throw InvalidArgument(std::string(who) + ": total_params must be > 0, got 0");
+}
+
+}  // namespace
+
+bool is_phantom(Device& device) noexcept {
+  auto* sim = dynamic_cast<SimDevice*>(&device);
+  return sim != nullptr && sim->config().phantom;
+}
+
+void* reserve_phantom_host(std::size_t bytes) {
+  const std::uintptr_t at = g_next_phantom.fetch_add(round_up(std::max<std::size_t>(bytes, 1), 4096));
+  return reinterpret_cast<void*>(at);
+}
+
+std::unique_ptr<OptimizerState> OptimizerState::owned(Device& device, SlabSource& slabs, std::size_t total_params,
+                                                      std::size_t subgroup_size) {
+  check_total(total_params, "OptimizerState::owned");
+  if (is_phantom(device)) {
+    throw InvalidArgument("OptimizerState::owned: the device is a phantom SimDevice; use OptimizerState::phantom");
+  }
+  const std::size_t per = resolve_subgroup_size(subgroup_size);
+  std::unique_ptr<OptimizerState> s(new OptimizerState(device, StateMemory::owned));
+  s->slabs_ = &slabs;
+  std::size_t offset = 0;
+  for (std::size_t n : split(total_params, per)) {
+    const std::size_t array_bytes = round_up(n * sizeof(float), kArrayAlign);
+    HostSlab slab = slabs.map_slab(4 * array_bytes, kArrayAlign);
+    s->owned_slabs_.push_back(slab);
+    auto* base = static_cast<unsigned char*>(slab.ptr);
+    std::memset(base, 0, 4 * array_bytes);
+    Subgroup g;
+    g.offset = offset;
+    g.n = n;
+    g.param = reinterpret_cast<float*>(base);
+    g.exp_avg = reinterpret_cast<float*>(base + array_bytes);
+    g.exp_avg_sq = reinterpret_cast<float*>(base + 2 * array_bytes);
+    g.grad = reinterpret_cast<float*>(base + 3 * array_bytes);
+    s->subgroups_.push_back(g);
+    offset += n;
+  }
+  s->total_ = total_params;
+  return s;
+}
+
+std::unique_ptr<OptimizerState> OptimizerState::external(Device& device, const std::vector<ExternalSubgroup>& groups) {
+  if (groups.empty()) throw InvalidArgument("OptimizerState::external: no subgroups given");
+  std::unique_ptr<OptimizerState> s(new OptimizerState(device, StateMemory::external));
+  std::size_t offset = 0;
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const ExternalSubgroup& e = groups[i];
+    if (e.n == 0 || e.param == nullptr || e.exp_avg == nullptr || e.exp_avg_sq == nullptr || e.grad == nullptr) {
+      throw InvalidArgument("OptimizerState::external: subgroup " + std::to_string(i) +
+                            " needs n > 0 and four non-null arrays (n = " + std::to_string(e.n) + ")");
+    }
+    Subgroup g;
+    g.offset = offset;
+    g.n = e.n;
+    g.param = e.param;
+    g.exp_avg = e.exp_avg;
+    g.exp_avg_sq = e.exp_avg_sq;
+    g.grad = e.grad;
+    s->subgroups_.push_back(g);
+    offset += e.n;
+  }
+  s->total_ = offset;
+  return s;
+}
+
+std::unique_ptr<OptimizerState> OptimizerState::phantom(SimDevice& device, std::size_t total_params,
+                                                        std::size_t subgroup_size) {
+  check_total(total_params, "OptimizerState::phantom");
+  if (!device.config().phantom) {
+    throw InvalidArgument("OptimizerState::phantom: the SimDevice is in data mode; phantom state needs sim_phantom=true");
+  }
+  const std::size_t per = resolve_subgroup_size(subgroup_size);
+  std::unique_ptr<OptimizerState> s(new OptimizerState(device, StateMemory::phantom));
+  const std::vector<std::size_t> sizes = split(total_params, per);
+  std::size_t bytes = 0;
+  for (std::size_t n : sizes) bytes += 4 * round_up(n * sizeof(float), kArrayAlign);
+  s->phantom_base_ = reserve_phantom_host(bytes);
+  s->phantom_bytes_ = bytes;
+  device.host_register(s->phantom_base_, bytes);  // pinned: copies run at full rate
+  auto at = reinterpret_cast<std::uintptr_t>(s->phantom_base_);
+  std::size_t offset = 0;
+  for (std::size_t n : sizes) {
+    const std::size_t array_bytes = round_up(n * sizeof(float), kArrayAlign);
+    Subgroup g;
+    g.offset = offset;
+    g.n = n;
+    g.param = reinterpret_cast<float*>(at);
+    g.exp_avg = reinterpret_cast<float*>(at + array_bytes);
+    g.exp_avg_sq = reinterpret_cast<float*>(at + 2 * array_bytes);
+    g.grad = reinterpret_cast<float*>(at + 3 * array_bytes);
+    s->subgroups_.push_back(g);
+    at += 4 * array_bytes;
+    offset += n;
+  }
+  s->total_ = total_params;
+  return s;
+}
+
+OptimizerState::~OptimizerState() {
+  for (const HostSlab& slab : owned_slabs_) slabs_->unmap_slab(slab);
+  if (phantom_base_ != nullptr) {
+    try {
+      device_.host_unregister(phantom_base_);
+    } catch (const Error&) {
+      // The device may already be gone from the simulated view; nothing was ever held.
+    }
+  }
+}
+
+std::size_t OptimizerState::largest_subgroup() const noexcept {
+  std::size_t m = 0;
+  for (const Subgroup& g : subgroups_) m = std::max(m, g.n);
+  return m;
+}
+
+std::size_t OptimizerState::host_bytes() const noexcept {
+  std::size_t b = 0;
+  for (const HostSlab& slab : owned_slabs_) b += slab.bytes;
+  return b;
+}
+
+void OptimizerState::set_model_params(void* device_params, DType dtype) {
+  if (device_params != nullptr && dtype != DType::fp16 && dtype != DType::bf16) {
+    throw InvalidArgument("OptimizerState::set_model_params: dtype must be fp16 or bf16 (the model's copy), got " +
+                          std::to_string(static_cast<int>(dtype)));
+  }
+  model_dtype_ = device_params != nullptr ? dtype : DType::none;
+  for (Subgroup& g : subgroups_) {
+    g.model_param = device_params == nullptr ? nullptr : static_cast<unsigned char*>(device_params) + g.offset * 2;
+  }
+}
+
+std::size_t OptimizerState::subgroup_of(std::size_t offset) const {
+  if (offset >= total_) {
+    throw InvalidArgument("OptimizerState::subgroup_of: offset " + std::to_string(offset) + " is past the " +
+                          std::to_string(total_) + " parameters");
+  }
+  auto it = std::upper_bound(subgroups_.begin(), subgroups_.end(), offset,
+                             [](std::size_t o, const Subgroup& g) { return o < g.offset; });
+  return static_cast<std::size_t>(std::prev(it) - subgroups_.begin());
+}
+
+// ---------------------------------------------------------------------------------------------
+
+PinnedBuffer::PinnedBuffer(Device& device, std::size_t bytes, SlabSource* slabs)
+    : device_(&device), slabs_(slabs), bytes_(bytes) {
+  if (bytes == 0) return;
+  if (is_phantom(device)) {
+    ptr_ = reserve_phantom_host(bytes);
+    device.host_register(ptr_, bytes);
+  } else if (slabs != nullptr) {
+    slab_ = slabs->map_slab(bytes, kArrayAlign);
+    ptr_ = slab_.ptr;
+  } else {
+    ptr_ = std::aligned_alloc(4096, round_up(bytes, 4096));
+    if (ptr_ == nullptr) throw OutOfMemory("PinnedBuffer: could not allocate " + std::to_string(bytes) + " host bytes");
+    heap_ = true;
+    try {
+      device.host_register(ptr_, bytes);
+    } catch (...) {
+      std::free(ptr_);
+      throw;
+    }
+  }
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (ptr_ == nullptr) return;
+  if (slab_.ptr != nullptr) {
+    slabs_->unmap_slab(slab_);
+    return;
+  }
+  try {
+    device_->host_unregister(ptr_);
+  } catch (const Error&) {
+    // Unregistering can only fail for a range the device no longer knows; the memory is ours.
+  }
+  if (heap_) std::free(ptr_);
+}
+
+void PinnedBuffer::swap(PinnedBuffer& o) noexcept {
+  std::swap(device_, o.device_);
+  std::swap(slabs_, o.slabs_);
+  std::swap(slab_, o.slab_);
+  std::swap(ptr_, o.ptr_);
+  std::swap(bytes_, o.bytes_);
+  std::swap(heap_, o.heap_);
+}
+
+}  // namespace memtide::tiering

@@ -1,0 +1,450 @@
+#include "memtide/tiering/update_scheduler.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <utility>
+
+#include "memtide/core/error.hpp"
+#include "memtide/device/sim_device.hpp"
+#include "memtide/tiering/kernels/device_ops.hpp"
+
+namespace memtide::tiering {
+namespace {
+
+constexpr std::size_t kDeviceAlign = 512;
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+struct Interval {
+  double begin, end;
+};
+
+// Sorts and merges intervals; returns the total length and leaves the disjoint union in `v`.
+double merge(std::vector<Interval>& v) {
+  std::sort(v.begin(), v.end(), [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
+  std::vector<Interval> out;
+  double total = 0;
+  for (const Interval& x : v) {
+    if (!out.empty() && x.begin <= out.back().end) {
+      out.back().end = std::max(out.back().end, x.end);
+    } else {
+      out.push_back(x);
+    }
+  }
+  for (const Interval& x : out) total += x.end - x.begin;
+  v = std::move(out);
+  return total;
+}
+
+// Total time both disjoint, sorted interval lists cover.
+double overlap(const std::vector<Interval>& a, const std::vector<Interval>& b) {
+  double total = 0;
+  std::size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    const double lo = std::max(a[i].begin, b[j].begin);
+    const double hi = std::min(a[i].end, b[j].end);
+    if (hi > lo) total += hi - lo;
+    (a[i].end < b[j].end) ? ++i : ++j;
+  }
+  return total;
+}
+
+double per_ns(double amount, double ns) { return ns > 0 ? amount / ns : 0; }
+
+}  // namespace
+
+Measurements StepReport::measurements() const {
+  Measurements m;
+  m.h2d_bytes_per_ns = per_ns(h2d.bytes, h2d.busy_ns);
+  m.d2h_bytes_per_ns = per_ns(d2h.bytes, d2h.busy_ns);
+  m.cpu_update_params_per_ns = per_ns(cpu.params, cpu.busy_ns);
+  m.gpu_update_params_per_ns = per_ns(gpu.params, gpu.busy_ns);
+  m.phase_ns = phase_ns;
+  return m;
+}
+
+UpdateScheduler::UpdateScheduler(OptimizerState& state, CachingAllocator& allocator, ThreadPool* pool,
+                                 SchedulerConfig config, SlabSource* staging_slabs)
+    : state_(state), device_(state.device()), allocator_(allocator), pool_(pool), config_(config),
+      phantom_(is_phantom(state.device())) {
+  if (&allocator.device() != &device_) {
+    throw InvalidArgument("UpdateScheduler: the allocator and the optimizer state belong to different devices");
+  }
+  if (config_.staging_buffers == 0) {
+    throw InvalidArgument("UpdateScheduler: staging_buffers must be >= 1, got 0");
+  }
+  prefetch_ = device_.create_stream();
+  upload_ = device_.create_stream();
+  compute_ = device_.create_stream();
+  flush_ = device_.create_stream();
+  phase_start_ = device_.create_event(true);
+  // Staging holds one subgroup's low-precision params (2 B/param).
+  const std::size_t staging_bytes = state_.largest_subgroup() * 2;
+  for (std::size_t b = 0; b < config_.staging_buffers; ++b) staging_.emplace_back(device_, staging_bytes, staging_slabs);
+  staging_free_.assign(config_.staging_buffers, Event{});
+  host_counter_ = PinnedBuffer(device_, 64, staging_slabs);
+  device_counter_ = static_cast<unsigned int*>(allocator_.allocate(sizeof(unsigned int), config_.main_stream));
+  residents_.assign(state_.size(), Arrays{});
+}
+
+UpdateScheduler::~UpdateScheduler() {
+  try {
+    release_residents();
+    device_.synchronize();
+    allocator_.deallocate(device_counter_, config_.main_stream);
+    for (Event e : events_) device_.destroy_event(e);
+    device_.destroy_event(phase_start_);
+    for (Stream s : {prefetch_, upload_, compute_, flush_}) device_.destroy_stream(s);
+  } catch (const Error&) {
+    // Destructors never throw; the device is shutting down or already gone.
+  }
+}
+
+double UpdateScheduler::host_now_ns() {
+  if (auto* sim = dynamic_cast<SimDevice*>(&device_)) return sim->now_ns();
+  return static_cast<double>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+Event UpdateScheduler::take_event() {
+  // begin_phase sized the pool for the whole phase: running out is a bug, not a reason to allocate.
+  if (next_event_ >= events_.size()) throw Error("UpdateScheduler: event pool exhausted (internal error)");
+  return events_[next_event_++];
+}
+
+template <typename Work>
+Event UpdateScheduler::enqueue(OpKind kind, Stream stream, Event after, double bytes, double params, Work&& work) {
+  if (after.valid()) device_.stream_wait_event(stream, after);
+  const Event start = take_event();
+  const Event end = take_event();
+  device_.record_event(start, stream);
+  work();
+  device_.record_event(end, stream);
+  ops_.push_back(Op{kind, start, end, bytes, params});
+  return end;
+}
+
+UpdateScheduler::Arrays UpdateScheduler::carve(void* block, std::size_t n, bool with_grad) const {
+  const std::size_t a = round_up(n * sizeof(float), kDeviceAlign);
+  auto* base = static_cast<unsigned char*>(block);
+  Arrays r;
+  r.block = block;
+  r.p = reinterpret_cast<float*>(base);
+  r.m = reinterpret_cast<float*>(base + a);
+  r.v = reinterpret_cast<float*>(base + 2 * a);
+  r.g = with_grad ? reinterpret_cast<float*>(base + 3 * a) : nullptr;
+  return r;
+}
+
+AdamwArgs UpdateScheduler::args_for(const StepParams& p, std::size_t i) const {
+  const Subgroup& g = state_[i];
+  AdamwArgs a;
+  a.n = g.n;
+  a.lr = p.lr;
+  a.beta1 = p.beta1;
+  a.beta2 = p.beta2;
+  a.eps = p.eps;
+  a.weight_decay = p.weight_decay;
+  a.step = p.step;
+  a.grad_scale = p.grad_scale;
+  a.clip = p.clip;
+  a.l2 = p.l2;
+  a.grad_dtype = DType::fp32;
+  if (g.model_param != nullptr) {
+    a.param_out = g.model_param;
+    a.param_out_dtype = state_.model_dtype();
+  }
+  return a;
+}
+
+bool UpdateScheduler::is_resident(std::size_t subgroup) const { return residents_.at(subgroup).block != nullptr; }
+
+// ---------------------------------------------------------------------------------------------
+// Static residents: moved in when a plan first makes a subgroup gpu_static, out when one stops.
+
+void UpdateScheduler::place_residents(const std::vector<Placement>& placement) {
+  bool moved = false;
+  for (std::size_t i = 0; i < state_.size(); ++i) {
+    const bool want = placement[i] == Placement::gpu_static;
+    Arrays& r = residents_[i];
+    const Subgroup& g = state_[i];
+    const std::size_t bytes = g.n * sizeof(float);
+    if (want && r.block == nullptr) {
+      void* block = allocator_.allocate(4 * round_up(bytes, kDeviceAlign), config_.main_stream);
+      r = carve(block, g.n, true);
+      device_.copy_async(r.p, g.param, bytes, CopyKind::host_to_device, config_.main_stream);
+      device_.copy_async(r.m, g.exp_avg, bytes, CopyKind::host_to_device, config_.main_stream);
+      device_.copy_async(r.v, g.exp_avg_sq, bytes, CopyKind::host_to_device, config_.main_stream);
+      moved = true;
+    } else if (!want && r.block != nullptr) {
+      device_.copy_async(g.param, r.p, bytes, CopyKind::device_to_host, config_.main_stream);
+      device_.copy_async(g.exp_avg, r.m, bytes, CopyKind::device_to_host, config_.main_stream);
+      device_.copy_async(g.exp_avg_sq, r.v, bytes, CopyKind::device_to_host, config_.main_stream);
+      device_.stream_synchronize(config_.main_stream);
+      allocator_.deallocate(r.block, config_.main_stream);
+      r = Arrays{};
+    }
+  }
+  if (moved) device_.stream_synchronize(config_.main_stream);
+}
+
+void UpdateScheduler::sync_to_host() {
+  for (std::size_t i = 0; i < state_.size(); ++i) {
+    const Arrays& r = residents_[i];
+    if (r.block == nullptr) continue;
+    const Subgroup& g = state_[i];
+    const std::size_t bytes = g.n * sizeof(float);
+    device_.copy_async(g.param, r.p, bytes, CopyKind::device_to_host, config_.main_stream);
+    device_.copy_async(g.exp_avg, r.m, bytes, CopyKind::device_to_host, config_.main_stream);
+    device_.copy_async(g.exp_avg_sq, r.v, bytes, CopyKind::device_to_host, config_.main_stream);
+  }
+  device_.stream_synchronize(config_.main_stream);
+}
+
+void UpdateScheduler::release_residents() { place_residents(std::vector<Placement>(state_.size(), Placement::cpu)); }
+
+// ---------------------------------------------------------------------------------------------
+// The phase.
+
+StepReport UpdateScheduler::run(const Plan& plan, const StepParams& params) {
+  if (plan.placement.size() != state_.size()) {
+    throw InvalidArgument("UpdateScheduler::run: the plan places " + std::to_string(plan.placement.size()) +
+                          " subgroups, the optimizer state has " + std::to_string(state_.size()));
+  }
+  const bool any_streamed = std::find(plan.placement.begin(), plan.placement.end(), Placement::gpu) != plan.placement.end();
+  if (any_streamed && plan.gpu_slots == 0) {
+    throw InvalidArgument("UpdateScheduler::run: the plan streams subgroups to the GPU but gpu_slots = 0; accepted: >= 1");
+  }
+  const double phase_start_ns = host_now_ns();
+  if (!check_gradients(params)) {
+    StepReport skipped;
+    skipped.skipped = true;
+    skipped.phase_ns = host_now_ns() - phase_start_ns;
+    return skipped;
+  }
+  begin_phase(plan);
+  for (std::size_t i = 0; i < state_.size(); ++i) {
+    switch (plan.placement[i]) {
+      case Placement::gpu: gpu_update(streamed_index_[i], params); break;
+      case Placement::gpu_static: static_update(i, params); break;
+      case Placement::cpu: cpu_update(i, params); break;
+    }
+  }
+  return end_phase(phase_start_ns);
+}
+
+// A NaN or Inf anywhere skips the whole step, on every device alike (dynamic loss scaling).
+bool UpdateScheduler::check_gradients(const StepParams& params) {
+  if (params.grads_finite) return *params.grads_finite;
+  auto* sim = dynamic_cast<SimDevice*>(&device_);
+  bool finite = true;
+  bool on_device = false;
+  for (std::size_t i = 0; i < state_.size() && finite; ++i) {
+    const Subgroup& g = state_[i];
+    if (g.device_grad != nullptr) {
+      if (!on_device) {  // device gradients were produced on the training stream
+        device_.record_event(phase_start_, config_.main_stream);
+        device_.stream_wait_event(compute_, phase_start_);
+        device_.memset_async(device_counter_, 0, sizeof(unsigned int), compute_);
+      }
+      on_device = true;
+      count_nonfinite_async(device_, compute_, g.device_grad, DType::fp32, g.n, params.grad_scale, params.clip,
+                            device_counter_);
+    } else {
+      if (!phantom_) finite = grads_finite(g.grad, DType::fp32, g.n, params.grad_scale, params.clip, pool_, config_.isa);
+      if (sim != nullptr) sim->host_work(static_cast<double>(g.n) * 4, sim->config().host_dram_bytes_per_s);
+    }
+  }
+  if (on_device) {
+    auto* host = static_cast<unsigned int*>(host_counter_.data());
+    device_.copy_async(host, device_counter_, sizeof(unsigned int), CopyKind::device_to_host, compute_);
+    device_.stream_synchronize(compute_);
+    if (!phantom_ && *host != 0) finite = false;
+  }
+  return finite;
+}
+
+void UpdateScheduler::begin_phase(const Plan& plan) {
+  const AllocatorStats before = allocator_.stats();
+  place_residents(plan.placement);
+
+  // Everything the loop needs is sized here, so the loop itself allocates nothing.
+  const std::size_t n = state_.size();
+  const std::size_t events_needed = 2 * (3 * n + 4);
+  while (events_.size() < events_needed) events_.push_back(device_.create_event(true));
+  next_event_ = 0;
+  ops_.clear();
+  ops_.reserve(3 * n + 4);
+  streamed_.clear();
+  streamed_index_.assign(n, 0);
+  std::size_t largest = 0;
+  bool grads_from_host = false;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (plan.placement[i] != Placement::gpu) continue;
+    streamed_index_[i] = streamed_.size();
+    streamed_.push_back(i);
+    largest = std::max(largest, state_[i].n);
+    grads_from_host = grads_from_host || state_[i].device_grad == nullptr;
+  }
+  prefetched_.assign(streamed_.size(), Event{});
+  cpu_count_ = 0;
+  cpu_busy_ns_ = 0;
+  cpu_params_ = 0;
+  cpu_ops_ = 0;
+  params_[0] = params_[1] = params_[2] = 0;
+
+  const std::size_t slots = std::min(plan.gpu_slots, streamed_.size());
+  const std::size_t slot_bytes = (grads_from_host ? 4 : 3) * round_up(largest * sizeof(float), kDeviceAlign);
+  slots_.clear();
+  for (std::size_t s = 0; s < slots; ++s) {
+    slots_.push_back(carve(allocator_.allocate(slot_bytes, config_.main_stream), largest, grads_from_host));
+  }
+  slot_free_.assign(slots, Event{});
+  std::fill(staging_free_.begin(), staging_free_.end(), Event{});
+  setup_stats_ = allocator_.stats();
+  setup_allocations_ = setup_stats_.allocation[0].allocated - before.allocation[0].allocated;
+
+  // The phase starts after the training stream's work (the backward that produced the grads).
+  device_.record_event(phase_start_, config_.main_stream);
+  for (Stream s : {prefetch_, upload_, compute_, flush_}) device_.stream_wait_event(s, phase_start_);
+  for (std::size_t j = 0; j < slots; ++j) prefetch_in(j);
+}
+
+// async_prefetch_in: p, m, v (and the host gradient) into the slot, once its last flush is done.
+void UpdateScheduler::prefetch_in(std::size_t j) {
+  const std::size_t i = streamed_[j];
+  const Subgroup& g = state_[i];
+  const std::size_t slot = j % slots_.size();
+  const Arrays& s = slots_[slot];
+  const std::size_t bytes = g.n * sizeof(float);
+  const bool grad = g.device_grad == nullptr;
+  prefetched_[j] = enqueue(OpKind::h2d, prefetch_, slot_free_[slot], static_cast<double>(bytes * (grad ? 4 : 3)), 0, [&] {
+    device_.copy_async(s.p, g.param, bytes, CopyKind::host_to_device, prefetch_);
+    device_.copy_async(s.m, g.exp_avg, bytes, CopyKind::host_to_device, prefetch_);
+    device_.copy_async(s.v, g.exp_avg_sq, bytes, CopyKind::host_to_device, prefetch_);
+    if (grad) device_.copy_async(s.g, g.grad, bytes, CopyKind::host_to_device, prefetch_);
+  });
+}
+
+// gpu_update + async_flush_out, and the prefetch that reuses the slot (lookahead = slots).
+void UpdateScheduler::gpu_update(std::size_t j, const StepParams& params) {
+  const std::size_t i = streamed_[j];
+  const Subgroup& g = state_[i];
+  const std::size_t slot = j % slots_.size();
+  const Arrays& s = slots_[slot];
+  AdamwArgs a = args_for(params, i);
+  a.param = s.p;
+  a.exp_avg = s.m;
+  a.exp_avg_sq = s.v;
+  a.grad = g.device_grad != nullptr ? static_cast<const void*>(g.device_grad) : s.g;
+  const double n = static_cast<double>(g.n);
+  const Event stepped = enqueue(OpKind::gpu, compute_, prefetched_[j], n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype),
+                                n, [&] { adamw_step_async(device_, compute_, a); });
+  const std::size_t bytes = g.n * sizeof(float);
+  slot_free_[slot] = enqueue(OpKind::d2h, flush_, stepped, static_cast<double>(3 * bytes), 0, [&] {
+    device_.copy_async(g.param, s.p, bytes, CopyKind::device_to_host, flush_);
+    device_.copy_async(g.exp_avg, s.m, bytes, CopyKind::device_to_host, flush_);
+    device_.copy_async(g.exp_avg_sq, s.v, bytes, CopyKind::device_to_host, flush_);
+  });
+  params_[static_cast<int>(Placement::gpu)] += g.n;
+  if (j + slots_.size() < streamed_.size()) prefetch_in(j + slots_.size());
+}
+
+// A static resident: state already on the GPU; only a host gradient has to come over.
+void UpdateScheduler::static_update(std::size_t i, const StepParams& params) {
+  const Subgroup& g = state_[i];
+  const Arrays& r = residents_[i];
+  const std::size_t bytes = g.n * sizeof(float);
+  Event grad_ready{};
+  if (g.device_grad == nullptr) {
+    grad_ready = enqueue(OpKind::h2d, upload_, Event{}, static_cast<double>(bytes), 0, [&] {
+      device_.copy_async(r.g, g.grad, bytes, CopyKind::host_to_device, upload_);
+    });
+  }
+  AdamwArgs a = args_for(params, i);
+  a.param = r.p;
+  a.exp_avg = r.m;
+  a.exp_avg_sq = r.v;
+  a.grad = g.device_grad != nullptr ? static_cast<const void*>(g.device_grad) : r.g;
+  const double n = static_cast<double>(g.n);
+  enqueue(OpKind::gpu, compute_, grad_ready, n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype), n,
+          [&] { adamw_step_async(device_, compute_, a); });
+  params_[static_cast<int>(Placement::gpu_static)] += g.n;
+}
+
+// cpu_update with the fused downscale into pinned staging, then the H2D of the low-precision copy.
+void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
+  Subgroup& g = state_[i];
+  const std::size_t b = cpu_count_++ % staging_.size();
+  const std::size_t bytes = g.n * sizeof(float);
+  // Algorithm 1's only waits inside the loop: the staging buffer must have left for the GPU
+  // before the CPU overwrites it, and a gradient kept on the GPU must be on the host.
+  if (staging_free_[b].valid()) device_.event_synchronize(staging_free_[b]);
+  if (g.device_grad != nullptr) {
+    enqueue(OpKind::d2h, flush_, Event{}, static_cast<double>(bytes), 0, [&] {
+      device_.copy_async(g.grad, g.device_grad, bytes, CopyKind::device_to_host, flush_);
+    });
+    device_.stream_synchronize(flush_);
+  }
+  AdamwArgs a = args_for(params, i);
+  a.param = g.param;
+  a.exp_avg = g.exp_avg;
+  a.exp_avg_sq = g.exp_avg_sq;
+  a.grad = g.grad;
+  if (a.param_out != nullptr) a.param_out = staging_[b].data();
+
+  const double t0 = host_now_ns();
+  if (!phantom_) adamw_step(a, pool_, config_.isa);
+  if (auto* sim = dynamic_cast<SimDevice*>(&device_)) {
+    const double per_param = adamw_bytes_per_param(DType::fp32, a.param_out_dtype);
+    sim->host_work(static_cast<double>(g.n) * per_param, sim->config().cpu_update_params_per_s * per_param);
+  }
+  cpu_busy_ns_ += host_now_ns() - t0;
+  cpu_params_ += static_cast<double>(g.n);
+  ++cpu_ops_;
+  params_[static_cast<int>(Placement::cpu)] += g.n;
+
+  if (g.model_param != nullptr) {
+    const std::size_t out_bytes = g.n * dtype_size(a.param_out_dtype);
+    void* staged = staging_[b].data();
+    staging_free_[b] = enqueue(OpKind::h2d, upload_, Event{}, static_cast<double>(out_bytes), 0, [&] {
+      device_.copy_async(g.model_param, staged, out_bytes, CopyKind::host_to_device, upload_);
+    });
+  }
+}
+
+StepReport UpdateScheduler::end_phase(double phase_start_ns) {
+  for (Stream s : {prefetch_, upload_, compute_, flush_}) device_.stream_synchronize(s);
+  StepReport r;
+  r.phase_ns = host_now_ns() - phase_start_ns;
+  const AllocatorStats after = allocator_.stats();
+  r.setup_allocations = setup_allocations_;
+  r.loop_allocations = after.allocation[0].allocated - setup_stats_.allocation[0].allocated;
+  r.loop_device_allocs = after.num_device_alloc - setup_stats_.num_device_alloc;
+  for (const Arrays& s : slots_) allocator_.deallocate(s.block, config_.main_stream);
+  slots_.clear();
+
+  std::vector<Interval> spans[3];
+  ResourceUse* use[3] = {&r.h2d, &r.d2h, &r.gpu};
+  for (const Op& op : ops_) {
+    const int k = static_cast<int>(op.kind);
+    const double t0 = static_cast<double>(device_.event_elapsed_ms(phase_start_, op.start)) * 1e6;
+    const double t1 = static_cast<double>(device_.event_elapsed_ms(phase_start_, op.end)) * 1e6;
+    spans[k].push_back(Interval{t0, t1});
+    use[k]->bytes += op.bytes;
+    use[k]->params += op.params;
+    use[k]->ops += 1;
+  }
+  for (int k = 0; k < 3; ++k) use[k]->busy_ns = merge(spans[k]);
+  r.h2d_d2h_overlap_ns = overlap(spans[0], spans[1]);
+  r.cpu.busy_ns = cpu_busy_ns_;
+  r.cpu.params = cpu_params_;
+  r.cpu.ops = cpu_ops_;
+  r.cpu.bytes = cpu_params_ * adamw_bytes_per_param(DType::fp32, state_.model_dtype());
+  r.params_cpu = params_[static_cast<int>(Placement::cpu)];
+  r.params_gpu = params_[static_cast<int>(Placement::gpu)];
+  r.params_gpu_static = params_[static_cast<int>(Placement::gpu_static)];
+  return r;
+}
+
+}  // namespace memtide::tiering
