@@ -24,10 +24,12 @@ const char* dtype_name(DType d) {
   }
 }
 
+#if !MEMTIDE_HAVE_CUDA_KERNELS
 [[noreturn]] void no_kernels(const Device& device, const char* op) {
   throw Error(std::string(op) + ": CUDA optimizer kernels are not in this build (device \"" +
               device.properties().name + "\"); rebuild with the kernels or use the CPU path");
 }
+#endif
 
 float to_float(const void* src, DType dtype, std::size_t i) {
   switch (dtype) {
