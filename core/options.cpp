@@ -121,6 +121,10 @@ const std::vector<Row>& rows() {
          o.cpu_isa = std::string(v);
        },
        [](const Options& o) { return o.cpu_isa; }},
+      {"topology", "hwloc XML file path (empty = this machine)",
+       "GPU/NUMA topology to use instead of discovering this machine (planning for another machine, tests)",
+       [](Options& o, std::string_view v) { o.topology = std::string(v); },
+       [](const Options& o) { return o.topology.empty() ? std::string("this machine") : o.topology; }},
   };
   return table;
 }

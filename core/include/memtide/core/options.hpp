@@ -29,6 +29,7 @@ struct Options {
   std::uint64_t phase_history = 4;          ///< iterations remembered for headroom
   std::string preload_log = "memtide_preload.jsonl";  ///< LD_PRELOAD observer output file
   std::string cpu_isa = "auto";             ///< auto | scalar | avx2 | avx512 (CPU optimizer kernels)
+  std::string topology;                     ///< hwloc XML file to use instead of this machine; empty = this machine
 
   /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
   static Options from_env(const std::function<const char*(const char*)>& lookup);
