@@ -21,6 +21,7 @@
 #include "memtide/device/device.hpp"
 
 #ifdef MEMTIDE_HAVE_HWLOC
+#include <dlfcn.h>
 #include <hwloc.h>
 #endif
 
@@ -147,9 +148,24 @@ std::vector<std::string> sysfs_pci_path(const fs::path& device_link, const std::
 // ---- hwloc ----------------------------------------------------------------------------------
 
 #ifdef MEMTIDE_HAVE_HWLOC
+// hwloc's plugins (libxml2 XML import, libpciaccess, ...) look up libhwloc's symbols globally. When
+// libmemtide.so and with it libhwloc were dlopened RTLD_LOCAL, as Python loads extensions, every
+// plugin fails with "undefined symbol" and XML files fall back to hwloc's minimal parser. Promoting
+// the already loaded libhwloc to RTLD_GLOBAL lets them load.
+void make_hwloc_plugins_loadable() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(&hwloc_topology_init), &info) != 0 && info.dli_fname != nullptr) {
+      (void)dlopen(info.dli_fname, RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD);  // kept open for the process
+    }
+  });
+}
+
 struct HwlocTopology {
   hwloc_topology_t t = nullptr;
   HwlocTopology() {
+    make_hwloc_plugins_loadable();
     if (hwloc_topology_init(&t) != 0) throw Error("hwloc_topology_init failed");
   }
   ~HwlocTopology() { hwloc_topology_destroy(t); }

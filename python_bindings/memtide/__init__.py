@@ -32,6 +32,7 @@ from ._memtide import (
     reset_peak_stats,
     resolve_backend,
     stats,
+    topology,
     version,
 )
 
@@ -60,6 +61,7 @@ __all__ = [
     "reset_peak_stats",
     "resolve_backend",
     "stats",
+    "topology",
     "torch_allocator",
     "use_with_torch",
     "version",
