@@ -244,11 +244,15 @@ Topology read_hwloc(hwloc_topology_t t, std::string source) {
       hwloc_location loc{};
       loc.type = HWLOC_LOCATION_TYPE_CPUSET;
       loc.location.cpuset = anc->cpuset;
-      unsigned nr = static_cast<unsigned>(nodes.size());
-      std::vector<hwloc_obj_t> local(nr);
-      // SMALLER_LOCALITY: with sub-NUMA clustering the nodes sit below the GPU's package.
-      if (hwloc_get_local_numanode_objs(t, &loc, &nr, local.data(), HWLOC_LOCAL_NUMANODE_FLAG_SMALLER_LOCALITY) == 0) {
-        for (unsigned i = 0; i < nr && i < local.size(); ++i) g.numa_nodes.push_back(static_cast<int>(local[i]->os_index));
+      // SMALLER_LOCALITY first: with sub-NUMA clustering the nodes sit below the GPU's package.
+      // LARGER_LOCALITY when that finds none: the GPU hangs below its node (under a die or cache).
+      for (unsigned long flag : {HWLOC_LOCAL_NUMANODE_FLAG_SMALLER_LOCALITY, HWLOC_LOCAL_NUMANODE_FLAG_LARGER_LOCALITY}) {
+        unsigned nr = static_cast<unsigned>(nodes.size());
+        std::vector<hwloc_obj_t> local(nr);
+        if (hwloc_get_local_numanode_objs(t, &loc, &nr, local.data(), flag) == 0) {
+          for (unsigned i = 0; i < nr && i < local.size(); ++i) g.numa_nodes.push_back(static_cast<int>(local[i]->os_index));
+        }
+        if (!g.numa_nodes.empty()) break;
       }
       std::sort(g.numa_nodes.begin(), g.numa_nodes.end());
       g.locality_known = !g.numa_nodes.empty();

@@ -185,8 +185,10 @@ TEST(Topology, UnknownLocalityFallsBackToTheLargestNode) {
   REQUIRE_HWLOC();
   const Topology t = Topology::from_xml(kData + "unknown_locality.xml");
   ASSERT_EQ(t.gpus().size(), 2U);
+  // GPU 0 hangs under a group of cores 0-1, below node 0: found through its larger locality.
   EXPECT_TRUE(t.gpu(0).locality_known);
   EXPECT_EQ(t.gpu(0).numa_nodes, std::vector<int>{0});
+  EXPECT_EQ(t.gpu(0).cpus, range(0, 1));
   EXPECT_EQ(t.preferred_node(0), 0);
   const GpuInfo& lost = t.gpu(1);
   EXPECT_EQ(lost.pci_bus_id, "0000:65:00.0");
@@ -314,19 +316,33 @@ TEST(Topology, SysfsRootWithoutPciIsAnError) {
 }
 
 TEST(Topology, CudaOrderReindexesByBusId) {
-  REQUIRE_HWLOC();
-  const Topology t = Topology::from_xml(kData + "two_socket_4gpu.xml");
-  // CUDA sees three GPUs, fastest first, in its own order; one more is unknown to the topology.
-  const Topology c = order_like_cuda(t, {"0000:99:00.0", "00000000:18:00.0", "0000:E1:00.0"}, {"A100-X", "", "H100"});
+  auto gpu = [](const std::string& bus, int node) {
+    GpuInfo g;
+    g.pci_bus_id = bus;
+    g.numa_nodes = {node};
+    g.cpus = {node};
+    g.locality_known = true;
+    g.name = "NVIDIA [10de:2330]";
+    g.pci_path = {"", bus};
+    return g;
+  };
+  const Topology t("test", {NumaNode{0, 1 << 30, {0}}, NumaNode{1, 1 << 30, {1}}},
+                   {gpu("0000:b1:00.0", 1), gpu("0000:18:00.0", 0), gpu("0000:99:00.0", 1)});
+  EXPECT_EQ(bus_ids(t), (std::vector<std::string>{"0000:18:00.0", "0000:99:00.0", "0000:b1:00.0"}));
+  // CUDA sees three GPUs in its own order (fastest first, or CUDA_VISIBLE_DEVICES): b1 is hidden,
+  // and e1 is one the topology does not know.
+  const Topology c = order_like_cuda(t, {"0000:99:00.0", "00000000:18:00.0", "0000:E1:00.0"}, {"H100-X", "", "H200"});
   ASSERT_EQ(c.gpus().size(), 3U);
   EXPECT_EQ(bus_ids(c), (std::vector<std::string>{"0000:99:00.0", "0000:18:00.0", "0000:e1:00.0"}));
-  EXPECT_EQ(c.gpu(0).index, 0);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(c.gpu(i).index, i);
   EXPECT_EQ(c.gpu(0).numa_nodes, std::vector<int>{1});
-  EXPECT_EQ(c.gpu(0).name, "A100-X");
-  EXPECT_EQ(c.gpu(1).name, "NVIDIA A100 80GB PCIe");
+  EXPECT_EQ(c.gpu(0).name, "H100-X");
+  EXPECT_EQ(c.gpu(1).name, "NVIDIA [10de:2330]");
   EXPECT_EQ(c.gpu(1).numa_nodes, std::vector<int>{0});
   EXPECT_FALSE(c.gpu(2).locality_known);
+  EXPECT_EQ(c.gpu(2).name, "H200");
   EXPECT_EQ(c.link(0, 1), GpuLink::sys);
+  EXPECT_THROW(order_like_cuda(t, {"not a bus id"}, {""}), InvalidArgument);
 }
 
 // ---- this machine ---------------------------------------------------------------------------
