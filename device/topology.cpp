@@ -266,6 +266,9 @@ Topology hwloc_live() {
   HwlocTopology h;
   // Important I/O only: GPUs, NICs, storage and the bridges above them.
   hwloc_topology_set_io_types_filter(h.t, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+  // Linux's own backend reads the PCI tree from sysfs; the libpciaccess component would only add
+  // model names (CUDA gives better ones), reads config space, and leaks in pci_system_init.
+  (void)hwloc_topology_set_components(h.t, HWLOC_TOPOLOGY_COMPONENTS_FLAG_BLACKLIST, "pci");
   if (hwloc_topology_load(h.t) != 0) throw Error("hwloc_topology_load failed on this machine");
   return read_hwloc(h.t, "hwloc");
 }
