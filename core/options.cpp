@@ -138,6 +138,10 @@ const std::vector<Row>& rows() {
       {"subgroup_size", "1..1000000000000", "parameters per optimizer subgroup (the unit of CPU/GPU placement)",
        [](Options& o, std::string_view v) { o.subgroup_size = parse_count("subgroup_size", v, 1, 1000000000000ULL); },
        [](const Options& o) { return std::to_string(o.subgroup_size); }},
+      {"topology", "hwloc XML file path (empty = this machine)",
+       "GPU/NUMA topology to use instead of discovering this machine (planning for another machine, tests)",
+       [](Options& o, std::string_view v) { o.topology = std::string(v); },
+       [](const Options& o) { return o.topology.empty() ? std::string("this machine") : o.topology; }},
   };
   return table;
 }

@@ -28,6 +28,7 @@
 #include "memtide/core/options.hpp"
 #include "memtide/device/device.hpp"
 #include "memtide/device/sim_device.hpp"
+#include "memtide/device/topology.hpp"
 #include "memtide/memtide.h"
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
@@ -216,6 +217,59 @@ nb::dict replay_transformer(std::int64_t layers, std::int64_t hidden, std::int64
   return d;
 }
 
+
+// ---- topology -------------------------------------------------------------------------------
+
+nb::list int_list(const std::vector<int>& values) {
+  nb::list out;
+  for (int v : values) out.append(v);
+  return out;
+}
+
+nb::dict topology_dict(const std::optional<std::string>& path) {
+  std::optional<memtide::Topology> topo;
+  {
+    // hwloc's discovery reads sysfs and can take a while on large machines.
+    nb::gil_scoped_release nogil;
+    topo = path ? memtide::Topology::from_xml(*path) : memtide::Topology::discover();
+  }
+  nb::dict d;
+  d["source"] = topo->source();
+  d["hwloc"] = memtide::hwloc_available();
+  nb::list nodes;
+  for (const memtide::NumaNode& n : topo->numa_nodes()) {
+    nb::dict nd;
+    nd["os_index"] = n.os_index;
+    nd["memory_bytes"] = n.memory_bytes;
+    nd["cpus"] = int_list(n.cpus);
+    nodes.append(nd);
+  }
+  d["numa_nodes"] = nodes;
+  nb::list gpus;
+  nb::list links;
+  const int count = static_cast<int>(topo->gpus().size());
+  for (const memtide::GpuInfo& g : topo->gpus()) {
+    nb::dict gd;
+    gd["index"] = g.index;
+    gd["pci_bus_id"] = g.pci_bus_id;
+    gd["numa_nodes"] = int_list(g.numa_nodes);
+    gd["cpus"] = int_list(g.cpus);
+    gd["locality_known"] = g.locality_known;
+    gd["name"] = g.name;
+    gd["preferred_node"] = topo->preferred_node(g.index);
+    gd["local_cpus"] = int_list(topo->local_cpus(g.index));
+    nb::list pci_path;
+    for (const std::string& hop : g.pci_path) pci_path.append(hop);
+    gd["pci_path"] = pci_path;
+    gpus.append(gd);
+    nb::list row;
+    for (int b = 0; b < count; ++b) row.append(std::string(memtide::link_name(topo->link(g.index, b))));
+    links.append(row);
+  }
+  d["gpus"] = gpus;
+  d["links"] = links;
+  return d;
+}
 
 // ---- CPU AdamW ------------------------------------------------------------------------------
 
@@ -551,6 +605,12 @@ NB_MODULE(_memtide, m) {
         "bfloat16, multiplied by grad_scale then clip; `out` (float16 or bfloat16) receives the new params.\n"
         "`step` is the 1-based step count including this one. Returns True if a scaled gradient was\n"
         "NaN/Inf (with skip_if_nonfinite the state is then left untouched).");
+  m.def("topology", &topology_dict, "path"_a = nb::none(),
+        "The GPU/NUMA topology as plain dicts and lists: `source`, `hwloc` (built with hwloc),\n"
+        "`numa_nodes` [{os_index, memory_bytes, cpus}], `gpus` [{index, pci_bus_id, numa_nodes, cpus,\n"
+        "locality_known, name, preferred_node, local_cpus, pci_path}] and `links`, the GPU x GPU matrix\n"
+        "of nvidia-smi topo -m classes (X, PIX, PXB, PHB, NODE, SYS). `path`: an hwloc XML file to load\n"
+        "instead of discovering this machine (MEMTIDE_TOPOLOGY, else hwloc, else sysfs).");
   m.def("cpu_isa", [] { return std::string(memtide::tiering::adamw_isa()); },
         "The vector path of the CPU optimizer kernels: scalar, avx2 or avx512 (MEMTIDE_CPU_ISA resolved).");
   m.def("cpu_threads", [] { return memtide::default_pool().size(); },

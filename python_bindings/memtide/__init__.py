@@ -35,6 +35,7 @@ from ._memtide import (
     reset_peak_stats,
     resolve_backend,
     stats,
+    topology,
     version,
 )
 
@@ -67,6 +68,7 @@ __all__ = [
     "reset_peak_stats",
     "resolve_backend",
     "stats",
+    "topology",
     "torch_allocator",
     "use_with_torch",
     "version",

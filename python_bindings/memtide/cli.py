@@ -1,4 +1,4 @@
-"""The ``memtide`` command line: ``memtide info``, ``memtide run`` (training, or ``--trace``) and ``memtide plan``."""
+"""The ``memtide`` command line: ``memtide info``, ``memtide probe``, ``memtide run`` (training, or ``--trace``) and ``memtide plan``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import platform
 import sys
 from typing import Any, Dict, List, Optional, Sequence
@@ -136,6 +137,92 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print()
     else:
         _print_info(info)
+    return 0
+
+
+# ---- probe --------------------------------------------------------------------------------------
+
+# What each link class means, in the order of the matrix legend (worst first, as nvidia-smi lists them).
+_LINK_LEGEND = (
+    ("X", "the GPU itself"),
+    ("SYS", "PCIe plus the link between NUMA nodes (sockets)"),
+    ("NODE", "PCIe plus the path between two host bridges of one NUMA node"),
+    ("PHB", "PCIe through one host bridge (the CPU's root complex)"),
+    ("PXB", "several PCIe bridges, no host bridge (cascaded switches)"),
+    ("PIX", "at most one PCIe switch"),
+)
+
+
+def format_cpu_list(cpus: Sequence[int]) -> str:
+    """[0, 1, 2, 3, 8] -> "0-3,8", the kernel's cpu list notation."""
+    values = sorted(set(cpus))
+    parts = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _probe_json(topo: Dict[str, Any]) -> Dict[str, Any]:
+    return {
+        "source": topo["source"],
+        "numa_nodes": topo["numa_nodes"],
+        "gpus": topo["gpus"],
+        "links": topo["links"],
+    }
+
+
+def _print_probe(topo: Dict[str, Any]) -> None:
+    gpus = topo["gpus"]
+    print(f"source    {topo['source']}" + ("" if topo["hwloc"] else "  (memtide built without hwloc)"))
+    print()
+    if gpus:
+        names = [f"GPU{g['index']}" for g in gpus]
+        width = max(6, max(len(n) for n in names) + 2)
+        cpu_col = [format_cpu_list(g["cpus"]) or "N/A" for g in gpus]
+        numa_col = [",".join(str(n) for n in g["numa_nodes"]) if g["locality_known"] else "N/A" for g in gpus]
+        cpu_w = max(len("CPU Affinity"), max(len(c) for c in cpu_col)) + 2
+        print(" " * width + "".join(f"{n:<{width}}" for n in names) + f"{'CPU Affinity':<{cpu_w}}NUMA Affinity")
+        for i, name in enumerate(names):
+            cells = "".join(f"{link:<{width}}" for link in topo["links"][i])
+            print(f"{name:<{width}}{cells}{cpu_col[i]:<{cpu_w}}{numa_col[i]}")
+        print()
+        print("Legend:")
+        for code, meaning in _LINK_LEGEND:
+            print(f"  {code:<4} = {meaning}")
+        print()
+        print("GPUs:")
+        for g in gpus:
+            print(f"  GPU{g['index']}  {g['pci_bus_id']}  {g['name']}")
+        for g in gpus:
+            if not g["locality_known"]:
+                print(f"  GPU{g['index']}: NUMA locality unknown; memtide uses node {g['preferred_node']} (the most memory) "
+                      f"and cpus {format_cpu_list(g['local_cpus']) or 'none'} for it")
+    else:
+        print("no NVIDIA GPU found")
+    print()
+    print("NUMA nodes:")
+    for node in topo["numa_nodes"]:
+        memory = format_bytes(node["memory_bytes"]) if node["memory_bytes"] else "memory unknown"
+        print(f"  node {node['os_index']}  {memory:>12}  cpus {format_cpu_list(node['cpus']) or 'none'}")
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    if args.topology is not None and not os.path.isfile(args.topology):
+        what = "is not a file" if os.path.exists(args.topology) else "does not exist"
+        print(f"memtide probe: --topology {args.topology!r} {what}; expected an hwloc XML file (lstopo --of xml)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    topo = memtide.topology(args.topology)
+    if args.json:
+        json.dump(_probe_json(topo), sys.stdout, indent=2)
+        print()
+    else:
+        _print_probe(topo)
     return 0
 
 
@@ -590,6 +677,18 @@ def _parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, device backend, GPUs and the options table")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     info.set_defaults(func=_cmd_info)
+
+    probe = sub.add_parser(
+        "probe",
+        help="GPUs, NUMA nodes, GPU-local cores and PCIe links (like nvidia-smi topo -m)",
+        description="Shows the topology memtide plans with: each GPU's PCIe links to the others, its local "
+        "cores and NUMA nodes, and the NUMA nodes with their memory. Sources: --topology, else "
+        "MEMTIDE_TOPOLOGY, else this machine through hwloc, else sysfs.",
+    )
+    probe.add_argument("--json", action="store_true", help="print JSON instead of text")
+    probe.add_argument("--topology", metavar="FILE", default=None,
+                       help="an hwloc XML file (lstopo --of xml) to show instead of this machine")
+    probe.set_defaults(func=_cmd_probe)
 
     run = sub.add_parser(
         "run",

@@ -32,6 +32,7 @@ struct Options {
   double calibration_alpha = 0.3;           ///< EWMA weight of a new rate measurement
   std::uint64_t calibration_history = 100;  ///< update-phase prediction errors kept for reports
   std::uint64_t subgroup_size = 100000000;  ///< params per optimizer subgroup (paper: 100M)
+  std::string topology;                     ///< hwloc XML file to use instead of this machine; empty = this machine
 
   /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
   static Options from_env(const std::function<const char*(const char*)>& lookup);
