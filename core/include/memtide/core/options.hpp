@@ -29,6 +29,10 @@ struct Options {
   std::uint64_t phase_history = 4;          ///< iterations remembered for headroom
   std::string preload_log = "memtide_preload.jsonl";  ///< LD_PRELOAD observer output file
   std::string cpu_isa = "auto";             ///< auto | scalar | avx2 | avx512 (CPU optimizer kernels)
+  std::uint64_t host_slab_size = 256ULL << 20;  ///< pinned host slab size (HostArena)
+  std::uint64_t host_max_bytes = 0;         ///< cap on pinned host bytes per arena; 0 = none
+  int host_node = -1;                       ///< NUMA node for host buffers; -1 = not bound (until topology decides)
+  std::string host_node_full = "strict";    ///< strict | fallback: when the node cannot hold a slab
 
   /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
   static Options from_env(const std::function<const char*(const char*)>& lookup);
