@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from . import _memtide
+from . import _memtide, host
 from ._memtide import (
     ConfigError,
     adamw_step_cpu,
@@ -49,6 +49,7 @@ __all__ = [
     "dump_snapshot",
     "empty_cache",
     "headroom",
+    "host",
     "library_path",
     "mark_phase",
     "option_table",
