@@ -138,6 +138,7 @@ HostArenaConfig HostArenaConfig::from_options() {
   c.slab_bytes = static_cast<std::size_t>(o.host_slab_size);
   c.max_bytes = o.host_max_bytes;
   c.on_node_full = parse_node_full_policy(o.host_node_full);
+  c.huge_pages = o.host_huge_pages;
   return c;
 }
 
@@ -345,6 +346,9 @@ HostArena::Slab HostArena::make_slab(std::size_t bytes, std::size_t alignment) {
 #endif
   }
 
+  // Huge pages need 2 MiB-aligned ranges to be used end to end.
+  constexpr std::size_t kHugePage = std::size_t{2} << 20;
+  if (config_.huge_pages && bytes >= kHugePage) alignment = std::max(alignment, kHugePage);
   // Over-map when the alignment is above a page, then trim both ends.
   const std::size_t extra = alignment > page_bytes_ ? alignment - page_bytes_ : 0;
   void* raw = mmap(nullptr, bytes + extra, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -356,6 +360,8 @@ HostArena::Slab HostArena::make_slab(std::size_t bytes, std::size_t alignment) {
   if (aligned > addr) munmap(raw, aligned - addr);
   if (aligned + bytes < addr + bytes + extra) munmap(reinterpret_cast<void*>(aligned + bytes), addr + bytes + extra - aligned - bytes);
   s.base = reinterpret_cast<char*>(aligned);
+  // Advice only: EINVAL where the kernel has no THP, and the pages are then 4 KiB.
+  if (config_.huge_pages && bytes >= kHugePage) (void)madvise(s.base, bytes, MADV_HUGEPAGE);
 
 #ifdef MEMTIDE_HAVE_NUMA
   if (mode >= 0) {

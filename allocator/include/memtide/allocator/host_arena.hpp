@@ -46,14 +46,17 @@ struct HostArenaConfig {
   std::uint64_t max_bytes = 0;           ///< cap on mapped bytes (all slabs); 0 = none
   std::size_t alignment = 256;           ///< alignment of every buffer (a power of two)
   NodeFullPolicy on_node_full = NodeFullPolicy::strict;
+  /// Ask for transparent huge pages (madvise MADV_HUGEPAGE, slabs 2 MiB aligned): the first touch
+  /// then faults 2 MiB at a time, several times faster than 4 KiB pages. Ignored where THP is off.
+  bool huge_pages = true;
   /// Touches pages on first use; its workers should run on the node's cores (the caller binds
   /// them). Null: the calling thread touches every page.
   ThreadPool* toucher = nullptr;
   /// Registers each slab (page-locks it for DMA). Null: slabs are touched but not registered.
   Device* device = nullptr;
 
-  /// slab_bytes, max_bytes and on_node_full from the options table (host_slab_size,
-  /// host_max_bytes, host_node_full). Node, pool and device are the caller's to set.
+  /// slab_bytes, max_bytes, on_node_full and huge_pages from the options table (host_slab_size,
+  /// host_max_bytes, host_node_full, host_huge_pages). Node, pool and device are the caller's to set.
   static HostArenaConfig from_options();
 };
 

@@ -33,6 +33,7 @@ struct Options {
   std::uint64_t host_max_bytes = 0;         ///< cap on pinned host bytes per arena; 0 = none
   int host_node = -1;                       ///< NUMA node for host buffers; -1 = not bound (until topology decides)
   std::string host_node_full = "strict";    ///< strict | fallback: when the node cannot hold a slab
+  bool host_huge_pages = true;              ///< transparent huge pages for host slabs (faster first touch)
 
   /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
   static Options from_env(const std::function<const char*(const char*)>& lookup);
