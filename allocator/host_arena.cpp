@@ -226,6 +226,7 @@ PlacementReport HostArena::verify_placement(const void* p, std::size_t bytes, st
     else ++r.pages_not_present;  // -ENOENT: never touched; -EFAULT: not mapped
   }
 #else
+  (void)max_samples;
   r.reason = "memtide was built without libnuma";
 #endif
   return r;
