@@ -41,15 +41,20 @@ def main() -> None:
     ap.add_argument("json_in")
     ap.add_argument("md_out")
     ap.add_argument("--command", default="")
+    ap.add_argument("--title", default="Allocator benchmarks")
     args = ap.parse_args()
     data = json.load(open(args.json_in))
     ctx = data["context"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = [f"# Allocator benchmarks, {date.today().isoformat()}", "",
+    out = [f"# {args.title}, {date.today().isoformat()}", "",
            f"Command: `{args.command.strip()}` (commit {commit or 'unknown'})", "",
            "## Machine and build", machine(),
            f"- Build: {ctx.get('library_build_type', '?')} Google Benchmark, memtide Release; "
-           f"GPU backend: {ctx.get('memtide_backend_gpu', '?')}", ""]
+           f"GPU backend: {ctx.get('memtide_backend_gpu', '?')}" if "memtide_backend_gpu" in ctx else
+           f"- Build: {ctx.get('library_build_type', '?')} Google Benchmark, memtide Release"]
+    out += [f"- {k.removeprefix('memtide_')}: {v}" for k, v in ctx.items()
+            if k.startswith("memtide_") and k != "memtide_backend_gpu"]
+    out += [""]
 
     out += ["## Figures", "", "| benchmark | time | CPU time | counters |", "|---|---|---|---|"]
     fast_path = {}
@@ -62,12 +67,14 @@ def main() -> None:
             "cpu_time", "time_unit", "family_index", "per_family_instance_index", "aggregate_name",
             "aggregate_unit", "label"}}
         unit = b.get("time_unit", "ns")
+        label = f" ({b['label']})" if b.get("label") else ""
         out.append(f"| {name} | {b['real_time']:.4g} {unit} | {b['cpu_time']:.4g} {unit} | "
-                   + ", ".join(f"{k}={fmt(v)}" for k, v in counters.items()) + " |")
+                   + ", ".join(f"{k}={fmt(v)}" for k, v in counters.items()) + label + " |")
         if b.get("aggregate_name") == "median" and name.startswith("CachedAllocFree/"):
             fast_path[name] = b["real_time"] if unit == "ns" else None
 
-    out += ["", "## Targets", ""]
+    if fast_path or any(b["name"].startswith("TransformerReplay") for b in data["benchmarks"]):
+        out += ["", "## Targets", ""]
     for name, ns in fast_path.items():
         if ns is not None:
             out.append(f"- {name}: median {ns:.1f} ns per alloc+free pair; target < 100 ns: "

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# Builds the benchmarks (Release) and writes bench/results/<date>-<machine>-allocator.md with the
-# command, the machine, the build and every figure. Usage: bash bench/run.sh [machine-label]
+# Builds a benchmark program (Release) and writes bench/results/<date>-<machine>-<suite>.md with
+# the command, the machine, the build and every figure.
+# Usage: bash bench/run.sh [machine-label]             (allocator benchmarks)
+#        SUITE=host bash bench/run.sh [machine-label]  (host tier: pinning cost, HostArena latency)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 label=${1:-$(nproc)core-$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true) | tr ' ' '-' )}
 label=${label%-}
+suite=${SUITE:-allocator}
+case "$suite" in
+  allocator) name=allocator; title="Allocator benchmarks" ;;
+  host) name=host-arena; title="Host tier benchmarks (HostArena)" ;;
+  *) echo "SUITE=$suite is not accepted: expected allocator or host" >&2; exit 2 ;;
+esac
 cmake --preset release -DMEMTIDE_BUILD_TESTS=OFF >/dev/null
-cmake --build --preset release --target memtide_bench_allocator
+cmake --build --preset release --target "memtide_bench_$suite"
 json=$(mktemp)
-build/release/bench/memtide_bench_allocator --benchmark_format=console \
+"build/release/bench/memtide_bench_$suite" --benchmark_format=console \
   --benchmark_out="$json" --benchmark_out_format=json
-out="bench/results/$(date +%Y-%m-%d)-${label:-cpu}-allocator.md"
-.venv/bin/python bench/report.py "$json" "$out" --command "bash bench/run.sh ${1:-}"
+out="bench/results/$(date +%Y-%m-%d)-${label:-cpu}-$name.md"
+prefix=""
+[ "$suite" = allocator ] || prefix="SUITE=$suite "
+.venv/bin/python bench/report.py "$json" "$out" --title "$title" --command "${prefix}bash bench/run.sh ${1:-}"
 rm -f "$json"
 log "wrote $out"

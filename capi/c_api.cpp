@@ -225,6 +225,17 @@ const char* memtide_cpu_isa(void) {
   return name;
 }
 
+void* memtide_host_alloc(size_t bytes, int device) {
+  void* ptr = nullptr;
+  guarded("memtide_host_alloc", [&] { ptr = Runtime::get().host_arena(device).allocate(bytes); });
+  return ptr;
+}
+
+int memtide_host_free(void* ptr) {
+  if (ptr == nullptr) return MEMTIDE_OK;
+  return guarded("memtide_host_free", [&] { Runtime::get().host_free(ptr); });
+}
+
 const char* memtide_last_error(void) { return t_last_error.c_str(); }
 
 const char* memtide_version(void) { return MEMTIDE_VERSION_STRING; }

@@ -50,6 +50,15 @@ std::uint64_t parse_count(std::string_view key, std::string_view v, std::uint64_
   return n;
 }
 
+int parse_int(std::string_view key, std::string_view v, int min, int max) {
+  int n = 0;
+  auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc{} || end != v.data() + v.size() || n < min || n > max) {
+    reject(key, v, "a whole number from " + std::to_string(min) + " to " + std::to_string(max));
+  }
+  return n;
+}
+
 struct Row {
   const char* key;
   const char* accepted;
@@ -142,6 +151,25 @@ const std::vector<Row>& rows() {
        "GPU/NUMA topology to use instead of discovering this machine (planning for another machine, tests)",
        [](Options& o, std::string_view v) { o.topology = std::string(v); },
        [](const Options& o) { return o.topology.empty() ? std::string("this machine") : o.topology; }},
+      {"host_slab_size", "size, 4KiB..1TiB", "size of each pinned host slab (mmap + mbind + touch + one registration)",
+       [](Options& o, std::string_view v) { o.host_slab_size = parse_size("host_slab_size", v, 4ULL << 10, 1ULL << 40); },
+       [](const Options& o) { return format_bytes(o.host_slab_size); }},
+      {"host_max_bytes", "size (0 = no cap)", "cap on pinned host memory per arena",
+       [](Options& o, std::string_view v) { o.host_max_bytes = parse_size("host_max_bytes", v, 0, 1ULL << 50); },
+       [](const Options& o) { return o.host_max_bytes ? format_bytes(o.host_max_bytes) : std::string("none"); }},
+      {"host_node", "-1..4095", "NUMA node for pinned host buffers; -1 = not bound",
+       [](Options& o, std::string_view v) { o.host_node = parse_int("host_node", v, -1, 4095); },
+       [](const Options& o) { return std::to_string(o.host_node); }},
+      {"host_node_full", "strict | fallback",
+       "when a NUMA node cannot hold a new slab: strict fails, fallback warns and lets it use other nodes",
+       [](Options& o, std::string_view v) {
+         if (v != "strict" && v != "fallback") reject("host_node_full", v, "strict or fallback");
+         o.host_node_full = std::string(v);
+       },
+       [](const Options& o) { return o.host_node_full; }},
+      {"host_huge_pages", "boolean", "ask for transparent huge pages in host slabs (first touch several times faster)",
+       [](Options& o, std::string_view v) { o.host_huge_pages = parse_bool("host_huge_pages", v); },
+       [](const Options& o) { return std::string(o.host_huge_pages ? "true" : "false"); }},
   };
   return table;
 }

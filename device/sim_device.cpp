@@ -345,6 +345,11 @@ void SimDevice::do_host_register(void* ptr, std::size_t bytes) {
   registered_[addr] = bytes;
 }
 
+std::map<std::uintptr_t, std::size_t> SimDevice::registered_host_ranges() {
+  std::lock_guard lock(mutex_);
+  return registered_;
+}
+
 void SimDevice::do_host_unregister(void* ptr) {
   std::lock_guard lock(mutex_);
   if (registered_.erase(reinterpret_cast<std::uintptr_t>(ptr)) == 0) {

@@ -161,12 +161,40 @@ TEST(CApi, AdamwStepCpuFirstStepAndSkipOnOverflow) {
   EXPECT_NE(memtide_cpu_isa(), nullptr);
 }
 
+TEST(CApi, PinnedHostAllocAndFree) {
+  auto* p = static_cast<unsigned char*>(memtide_host_alloc(3000, 0));
+  ASSERT_NE(p, nullptr) << memtide_last_error();
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 256, 0u);
+  p[0] = 1;
+  p[2999] = 2;
+  auto* q = static_cast<unsigned char*>(memtide_host_alloc(3000, 0));
+  ASSERT_NE(q, nullptr) << memtide_last_error();
+  EXPECT_TRUE(q >= p + 3000 || q + 3000 <= p);
+  EXPECT_EQ(memtide_host_free(p), MEMTIDE_OK) << memtide_last_error();
+  EXPECT_EQ(memtide_host_free(p), MEMTIDE_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(memtide_last_error()).find("not a live pinned host buffer"), std::string::npos);
+  EXPECT_EQ(memtide_host_free(q), MEMTIDE_OK);
+  EXPECT_EQ(memtide_host_free(nullptr), MEMTIDE_OK);
+  int local = 0;
+  EXPECT_EQ(memtide_host_free(&local), MEMTIDE_INVALID_ARGUMENT);
+
+  EXPECT_EQ(memtide_host_alloc(0, 0), nullptr);
+  EXPECT_NE(std::string(memtide_last_error()).find("zero bytes"), std::string::npos);
+  EXPECT_EQ(memtide_host_alloc(64, 5), nullptr);
+  EXPECT_NE(std::string(memtide_last_error()).find("out of range"), std::string::npos);
+  // MEMTIDE_HOST_MAX_BYTES (set in main) caps the arena.
+  EXPECT_EQ(memtide_host_alloc(std::size_t{64} << 20, 0), nullptr);
+  EXPECT_NE(std::string(memtide_last_error()).find("host_max_bytes"), std::string::npos) << memtide_last_error();
+}
+
 int main(int argc, char** argv) {
   // Before the first memtide call: the runtime reads its options once.
   setenv("MEMTIDE_DEVICE", "sim", 1);
   setenv("MEMTIDE_SIM_CAPACITY", "1GiB", 1);
   setenv("MEMTIDE_HEADROOM_MARGIN", "0", 1);
   setenv("MEMTIDE_LOG_LEVEL", "error", 1);
+  setenv("MEMTIDE_HOST_SLAB_SIZE", "4MiB", 1);
+  setenv("MEMTIDE_HOST_MAX_BYTES", "32MiB", 1);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, List, Optional
 
-from . import _memtide
+from . import _memtide, host
 from ._memtide import (
     ConfigError,
     adamw_step_cpu,
@@ -55,6 +55,7 @@ __all__ = [
     "empty_cache",
     "headroom",
     "install_phase_hooks",
+    "host",
     "library_path",
     "mark_phase",
     "option_table",

@@ -129,6 +129,17 @@ MEMTIDE_API int memtide_grads_finite_cpu(const void* grad, memtide_dtype_t dtype
  *  null on a bad MEMTIDE_CPU_ISA. */
 MEMTIDE_API const char* memtide_cpu_isa(void);
 
+/* ---- Pinned host memory ------------------------------------------------------------------- */
+
+/** `bytes` of pinned (page-locked, registered with `device`) host memory, aligned to 256 bytes,
+ *  from the device's host arena: large slabs bound to the NUMA node nearest the device
+ *  (MEMTIDE_HOST_NODE overrides; -1 = not bound), cut best fit. Null on failure (zero size,
+ *  bad device, MEMTIDE_HOST_MAX_BYTES reached, not enough memory); memtide_last_error() says why. */
+MEMTIDE_API void* memtide_host_alloc(size_t bytes, int device);
+/** Returns memory from memtide_host_alloc. Null is a no-op (MEMTIDE_OK); a pointer memtide did
+ *  not hand out, or one freed already, is MEMTIDE_INVALID_ARGUMENT. */
+MEMTIDE_API int memtide_host_free(void* ptr);
+
 /* ---- Misc ---------------------------------------------------------------------------------- */
 
 /** The last error message on this thread ("" if none). Valid until the next memtide call. */

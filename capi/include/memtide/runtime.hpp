@@ -4,13 +4,17 @@
 /// device, created on first use from the options table, and never destroyed (see NoDestructor).
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
 
 #include "memtide/allocator/caching_allocator.hpp"
+#include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/no_destructor.hpp"
+#include "memtide/core/thread_pool.hpp"
 #include "memtide/device/device.hpp"
+#include "memtide/device/topology.hpp"
 
 namespace memtide {
 
@@ -26,6 +30,23 @@ class Runtime {
   /// Allocators opened so far (null for devices never used).
   std::vector<CachingAllocator*> opened();
 
+  /// The NUMA node whose memory serves `device`'s pinned host buffers; -1 = not bound. The one
+  /// place that maps a GPU to a node: MEMTIDE_HOST_NODE when set, else (CUDA) the GPU's nearest
+  /// node from the Topology, else -1 (SimDevice has no PCI locality). Throws InvalidArgument for a
+  /// bad index.
+  int host_node(int device) const;
+  /// The machine's topology, discovered on first use (MEMTIDE_TOPOLOGY honoured).
+  const Topology& topology() const;
+  /// The pinned host arena of `device` on `numa_node` (-1 = not bound; by default host_node),
+  /// created on first use with slabs registered with the device. Throws InvalidArgument for a bad
+  /// device or node.
+  HostArena& host_arena(int device);
+  HostArena& host_arena(int device, int numa_node);
+  /// Returns a buffer to whichever host arena handed it out. Throws InvalidArgument when none did.
+  void host_free(void* ptr);
+  /// Every host arena created so far.
+  std::vector<HostArena*> host_arenas();
+
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
@@ -37,8 +58,17 @@ class Runtime {
     std::unique_ptr<Device> device;
     std::unique_ptr<CachingAllocator> allocator;
     std::atomic<CachingAllocator*> ready{nullptr};  ///< published once `allocator` is built
+    std::mutex host_mutex;                              ///< guards host
+    std::map<int, std::unique_ptr<HostArena>> host;     ///< by NUMA node (-1 = not bound)
   };
+  Slot& slot(int device) const;
+  /// Threads that first-touch `device`'s slabs: bound to the GPU's local cores when known.
+  ThreadPool& toucher(int device);
   Backend backend_;
+  mutable std::once_flag topology_once_;
+  mutable std::unique_ptr<Topology> topology_;
+  std::mutex touchers_mutex_;
+  std::map<int, std::unique_ptr<ThreadPool>> touchers_;
   std::vector<std::unique_ptr<Slot>> slots_;
 };
 

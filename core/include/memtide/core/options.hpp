@@ -33,6 +33,11 @@ struct Options {
   std::uint64_t calibration_history = 100;  ///< update-phase prediction errors kept for reports
   std::uint64_t subgroup_size = 100000000;  ///< params per optimizer subgroup (paper: 100M)
   std::string topology;                     ///< hwloc XML file to use instead of this machine; empty = this machine
+  std::uint64_t host_slab_size = 256ULL << 20;  ///< pinned host slab size (HostArena)
+  std::uint64_t host_max_bytes = 0;         ///< cap on pinned host bytes per arena; 0 = none
+  int host_node = -1;                       ///< NUMA node for host buffers; -1 = not bound (until topology decides)
+  std::string host_node_full = "strict";    ///< strict | fallback: when the node cannot hold a slab
+  bool host_huge_pages = true;              ///< transparent huge pages for host slabs (faster first touch)
 
   /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
   static Options from_env(const std::function<const char*(const char*)>& lookup);

@@ -81,6 +81,8 @@ class SimDevice final : public Device {
 
   /// Bytes of device memory in use.
   [[nodiscard]] std::size_t used_bytes();
+  /// Host ranges registered with host_register: start address -> bytes (for tests of the host tier).
+  [[nodiscard]] std::map<std::uintptr_t, std::size_t> registered_host_ranges();
 
  private:
   struct SimStream {
