@@ -29,6 +29,9 @@ struct Options {
   std::uint64_t phase_history = 4;          ///< iterations remembered for headroom
   std::string preload_log = "memtide_preload.jsonl";  ///< LD_PRELOAD observer output file
   std::string cpu_isa = "auto";             ///< auto | scalar | avx2 | avx512 (CPU optimizer kernels)
+  std::string pinned_heap_backend = "auto"; ///< auto | jemalloc | mimalloc (PinnedHeap)
+  std::uint64_t pinned_heap_slab_size = 64ULL << 20;  ///< bytes asked of the SlabSource per slab
+  std::uint64_t pinned_heap_direct_threshold = 1ULL << 20;  ///< requests >= this bypass the backend; 0 = never
 
   /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
   static Options from_env(const std::function<const char*(const char*)>& lookup);
