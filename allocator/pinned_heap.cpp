@@ -115,9 +115,12 @@ void* SlabRanges::take(std::size_t bytes, std::size_t alignment) {
       return reinterpret_cast<void*>(aligned);
     }
     if (attempt == 1) break;
-    // Nothing fits: a new slab, big enough for this request even at the worst alignment.
+    // Nothing fits: a new slab. Slabs start small and grow with what is reserved (never past
+    // slab_bytes_), so a heap that stays small does not pin a full slab, and a large one is
+    // made of few slabs; a request larger than that gets a slab of its own size.
     const std::size_t slab_align = std::max<std::size_t>(alignment, std::size_t{2} << 20);
-    const std::size_t slab_bytes = std::max(slab_bytes_, round_up(bytes, std::size_t{2} << 20));
+    const std::size_t grown = std::min(slab_bytes_, std::max(kFirstSlab, pool_.reserved()));
+    const std::size_t slab_bytes = std::max(grown, round_up(bytes, std::size_t{2} << 20));
     const HostSlab slab = pool_.map(slab_bytes, slab_align);
     slab_ends_.emplace(addr(slab.ptr), addr(slab.ptr) + slab.bytes);
     insert_free(addr(slab.ptr), slab.bytes / granule_ * granule_, addr(slab.ptr));
@@ -230,7 +233,7 @@ class PinnedHeap::Impl {
         backend_ = PinnedHeapBackend::mimalloc;
       }
     }
-    engine_ = backend_ == PinnedHeapBackend::jemalloc ? detail::make_jemalloc_engine(pool_, config.slab_bytes)
+    engine_ = backend_ == PinnedHeapBackend::jemalloc ? detail::make_jemalloc_engine(direct_)
                                                       : detail::make_mimalloc_engine(pool_, config.slab_bytes);
   }
 

@@ -72,6 +72,7 @@ class SlabRanges {
   void erase_free(std::map<std::uintptr_t, Free>::iterator it);
   [[nodiscard]] std::uintptr_t slab_of(std::uintptr_t addr) const;  // 0 when none
 
+  static constexpr std::size_t kFirstSlab = std::size_t{32} << 20;
   SlabPool& pool_;
   const std::size_t slab_bytes_;
   const std::size_t granule_;
@@ -93,8 +94,9 @@ class Engine {
 /// Load the library (once per process); false with the reason when it cannot be used.
 bool jemalloc_available(std::string* why);
 bool mimalloc_available(std::string* why);
-/// Throw Error with that reason when unavailable.
-std::unique_ptr<Engine> make_jemalloc_engine(SlabPool& pool, std::size_t slab_bytes);
+/// Throw Error with that reason when unavailable. jemalloc's extents come from `ranges`, the
+/// same ranges the heap cuts its direct (large) requests from, so both share the slabs' room.
+std::unique_ptr<Engine> make_jemalloc_engine(SlabRanges& ranges);
 std::unique_ptr<Engine> make_mimalloc_engine(SlabPool& pool, std::size_t slab_bytes);
 
 }  // namespace memtide::detail

@@ -75,7 +75,7 @@ struct HookBlock {
 
 class JemallocEngine final : public Engine {
  public:
-  JemallocEngine(SlabPool& pool, std::size_t slab_bytes) : ranges_(pool, slab_bytes, kPage) {
+  explicit JemallocEngine(SlabRanges& ranges) : ranges_(ranges) {
     block_.hooks = extent_hooks_t{&hook_alloc, &hook_dalloc, &hook_destroy, &hook_commit, &hook_decommit,
                                   nullptr,  // purge_lazy: unsupported, pinned pages stay
                                   nullptr,  // purge_forced
@@ -117,8 +117,6 @@ class JemallocEngine final : public Engine {
   }
 
  private:
-  static constexpr std::size_t kPage = 4096;
-
   int flags(std::size_t alignment) const {
     // jemalloc aligns small sizes only to their size class (an 8 B object to 8 B): always ask.
     return alignment > 1 ? flags_ | MALLOCX_LG_ALIGN(std::countr_zero(alignment)) : flags_;
@@ -158,7 +156,7 @@ class JemallocEngine final : public Engine {
     return !self(h).ranges_.same_slab(a, b);
   }
 
-  SlabRanges ranges_;
+  SlabRanges& ranges_;
   HookBlock block_{};
   unsigned arena_ = 0;
   int flags_ = 0;
@@ -173,10 +171,10 @@ bool jemalloc_available(std::string* why) {
   return false;
 }
 
-std::unique_ptr<Engine> make_jemalloc_engine(SlabPool& pool, std::size_t slab_bytes) {
+std::unique_ptr<Engine> make_jemalloc_engine(SlabRanges& ranges) {
   std::string why;
   if (!jemalloc_available(&why)) throw Error("PinnedHeap backend jemalloc is not usable: " + why);
-  return std::make_unique<JemallocEngine>(pool, slab_bytes);
+  return std::make_unique<JemallocEngine>(ranges);
 }
 
 }  // namespace memtide::detail
@@ -190,7 +188,7 @@ bool jemalloc_available(std::string* why) {
   return false;
 }
 
-std::unique_ptr<Engine> make_jemalloc_engine(SlabPool&, std::size_t) {
+std::unique_ptr<Engine> make_jemalloc_engine(SlabRanges&) {
   std::string why;
   jemalloc_available(&why);
   throw Error("PinnedHeap backend jemalloc is not built: " + why);

@@ -122,8 +122,11 @@ class MimallocEngine final : public Engine {
   void grow(std::size_t seen, std::size_t bytes, std::size_t alignment) {
     std::unique_lock lock(mutex_);
     if (arenas_.size() != seen) return;
-    // Room for the object, its alignment and a segment's metadata.
-    const std::size_t size = std::max(slab_bytes_, round_up(bytes + alignment + (std::size_t{1} << 20), kArenaUnit));
+    // Arenas double with what this engine holds (up to slab_bytes_): few arenas for a large
+    // heap (mimalloc 2.0 allows 64 per process), little pinned for a small one. Room for the
+    // object, its alignment and a segment's metadata either way.
+    const std::size_t grown = std::min(slab_bytes_, std::max(kArenaUnit, arena_bytes_));
+    const std::size_t size = std::max(grown, round_up(bytes + alignment + (std::size_t{1} << 20), kArenaUnit));
     const HostSlab slab = pool_.map(size, kArenaUnit);
     const std::size_t usable = slab.bytes / kArenaUnit * kArenaUnit;
     mi_arena_id_t id{};
@@ -136,6 +139,7 @@ class MimallocEngine final : public Engine {
                         "MEMTIDE_PINNED_HEAP_SLAB_SIZE)");
     }
     arenas_.push_back(id);
+    arena_bytes_ += usable;
   }
 
   SlabPool& pool_;
@@ -143,6 +147,7 @@ class MimallocEngine final : public Engine {
   const std::uint64_t serial_;
   std::shared_mutex mutex_;
   std::vector<mi_arena_id_t> arenas_;
+  std::size_t arena_bytes_ = 0;
 };
 
 }  // namespace

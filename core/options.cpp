@@ -128,7 +128,7 @@ const std::vector<Row>& rows() {
          o.pinned_heap_backend = std::string(v);
        },
        [](const Options& o) { return o.pinned_heap_backend; }},
-      {"pinned_heap_slab_size", "size, 2MiB..1TiB", "bytes PinnedHeap asks of its slab source at a time",
+      {"pinned_heap_slab_size", "size, 2MiB..1TiB", "largest slab PinnedHeap asks of its slab source (slabs grow to it; larger requests get their own)",
        [](Options& o, std::string_view v) {
          o.pinned_heap_slab_size = parse_size("pinned_heap_slab_size", v, 2ULL << 20, 1ULL << 40);
        },

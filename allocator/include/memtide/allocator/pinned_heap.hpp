@@ -40,7 +40,9 @@ bool pinned_heap_backend_available(PinnedHeapBackend backend, std::string* why =
 /// How a PinnedHeap is set up. `from_options()` reads the options table.
 struct PinnedHeapConfig {
   PinnedHeapBackend backend = PinnedHeapBackend::automatic;
-  std::size_t slab_bytes = std::size_t{64} << 20;        ///< asked of the source per slab (at least)
+  /// Slabs start at 32 MiB (mimalloc: 64 MiB) and grow with the heap up to this size; a larger
+  /// request gets a slab of its own size.
+  std::size_t slab_bytes = std::size_t{256} << 20;
   std::size_t direct_threshold = std::size_t{1} << 20;   ///< 0 = every request goes to the backend
 
   /// MEMTIDE_PINNED_HEAP_BACKEND, _SLAB_SIZE and _DIRECT_THRESHOLD.

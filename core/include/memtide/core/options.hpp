@@ -30,7 +30,7 @@ struct Options {
   std::string preload_log = "memtide_preload.jsonl";  ///< LD_PRELOAD observer output file
   std::string cpu_isa = "auto";             ///< auto | scalar | avx2 | avx512 (CPU optimizer kernels)
   std::string pinned_heap_backend = "auto"; ///< auto | jemalloc | mimalloc (PinnedHeap)
-  std::uint64_t pinned_heap_slab_size = 64ULL << 20;  ///< bytes asked of the SlabSource per slab
+  std::uint64_t pinned_heap_slab_size = 256ULL << 20;  ///< largest slab PinnedHeap asks for (except for larger requests)
   std::uint64_t pinned_heap_direct_threshold = 1ULL << 20;  ///< requests >= this bypass the backend; 0 = never
 
   /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
