@@ -207,14 +207,17 @@ void BM_StagingMixPow2Cache(benchmark::State& state) {
   report(state, r, static_cast<int>(state.range(0)));
 }
 
+// Warm heaps live until the process exits and are never destroyed: a static destructor order
+// between heap and source would be one more thing to get right, and mimalloc wants its arenas
+// mapped to the end anyway.
 PinnedHeap& warm_heap(PinnedHeapBackend backend) {
-  static std::map<PinnedHeapBackend, std::unique_ptr<PinnedHeap>> heaps;
-  auto& h = heaps[backend];
-  if (!h) {
-    static MmapSlabSource source;
+  static auto* source = new MmapSlabSource();
+  static auto* heaps = new std::map<PinnedHeapBackend, PinnedHeap*>();
+  PinnedHeap*& h = (*heaps)[backend];
+  if (h == nullptr) {
     PinnedHeapConfig config = PinnedHeapConfig::from_options();
     config.backend = backend;
-    h = std::make_unique<PinnedHeap>(source, config);
+    h = new PinnedHeap(*source, config);
   }
   return *h;
 }

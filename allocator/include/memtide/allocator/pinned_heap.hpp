@@ -43,7 +43,9 @@ struct PinnedHeapConfig {
   /// Slabs start at 32 MiB (mimalloc: 64 MiB) and grow with the heap up to this size; a larger
   /// request gets a slab of its own size.
   std::size_t slab_bytes = std::size_t{256} << 20;
-  std::size_t direct_threshold = std::size_t{1} << 20;   ///< 0 = every request goes to the backend
+  /// Requests of at least this many bytes are cut page-exact from slabs (0 = never): cheaper in
+  /// bytes than jemalloc's large size classes and, without a thread cache, faster too.
+  std::size_t direct_threshold = std::size_t{64} << 10;
 
   /// MEMTIDE_PINNED_HEAP_BACKEND, _SLAB_SIZE and _DIRECT_THRESHOLD.
   static PinnedHeapConfig from_options();

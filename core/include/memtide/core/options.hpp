@@ -31,7 +31,7 @@ struct Options {
   std::string cpu_isa = "auto";             ///< auto | scalar | avx2 | avx512 (CPU optimizer kernels)
   std::string pinned_heap_backend = "auto"; ///< auto | jemalloc | mimalloc (PinnedHeap)
   std::uint64_t pinned_heap_slab_size = 256ULL << 20;  ///< largest slab PinnedHeap asks for (except for larger requests)
-  std::uint64_t pinned_heap_direct_threshold = 1ULL << 20;  ///< requests >= this bypass the backend; 0 = never
+  std::uint64_t pinned_heap_direct_threshold = 64ULL << 10;  ///< requests >= this bypass the backend; 0 = never
 
   /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
   static Options from_env(const std::function<const char*(const char*)>& lookup);
