@@ -250,7 +250,8 @@ class PinnedHeap::Impl {
       throw InvalidArgument("PinnedHeap::allocate: alignment=" + std::to_string(alignment) +
                             " is not accepted: expected a power of two up to 64 MiB");
     }
-    const bool direct = threshold_ != 0 && bytes >= threshold_;
+    // mimalloc 2.0 serves alignments only up to a few MiB; cut larger ones directly for both.
+    const bool direct = alignment > kMaxBackendAlignment || (threshold_ != 0 && bytes >= threshold_);
     void* p = direct ? direct_.take(bytes, alignment) : engine_->allocate(bytes, alignment);
     // Recorded after the backend returned: a block freed by another thread is erased from the
     // same shard before it is handed back, so the shard lock orders the two threads' accesses.
@@ -318,6 +319,7 @@ class PinnedHeap::Impl {
   static constexpr std::size_t kPage = 4096;
   static constexpr std::size_t kMaxBytes = std::size_t{1} << 40;
   static constexpr std::size_t kMaxAlignment = std::size_t{64} << 20;
+  static constexpr std::size_t kMaxBackendAlignment = std::size_t{1} << 20;
   static constexpr std::size_t kShards = 16;
 
   struct Record {

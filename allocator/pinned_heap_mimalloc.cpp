@@ -86,9 +86,9 @@ class MimallocEngine final : public Engine {
 
   void* allocate(std::size_t bytes, std::size_t alignment) override {
     ThreadHeaps& mine = t_heaps[serial_];
-    // A fresh arena that still cannot serve the request means mimalloc never will (an alignment
-    // it does not support, say): give up after a few rather than map slabs forever.
-    for (int grown = 0;; ++grown) {
+    // An arena this thread just added for the request that still cannot serve it means mimalloc
+    // never will: give up rather than map slabs (and use up arenas) forever.
+    for (bool grew = false;;) {
       std::vector<mi_arena_id_t> arenas;
       {
         std::shared_lock lock(mutex_);
@@ -107,21 +107,21 @@ class MimallocEngine final : public Engine {
           return p;
         }
       }
-      if (grown == 3) {
+      if (grew) {
         throw OutOfMemory("PinnedHeap (mimalloc): " + std::to_string(bytes) + " bytes aligned to " +
                           std::to_string(alignment) + " could not be served even from a fresh arena");
       }
-      grow(n, bytes, alignment);
+      grew = grow(n, bytes, alignment);
     }
   }
 
   void deallocate(void* ptr, std::size_t, std::size_t) noexcept override { api().free(ptr); }
 
  private:
-  // Adds an arena unless another thread did since this one saw `seen` arenas.
-  void grow(std::size_t seen, std::size_t bytes, std::size_t alignment) {
+  // Adds an arena unless another thread did since this one saw `seen` arenas; true when it did.
+  bool grow(std::size_t seen, std::size_t bytes, std::size_t alignment) {
     std::unique_lock lock(mutex_);
-    if (arenas_.size() != seen) return;
+    if (arenas_.size() != seen) return false;
     // Arenas double with what this engine holds (up to slab_bytes_): few arenas for a large
     // heap (mimalloc 2.0 allows 64 per process), little pinned for a small one. Room for the
     // object, its alignment and a segment's metadata either way.
@@ -140,6 +140,7 @@ class MimallocEngine final : public Engine {
     }
     arenas_.push_back(id);
     arena_bytes_ += usable;
+    return true;
   }
 
   SlabPool& pool_;

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -133,6 +134,17 @@ TYPED_TEST(PinnedHeapTest, HonoursAlignment) {
       EXPECT_TRUE(check(p, bytes, static_cast<std::uint32_t>(align)));
       this->heap().deallocate(p, bytes);
     }
+  }
+}
+
+TYPED_TEST(PinnedHeapTest, LargestAlignment) {
+  for (std::size_t bytes : {std::size_t{100}, 64 * MiB}) {
+    void* p = this->heap().allocate(bytes, 64 * MiB);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % (64 * MiB), 0u) << bytes;
+    EXPECT_TRUE(this->inside_a_slab(p, bytes));
+    fill(p, bytes, 9);
+    EXPECT_TRUE(check(p, bytes, 9));
+    this->heap().deallocate(p, bytes);
   }
 }
 
@@ -385,6 +397,45 @@ TEST(PinnedHeapProcess, PlainMallocIsUntouched) {
   std::free(p);
 }
 
+// Disabled: run only inside the child process that the next test starts without the static-TLS
+// tunable, where jemalloc cannot be dlopen'ed.
+TEST(PinnedHeapWithoutTunable, DISABLED_JemallocErrorNamesTheLibraryAndAutoFallsBack) {
+  if (std::getenv("MEMTIDE_PINNED_HEAP_TEST_CHILD") == nullptr) GTEST_SKIP() << "runs in a child process";
+  std::string why;
+  if (pinned_heap_backend_available(PinnedHeapBackend::jemalloc, &why)) {
+    GTEST_SKIP() << "jemalloc loads here even without the tunable";
+  }
+  EXPECT_NE(why.find("libjemalloc.so.2"), std::string::npos) << why;
+  MmapSlabSource source;
+  try {
+    PinnedHeap heap(source, PinnedHeapConfig{PinnedHeapBackend::jemalloc, 64 * MiB, 0});
+    ADD_FAILURE() << "jemalloc was asked for and could not load, yet a heap was made";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("libjemalloc.so.2"), std::string::npos) << what;
+    EXPECT_NE(what.find("optional_static_tls"), std::string::npos) << what;
+  }
+  if (pinned_heap_backend_available(PinnedHeapBackend::mimalloc)) {
+    PinnedHeap heap(process_source(), PinnedHeapConfig{PinnedHeapBackend::automatic, 64 * MiB, 0});
+    EXPECT_EQ(heap.backend(), PinnedHeapBackend::mimalloc);
+    heap.deallocate(heap.allocate(10));
+  }
+}
+
+TEST(PinnedHeapProcess, WithoutTheTunableJemallocFailsClearly) {
+  const std::string cmd =
+      "env -u GLIBC_TUNABLES MEMTIDE_PINNED_HEAP_TEST_CHILD=1 /proc/" + std::to_string(getpid()) +
+      "/exe --gtest_also_run_disabled_tests --gtest_filter=PinnedHeapWithoutTunable.* 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string out;
+  char buf[4096];
+  while (std::size_t n = std::fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
+  const int status = pclose(pipe);
+  EXPECT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("[  PASSED  ] 1 test"), std::string::npos) << out;
+}
+
 TEST(MmapSlabSource, MapsAlignedSlabsAndUnmapsThem) {
   MmapSlabSource source;
   HostSlab a = source.map_slab(3 * MiB + 1, 64 * MiB);
@@ -408,7 +459,8 @@ TEST(MmapSlabSource, MapsAlignedSlabsAndUnmapsThem) {
 // so both backends are exercised however the binary is launched.
 int main(int argc, char** argv) {
   const char* tunables = std::getenv("GLIBC_TUNABLES");
-  if (tunables == nullptr || std::strstr(tunables, "optional_static_tls") == nullptr) {
+  const bool child = std::getenv("MEMTIDE_PINNED_HEAP_TEST_CHILD") != nullptr;  // must stay without it
+  if (!child && (tunables == nullptr || std::strstr(tunables, "optional_static_tls") == nullptr)) {
     std::string value = "glibc.rtld.optional_static_tls=16384";
     if (tunables != nullptr && *tunables != '\0') value = std::string(tunables) + ":" + value;
     setenv("GLIBC_TUNABLES", value.c_str(), 1);

@@ -43,8 +43,9 @@ struct PinnedHeapConfig {
   /// Slabs start at 32 MiB (mimalloc: 64 MiB) and grow with the heap up to this size; a larger
   /// request gets a slab of its own size.
   std::size_t slab_bytes = std::size_t{256} << 20;
-  /// Requests of at least this many bytes are cut page-exact from slabs (0 = never): cheaper in
-  /// bytes than jemalloc's large size classes and, without a thread cache, faster too.
+  /// Requests of at least this many bytes, or aligned to more than 1 MiB, are cut page-exact from
+  /// slabs (0 = by alignment only): cheaper in bytes than the libraries' large size classes and,
+  /// for jemalloc without a thread cache, faster too.
   std::size_t direct_threshold = std::size_t{64} << 10;
 
   /// MEMTIDE_PINNED_HEAP_BACKEND, _SLAB_SIZE and _DIRECT_THRESHOLD.
