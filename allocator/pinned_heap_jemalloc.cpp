@@ -106,6 +106,7 @@ class JemallocEngine final : public Engine {
   }
 
   void* allocate(std::size_t bytes, std::size_t alignment) override {
+    t_hook_error = nullptr;  // only an error from this call's hooks explains a null below
     void* p = api().mallocx(bytes, flags(alignment));
     if (p != nullptr) return p;
     if (t_hook_error) std::rethrow_exception(std::exchange(t_hook_error, nullptr));
