@@ -229,12 +229,14 @@ class PinnedHeap::Impl {
     backend_ = config.backend;
     if (backend_ == PinnedHeapBackend::automatic) {
       // jemalloc by measurement (bench/results/*-pinned-heap.md); mimalloc when it cannot load.
-      std::string why;
-      if (detail::jemalloc_available(&why)) {
+      std::string why_je, why_mi;
+      if (detail::jemalloc_available(&why_je)) {
         backend_ = PinnedHeapBackend::jemalloc;
-      } else {
-        MEMTIDE_LOG(warn, "PinnedHeap: jemalloc cannot be used (" + why + "); falling back to mimalloc");
+      } else if (detail::mimalloc_available(&why_mi)) {
+        MEMTIDE_LOG(warn, "PinnedHeap: jemalloc cannot be used (" + why_je + "); falling back to mimalloc");
         backend_ = PinnedHeapBackend::mimalloc;
+      } else {
+        throw Error("PinnedHeap: no backend can be used: jemalloc: " + why_je + "; mimalloc: " + why_mi);
       }
     }
     engine_ = backend_ == PinnedHeapBackend::jemalloc ? detail::make_jemalloc_engine(direct_)
