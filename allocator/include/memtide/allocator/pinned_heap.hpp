@@ -9,6 +9,8 @@
 ///
 /// - jemalloc: an arena made with `arenas.create` and extent hooks that serve every extent from
 ///   the slabs; decay is off and decommit/purge are refused, so pinned pages are never returned.
+///   dlopen'ing it needs more static TLS than glibc keeps spare: the process must start with
+///   GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384, else `automatic` uses mimalloc.
 /// - mimalloc: each slab becomes an exclusive arena (`mi_manage_os_memory_ex`), and each thread
 ///   gets its own heap in it (a mimalloc heap allocates only on the thread that created it).
 ///
@@ -96,9 +98,8 @@ class PinnedHeap {
   /// The slabs mapped so far (every byte this heap hands out lies in one of them).
   [[nodiscard]] std::vector<HostSlab> slabs() const;
 
-  class Impl;
-
  private:
+  class Impl;
   std::unique_ptr<Impl> impl_;
 };
 
