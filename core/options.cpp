@@ -170,6 +170,26 @@ const std::vector<Row>& rows() {
       {"host_huge_pages", "boolean", "ask for transparent huge pages in host slabs (first touch several times faster)",
        [](Options& o, std::string_view v) { o.host_huge_pages = parse_bool("host_huge_pages", v); },
        [](const Options& o) { return std::string(o.host_huge_pages ? "true" : "false"); }},
+      {"pinned_heap_backend", "auto | jemalloc | mimalloc",
+       "allocator that carves PinnedHeap's slabs; auto = jemalloc, mimalloc when jemalloc cannot be loaded",
+       [](Options& o, std::string_view v) {
+         if (v != "auto" && v != "jemalloc" && v != "mimalloc") reject("pinned_heap_backend", v, "auto, jemalloc or mimalloc");
+         o.pinned_heap_backend = std::string(v);
+       },
+       [](const Options& o) { return o.pinned_heap_backend; }},
+      {"pinned_heap_slab_size", "size, 2MiB..1TiB", "largest slab PinnedHeap asks of its slab source (slabs grow to it; larger requests get their own)",
+       [](Options& o, std::string_view v) {
+         o.pinned_heap_slab_size = parse_size("pinned_heap_slab_size", v, 2ULL << 20, 1ULL << 40);
+       },
+       [](const Options& o) { return format_bytes(o.pinned_heap_slab_size); }},
+      {"pinned_heap_direct_threshold", "size (0 = never)",
+       "PinnedHeap requests of at least this size skip jemalloc/mimalloc size classes and are cut page-exact from slabs",
+       [](Options& o, std::string_view v) {
+         o.pinned_heap_direct_threshold = parse_size("pinned_heap_direct_threshold", v, 0, 1ULL << 40);
+       },
+       [](const Options& o) {
+         return o.pinned_heap_direct_threshold ? format_bytes(o.pinned_heap_direct_threshold) : std::string("never");
+       }},
   };
   return table;
 }

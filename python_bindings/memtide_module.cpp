@@ -493,6 +493,8 @@ nb::dict predict_update(const std::vector<std::int64_t>& subgroup_params, const 
     p = tiering::PerfModel{}.predict(w, r, pl);
   }
   return prediction_dict(p);
+}
+
 // ---- pinned host memory -----------------------------------------------------------------------
 
 memtide::HostArena& host_arena(int device, std::optional<int> numa_node) {

@@ -38,6 +38,9 @@ struct Options {
   int host_node = -1;                       ///< NUMA node for host buffers; -1 = not bound (until topology decides)
   std::string host_node_full = "strict";    ///< strict | fallback: when the node cannot hold a slab
   bool host_huge_pages = true;              ///< transparent huge pages for host slabs (faster first touch)
+  std::string pinned_heap_backend = "auto"; ///< auto | jemalloc | mimalloc (PinnedHeap)
+  std::uint64_t pinned_heap_slab_size = 256ULL << 20;  ///< largest slab PinnedHeap asks for (except for larger requests)
+  std::uint64_t pinned_heap_direct_threshold = 64ULL << 10;  ///< requests >= this bypass the backend; 0 = never
 
   /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
   static Options from_env(const std::function<const char*(const char*)>& lookup);
