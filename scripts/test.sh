@@ -14,11 +14,12 @@ cmake --build --preset asan -j "$jobs"
 log "C++: ctest under ASan+UBSan"
 ctest --preset asan -j "$jobs"
 
-log "C++: stress test under TSan"
+log "C++: stress tests under TSan (caching allocator; PinnedHeap on jemalloc and mimalloc)"
 cmake --preset tsan >/dev/null
-cmake --build --preset tsan -j "$jobs" --target memtide_stress_test
+cmake --build --preset tsan -j "$jobs" --target memtide_stress_test memtide_pinned_heap_test
 # setarch -R: TSan's shadow mapping cannot cope with high-entropy ASLR on newer kernels.
 setarch "$(uname -m)" -R build/tsan/tests/memtide_stress_test
+setarch "$(uname -m)" -R build/tsan/tests/memtide_pinned_heap_test --gtest_filter='*Stress*:*Thread*'
 
 log "Python: install memtide into .venv and run pytest"
 CMAKE_BUILD_PARALLEL_LEVEL=$jobs .venv/bin/python -m pip install -q --no-build-isolation .
