@@ -494,9 +494,10 @@ constexpr std::size_t kSlotAlign = 512;  // the scheduler's device array alignme
 /// caller's flat fp32 buffers (external memory: no copy of the state is made), plans them with
 /// the PerfModel on the Calibration's current rates and feeds each step's measurements back.
 ///
-/// The host arrays stay the truth between steps: static residents are moved back to them at the
-/// end of every step, because on the CPU the model's params are views of these very arrays and
-/// may be changed between steps (a model checkpoint load) without the engine knowing.
+/// The host arrays hold the result of every step: static residents stay on the device between
+/// steps but are copied back (sync_to_host) before step() returns, since the model reads the
+/// host arrays (on the CPU its params are views of them). When the host arrays change outside
+/// step() (a checkpoint load), host_changed() drops the residents' device copies.
 class UpdateEngine {
  public:
   UpdateEngine(const CpuArray& param, const CpuArray& exp_avg, const CpuArray& exp_avg_sq, const CpuArray& grad,
@@ -541,7 +542,10 @@ class UpdateEngine {
 
   ~UpdateEngine() {
     try {
-      cache_.clear();  // schedulers first: they hand their residents back to the host arrays
+      // The host arrays hold every step's result (and maybe later changes): drop the residents'
+      // device copies first, so the schedulers' destructors do not copy them back.
+      for (Entry& e : cache_) e.scheduler->discard_residents();
+      cache_.clear();
       for (float* p : registered_) device_.host_unregister(p);
     } catch (const memtide::Error&) {
       // Destructors never throw; the runtime may be shutting down.
@@ -690,8 +694,18 @@ class UpdateEngine {
           total.loop_allocations += r.loop_allocations;
           total.loop_device_allocs += r.loop_device_allocs;
         }
-        // Back to the host arrays, which the model reads (see the class comment).
-        for (tiering::UpdateScheduler* s : used) s->release_residents();
+        // Into the host arrays, which the model reads (see the class comment). A scheduler not
+        // used in this step holds residents older than the host arrays now: they go.
+        for (Entry& e : cache_) {
+          if (std::find(used.begin(), used.end(), e.scheduler.get()) != used.end()) {
+            e.scheduler->sync_to_host();
+          } else {
+            e.scheduler->discard_residents();
+          }
+        }
+        // This step's schedulers are at the front (most recently used); older ones, their
+        // residents just dropped, make room.
+        while (cache_.size() > std::max(kCacheEntries, used.size())) cache_.pop_back();
         observe(total, predicted_ns);
       }
     }
@@ -714,6 +728,12 @@ class UpdateEngine {
     d["loop_allocations"] = total.loop_allocations;
     d["loop_device_allocs"] = total.loop_device_allocs;
     return d;
+  }
+
+  void host_changed() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Entry& e : cache_) e.scheduler->discard_residents();
   }
 
   nb::dict rates() const { return rates_dict(calibration_.rates()); }
@@ -769,7 +789,6 @@ class UpdateEngine {
     entry.state = tiering::OptimizerState::external(device_, ext);
     entry.scheduler = std::make_unique<tiering::UpdateScheduler>(*entry.state, allocator_, &memtide::default_pool());
     cache_.push_front(std::move(entry));
-    if (cache_.size() > kCacheEntries) cache_.pop_back();
     return *cache_.front().scheduler;
   }
 
@@ -1013,6 +1032,9 @@ NB_MODULE(_memtide, m) {
            "tuples; segments with the same hyperparameters share one scheduler run. Returns nonfinite,\n"
            "skipped, measured_ns (clock: simulated on a SimDevice, else wall), predicted_ns, per-resource\n"
            "use and params updated per placement. Calibration learns from every step.")
+      .def("host_changed", &UpdateEngine::host_changed,
+           "The host arrays were changed outside step(): GPU-static residents are dropped and moved in\n"
+           "again from the host on the next step.")
       .def("rates", &UpdateEngine::rates, "The Calibration's current rates.")
       .def("prediction_errors", &UpdateEngine::errors, "Recent (measured - predicted) / predicted of whole phases.")
       .def_prop_ro("device_name", &UpdateEngine::device_name)

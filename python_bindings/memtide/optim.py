@@ -363,6 +363,11 @@ class SchedulerEngine(SubgroupEngine):
             return None
         return plan.engine_plan["prediction"]["total_ns"] * 1e-9
 
+    def host_changed(self) -> None:
+        """The flat buffers were changed outside step(): GPU-static copies are stale."""
+        if self.native is not None:
+            self.native.host_changed()
+
     @property
     def clock(self) -> str:
         """"simulated" on a SimDevice (virtual clocks), "wall" on a real device."""
@@ -492,6 +497,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._mark_update = False
         self._steps: List[int] = []
         self._pending_copies: Optional[Any] = None  # CUDA event after the last write-back
+        self._host_versions: Optional[Tuple[int, ...]] = None  # _versions() after the last update
         super().__init__(params, defaults)
         self._ready = True
         self._build()
@@ -581,11 +587,25 @@ class TieredAdamW(torch.optim.Optimizer):
         self.buffers = buffers
         self._steps = steps
         self.engine = self._engine_class()(buffers)
+        self._host_versions = None
         self.plan = self.engine.plan(self.policy, bounds, self.k, self.gpu_static_fraction)
         self.state.clear()
         for i in range(len(params)):
             if steps[i] > 0:
                 self._expose_state(i)
+
+    def _versions(self) -> Tuple[int, ...]:
+        """torch's in-place write counters of the host state and of the params that are views of it
+        (a write through ``p.data`` is not counted: call sync_master_from_model after one)."""
+        b, layout = self.buffers, self._layout
+        return (b.params._version, b.exp_avg._version, b.exp_avg_sq._version,
+                *(p._version for p, a in zip(layout.params, layout.aliased) if a))
+
+    def _host_changed(self) -> None:
+        changed = getattr(self.engine, "host_changed", None)
+        if changed is not None:
+            changed()
+        self._host_versions = None
 
     def _engine_class(self) -> type:
         if self.engine_class is not None:
@@ -661,12 +681,17 @@ class TieredAdamW(torch.optim.Optimizer):
         engine_ran = False
         if not nonfinite:
             args = StepArgs(segments, grad_scale=grad_scale, clip=clip, skip_if_nonfinite=self.scaler is not None)
+            if self._host_versions is not None and self._host_versions != self._versions():
+                # The model's params or the state were changed in place since the last step
+                # (model.load_state_dict, an init): copies the engine keeps on a GPU are stale.
+                self._host_changed()
             if self.policy == "auto" and self.k is None and isinstance(self.engine, SchedulerEngine):
                 # The PerfModel's plan follows the calibrated rates and the headroom: every step.
                 self.plan = self.engine.plan(self.policy, layout.subgroups, self.k, self.gpu_static_fraction)
             t1 = time.perf_counter()
             nonfinite = self.engine.step(self.plan, args)
             engine_seconds = time.perf_counter() - t1
+            self._host_versions = self._versions()
             engine_ran = not (nonfinite and args.skip_if_nonfinite)
 
         if self.scaler is not None:
@@ -833,6 +858,7 @@ class TieredAdamW(torch.optim.Optimizer):
                                  "which TieredAdamW does not support")
 
         self._wait_for_copies()
+        self._host_changed()
         # The model is the truth for fp32 params and the fallback for fp16/bf16 ones (a state dict
         # of torch.optim.AdamW has no master params); saved masters replace it below.
         self.sync_master_from_model()
@@ -884,9 +910,12 @@ class TieredAdamW(torch.optim.Optimizer):
         Needed only after the model's params changed outside step() and load_state_dict (e.g.
         ``model.load_state_dict`` after this optimizer was created) for params that are not views
         of the optimizer's buffers: params on a GPU, and fp16/bf16 params (whose fp32 master is
-        then rebuilt from the low-precision values).
+        then rebuilt from the low-precision values). In-place changes to the other params
+        (``model.load_state_dict``, ``torch.nn.init``) are noticed at the next step; a write
+        through ``p.data`` is not, so call this after one.
         """
         self._wait_for_copies()
+        self._host_changed()
         layout, b = self._layout, self.buffers
         for i, p in enumerate(layout.params):
             lo, hi = layout.ranges[i]

@@ -556,3 +556,24 @@ def test_bad_params_and_state():
     with pytest.raises(ValueError, match="2 param groups"):
         opt.load_state_dict(sd)
     assert set(POLICIES) == set(POLICY_KW)
+
+
+def test_scheduler_sees_model_changes_between_steps():
+    """GPU-static residents stay on the device between steps; a model checkpoint loaded into the
+    (CPU, aliased) params between steps must still win over those device copies."""
+    if SchedulerEngine.available():
+        pytest.skip(SchedulerEngine.available())
+    checkpoint = make_model(seed=3).state_dict()
+    finals = []
+    for cls in (TieredAdamW, CpuEngineAdamW):
+        model = make_model()
+        opt = cls(model.parameters(), policy="static", gpu_static_fraction=0.5, subgroup_size=SUBGROUP, **HYPER)
+        train(model, opt, DATA[:3])
+        model.load_state_dict(checkpoint)
+        train(model, opt, DATA[3:6])
+        finals.append((flat_state(opt), [p.detach().clone() for p in model.parameters()]))
+        if cls is TieredAdamW:
+            assert opt.engine.last_report["params_gpu_static"] > 0
+    (state, params), (ref_state, ref_params) = finals
+    assert all(torch.equal(a, b) for a, b in zip(state, ref_state))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
