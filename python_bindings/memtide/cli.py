@@ -537,11 +537,15 @@ def _print_train(r: Dict[str, Any]) -> None:
         print(f"          update phase predicted {_format_duration(p * 1e9)} vs measured "
               f"{_format_duration(m * 1e9)} ({label}; {m / p:.2f}x)")
     print()
-    print("the same update (trained state, last gradients) under each policy:")
+    print("the same update (trained state, last gradients) under each policy (wall time of the engine; "
+          "then the update phase on the scheduler's clock):")
     for p in r["policies"]:
         print(f"  {p['plan']}")
         print(f"    {_format_duration(p['update_seconds'] * 1e9)} = {_format_count(p['params_per_second'])} params/s, "
               f"state digest {p['digest']}")
+        if p.get("phase_seconds") is not None and p.get("predicted_seconds") is not None:
+            print(f"    update phase {_format_duration(p['phase_seconds'] * 1e9)} ({p['phase_clock']}), "
+                  f"predicted {_format_duration(p['predicted_seconds'] * 1e9)}")
     same = "yes, bit for bit" if r["policies_identical"] else "NO: the policies disagree"
     print(f"identical results under every policy: {same}")
 

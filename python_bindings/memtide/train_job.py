@@ -162,11 +162,17 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
             o.step()
         sync()
         seconds = statistics.median(h[1] for h in o.stats.history)
+        engine_ns = getattr(o.engine, "measured_ns", [])
         policies.append({
             "policy": name,
             "plan": o.plan.summary(),
             "placement": o.plan.counts(),
             "update_seconds": seconds,
+            # The scheduler's own measure of the phase (its clock, virtual on a SimDevice), and the
+            # PerfModel's prediction; None with the CPU engine.
+            "phase_seconds": statistics.median(engine_ns) * 1e-9 if engine_ns else None,
+            "phase_clock": getattr(o.engine, "clock", "wall"),
+            "predicted_seconds": o.engine.predict_seconds(o.plan),
             "params_per_second": o.stats.history[0][0] / seconds if seconds > 0 else 0.0,
             "digest": _digest(o),
         })
