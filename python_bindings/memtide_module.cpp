@@ -804,11 +804,14 @@ class UpdateEngine {
     w.low_precision_bytes = low_precision_bytes_;
     w.grads_on_host = true;
     const memtide::Headroom h = allocator_.headroom(memtide::Phase::forward);
-    if (h.from_history) {
+    // The tracker sees only this allocator's blocks (not torch's own, when torch is not using
+    // memtide), so the device's free memory caps it.
+    const std::uint64_t free = device_.mem_info().free;
+    if (h.from_history && h.bytes <= free) {
       headroom = h.bytes;
       from = "phase tracker (" + std::to_string(h.iterations_used) + " iterations)";
     } else {
-      headroom = device_.mem_info().free;
+      headroom = free;
       from = "device free memory";
     }
     const std::size_t array = (largest * sizeof(float) + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
@@ -1019,7 +1022,9 @@ NB_MODULE(_memtide, m) {
                     const std::vector<std::pair<std::int64_t, std::int64_t>>&, std::int64_t, int>(),
            "param"_a.noconvert(), "exp_avg"_a.noconvert(), "exp_avg_sq"_a.noconvert(), "grad"_a.noconvert(),
            "subgroups"_a, "low_precision_bytes"_a = 2, "device"_a = 0,
-           "Over the caller's contiguous float32 CPU arrays (kept alive by the caller; no copy is made),\n"
+           // The engine keeps raw pointers into the four arrays: they live as long as it does.
+           nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 5>(),
+           "Over the caller's contiguous float32 CPU arrays (no copy is made; they are kept alive),\n"
            "cut into `subgroups`, consecutive [start, end) ranges covering them.")
       .def("plan", &UpdateEngine::plan, "policy"_a, "k"_a = nb::none(), "static_fraction"_a = 0.0,
            "The plan of `policy` (cpu, static, interleaved, auto) with TieredAdamW's k (CPU subgroups per\n"
