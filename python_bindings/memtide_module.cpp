@@ -40,6 +40,7 @@
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
 #include "memtide/tiering/calibration.hpp"
+#include "memtide/tiering/kernels/device_ops.hpp"
 #include "memtide/tiering/optimizer_state.hpp"
 #include "memtide/tiering/perf_model.hpp"
 #include "memtide/tiering/update_scheduler.hpp"
@@ -567,7 +568,13 @@ class UpdateEngine {
     {
       nb::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mutex_);
-      const tiering::Workload w = workload(headroom, headroom_from);
+      tiering::Workload w = workload(headroom, headroom_from);
+      if (!tiering::device_ops_available(device_)) {
+        // A GPU placement would throw half-way through a step: plan none.
+        w.gpu_slot_limit = 0;
+        w.gpu_static_limit = 0;
+        reason = "this build has no CUDA optimizer kernels: every subgroup on the CPU";
+      }
       const tiering::Rates rates = calibration_.rates();
       const std::size_t n = subgroups_.size();
       if (pol == tiering::Policy::automatic && !k) {
@@ -579,18 +586,19 @@ class UpdateEngine {
         std::size_t statics = 0;
         if (pol != tiering::Policy::cpu) {
           statics = static_cast<std::size_t>(std::llround(static_fraction * static_cast<double>(n)));
-          if (statics > w.gpu_static_limit) {
+          if (statics > w.gpu_static_limit && reason.empty()) {
             reason = "headroom fits " + std::to_string(w.gpu_static_limit) + " static residents, the policy asked for " +
                      std::to_string(statics);
             statics = w.gpu_static_limit;
           }
         }
         double stride = 0;
+        statics = std::min(statics, w.gpu_static_limit);
         if (pol == tiering::Policy::interleaved || pol == tiering::Policy::automatic) {
           stride = (k ? *k : 1.0) + 1.0;
           if (w.gpu_slot_limit == 0) {
-            if (!reason.empty()) reason += "; ";
-            reason += "headroom fits no GPU slot: nothing streamed";
+            if (tiering::device_ops_available(device_)) reason += (reason.empty() ? "" : "; ") +
+                                                                   std::string("headroom fits no GPU slot: nothing streamed");
             stride = 0;
           }
         }

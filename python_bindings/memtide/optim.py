@@ -353,6 +353,8 @@ class SchedulerEngine(SubgroupEngine):
 
     def plan(self, policy: str, subgroups: Tuple[Tuple[int, int], ...], k: Optional[int],
              gpu_static_fraction: float) -> UpdatePlan:
+        if not subgroups:  # nothing to update (every param is empty)
+            return super().plan(policy, subgroups, k, gpu_static_fraction)
         requested = policy_placement(policy, len(subgroups), k, gpu_static_fraction)
         ep = self._native_for(subgroups).plan(policy, None if k is None else float(k), float(gpu_static_fraction))
         placement = tuple("cpu" if c == "c" else "gpu" for c in ep["placement"])
@@ -374,6 +376,8 @@ class SchedulerEngine(SubgroupEngine):
         return "simulated" if self.native is not None and self.native.simulated else "wall"
 
     def step(self, plan: UpdatePlan, args: StepArgs) -> bool:
+        if not args.segments:
+            return False
         ep = plan.engine_plan
         if ep is None or plan.subgroups != self._subgroups:
             plan = self.plan(plan.policy, plan.subgroups, plan.k, plan.gpu_static_fraction)
