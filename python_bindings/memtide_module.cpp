@@ -4,10 +4,17 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstdint>
 #include <filesystem>
+#include <list>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -19,6 +26,7 @@
 #include <nanobind/stl/filesystem.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -33,7 +41,11 @@
 #include "memtide/memtide.h"
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
+#include "memtide/tiering/calibration.hpp"
+#include "memtide/tiering/kernels/device_ops.hpp"
+#include "memtide/tiering/optimizer_state.hpp"
 #include "memtide/tiering/perf_model.hpp"
+#include "memtide/tiering/update_scheduler.hpp"
 #include "memtide/core/thread_pool.hpp"
 
 namespace nb = nanobind;
@@ -574,6 +586,423 @@ nb::dict host_placement(std::uintptr_t address, std::size_t bytes, int device, s
   return d;
 }
 
+// ---- UpdateEngine: TieredAdamW's flat buffers through the UpdateScheduler -------------------
+
+// The range [start, end) of the flat buffers, the subgroup it lies in and the hyperparameters it
+// is stepped with: one TieredAdamW Segment.
+struct SegmentArg {
+  std::size_t subgroup = 0, start = 0, end = 0;
+  tiering::StepParams params;
+};
+
+// Segments stepped with the same hyperparameters share one scheduler run: StepParams holds one
+// set, so a step with several param groups (or params at different step counts) is one run per set.
+struct HyperKey {
+  double lr, beta1, beta2, eps, weight_decay;
+  std::int64_t step;
+  bool operator<(const HyperKey& o) const {
+    return std::tie(lr, beta1, beta2, eps, weight_decay, step) <
+           std::tie(o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.step);
+  }
+};
+
+void add_use(tiering::ResourceUse& into, const tiering::ResourceUse& from) {
+  into.busy_ns += from.busy_ns;
+  into.bytes += from.bytes;
+  into.params += from.params;
+  into.ops += from.ops;
+}
+
+nb::dict use_dict(const tiering::ResourceUse& u) {
+  nb::dict d;
+  d["busy_ns"] = u.busy_ns;
+  d["bytes"] = u.bytes;
+  d["params"] = u.params;
+  d["ops"] = u.ops;
+  return d;
+}
+
+constexpr std::size_t kSlotAlign = 512;  // the scheduler's device array alignment
+
+/// Runs TieredAdamW's updates through an UpdateScheduler on the Runtime's device, over the
+/// caller's flat fp32 buffers (external memory: no copy of the state is made), plans them with
+/// the PerfModel on the Calibration's current rates and feeds each step's measurements back.
+///
+/// The host arrays hold the result of every step: static residents stay on the device between
+/// steps but are copied back (sync_to_host) before step() returns, since the model reads the
+/// host arrays (on the CPU its params are views of them). When the host arrays change outside
+/// step() (a checkpoint load), host_changed() drops the residents' device copies.
+class UpdateEngine {
+ public:
+  UpdateEngine(const CpuArray& param, const CpuArray& exp_avg, const CpuArray& exp_avg_sq, const CpuArray& grad,
+               const std::vector<std::pair<std::int64_t, std::int64_t>>& subgroups, std::int64_t low_precision_bytes,
+               int device)
+      : allocator_(allocator(device)), device_(allocator_.device()) {
+    n_ = param.size();
+    param_ = flat_fp32(param, "param");
+    exp_avg_ = flat_fp32(exp_avg, "exp_avg");
+    exp_avg_sq_ = flat_fp32(exp_avg_sq, "exp_avg_sq");
+    grad_ = flat_fp32(grad, "grad");
+    if (low_precision_bytes != 2 && low_precision_bytes != 4) {
+      value_error("UpdateEngine: low_precision_bytes must be 2 (fp16/bf16 model) or 4 (fp32 model), got " +
+                  std::to_string(low_precision_bytes));
+    }
+    low_precision_bytes_ = static_cast<std::size_t>(low_precision_bytes);
+    if (subgroups.empty()) value_error("UpdateEngine: subgroups is empty; at least one [start, end) range is needed");
+    std::size_t expect = 0;
+    for (auto [s, e] : subgroups) {
+      if (s < 0 || e <= s || static_cast<std::size_t>(s) != expect || static_cast<std::size_t>(e) > n_) {
+        value_error("UpdateEngine: subgroup [" + std::to_string(s) + ", " + std::to_string(e) +
+                    ") is not the next non-empty range of the " + std::to_string(n_) +
+                    "-element buffers (expected to start at " + std::to_string(expect) + ")");
+      }
+      subgroups_.emplace_back(static_cast<std::size_t>(s), static_cast<std::size_t>(e));
+      expect = static_cast<std::size_t>(e);
+    }
+    sim_ = dynamic_cast<memtide::SimDevice*>(&device_);
+    if (sim_ != nullptr && sim_->config().phantom) {
+      value_error("UpdateEngine: the runtime's SimDevice is in phantom mode (MEMTIDE_SIM_PHANTOM=true), which holds "
+                  "no bytes; the optimizer needs data mode (MEMTIDE_SIM_PHANTOM=false)");
+    }
+    // The SimDevice charges pageable rates for unregistered host memory; these buffers stand in
+    // for the pinned ones a CUDA run has (torch pins them there), so register them on the sim.
+    if (sim_ != nullptr) {
+      for (float* p : {param_, exp_avg_, exp_avg_sq_, grad_}) {
+        sim_->host_register(p, n_ * sizeof(float));
+        registered_.push_back(p);
+      }
+    }
+  }
+
+  ~UpdateEngine() {
+    try {
+      // The host arrays hold every step's result (and maybe later changes): drop the residents'
+      // device copies first, so the schedulers' destructors do not copy them back.
+      for (Entry& e : cache_) e.scheduler->discard_residents();
+      cache_.clear();
+      for (float* p : registered_) device_.host_unregister(p);
+    } catch (const memtide::Error&) {
+      // Destructors never throw; the runtime may be shutting down.
+    }
+  }
+  UpdateEngine(const UpdateEngine&) = delete;
+  UpdateEngine& operator=(const UpdateEngine&) = delete;
+
+  nb::dict plan(const std::string& policy, std::optional<double> k, double static_fraction) {
+    const tiering::Policy pol = policy_arg(policy);
+    if (!(static_fraction >= 0 && static_fraction <= 1)) {
+      value_error("UpdateEngine.plan: static_fraction must be in [0, 1], got " + std::to_string(static_fraction));
+    }
+    if (k && !(*k > 0)) value_error("UpdateEngine.plan: k must be None or > 0, got " + std::to_string(*k));
+    tiering::Plan p;
+    std::uint64_t headroom = 0;
+    std::string headroom_from;
+    std::string reason;
+    {
+      nb::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mutex_);
+      tiering::Workload w = workload(headroom, headroom_from);
+      if (!tiering::device_ops_available(device_)) {
+        // A GPU placement would throw half-way through a step: plan none.
+        w.gpu_slot_limit = 0;
+        w.gpu_static_limit = 0;
+        reason = "this build has no CUDA optimizer kernels: every subgroup on the CPU";
+      }
+      const tiering::Rates rates = calibration_.rates();
+      const std::size_t n = subgroups_.size();
+      if (pol == tiering::Policy::automatic && !k) {
+        p = model_.plan(w, rates, pol, static_fraction, 2);
+      } else {
+        // TieredAdamW's policies (memtide.optim.policy_placement): static residents are the last
+        // round(fraction * n) subgroups; interleaved (and auto with a given k) also streams one in
+        // every k + 1 of the others (k CPU : 1 GPU), i.e. the PerfModel's stride k + 1.
+        std::size_t statics = 0;
+        if (pol != tiering::Policy::cpu) {
+          statics = static_cast<std::size_t>(std::llround(static_fraction * static_cast<double>(n)));
+          if (statics > w.gpu_static_limit && reason.empty()) {
+            reason = "headroom fits " + std::to_string(w.gpu_static_limit) + " static residents, the policy asked for " +
+                     std::to_string(statics);
+            statics = w.gpu_static_limit;
+          }
+        }
+        double stride = 0;
+        statics = std::min(statics, w.gpu_static_limit);
+        if (pol == tiering::Policy::interleaved || pol == tiering::Policy::automatic) {
+          stride = (k ? *k : 1.0) + 1.0;
+          if (w.gpu_slot_limit == 0) {
+            if (tiering::device_ops_available(device_)) reason += (reason.empty() ? "" : "; ") +
+                                                                   std::string("headroom fits no GPU slot: nothing streamed");
+            stride = 0;
+          }
+        }
+        p.policy = pol;
+        p.placement = tiering::interleave(n, stride, statics);
+        p.k = stride;
+        p.static_residents = statics;
+        p.gpu_streamed = static_cast<std::size_t>(
+            std::count(p.placement.begin(), p.placement.end(), tiering::Placement::gpu));
+        p.gpu_slots = p.gpu_streamed > 0 ? std::min<std::size_t>(w.gpu_slot_limit, 3) : 0;
+        p.prediction = model_.predict(w, rates, p.placement);
+      }
+    }
+    nb::dict d = plan_dict(p);
+    d["reason"] = reason;
+    d["headroom_bytes"] = headroom;
+    d["headroom_from"] = headroom_from;
+    return d;
+  }
+
+  nb::dict step(const std::string& placement, std::int64_t gpu_slots, double predicted_ns, const nb::list& segments,
+                double grad_scale, double clip, bool l2, bool skip_if_nonfinite) {
+    const std::vector<tiering::Placement> place = placement_arg(placement);
+    if (place.size() != subgroups_.size()) {
+      value_error("UpdateEngine.step: placement has " + std::to_string(place.size()) + " letters, there are " +
+                  std::to_string(subgroups_.size()) + " subgroups");
+    }
+    const std::size_t slots = count_arg("gpu_slots", gpu_slots);
+    std::vector<SegmentArg> segs;
+    segs.reserve(segments.size());
+    for (nb::handle h : segments) {
+      // (subgroup, start, end, lr, beta1, beta2, eps, weight_decay, step)
+      nb::tuple t = nb::cast<nb::tuple>(h);
+      if (t.size() != 9) value_error("UpdateEngine.step: a segment is (subgroup, start, end, lr, beta1, beta2, eps, weight_decay, step)");
+      SegmentArg s;
+      s.subgroup = nb::cast<std::size_t>(t[0]);
+      s.start = nb::cast<std::size_t>(t[1]);
+      s.end = nb::cast<std::size_t>(t[2]);
+      if (s.subgroup >= subgroups_.size() || s.start < subgroups_[s.subgroup].first || s.end > subgroups_[s.subgroup].second ||
+          s.end <= s.start) {
+        value_error("UpdateEngine.step: segment [" + std::to_string(s.start) + ", " + std::to_string(s.end) +
+                    ") is empty or not inside subgroup " + std::to_string(s.subgroup));
+      }
+      s.params.lr = nb::cast<double>(t[3]);
+      s.params.beta1 = nb::cast<double>(t[4]);
+      s.params.beta2 = nb::cast<double>(t[5]);
+      s.params.eps = nb::cast<double>(t[6]);
+      s.params.weight_decay = nb::cast<double>(t[7]);
+      s.params.step = nb::cast<std::int64_t>(t[8]);
+      s.params.grad_scale = grad_scale;
+      s.params.clip = clip;
+      s.params.l2 = l2;
+      s.params.grads_finite = true;  // checked below, once for the whole step
+      segs.push_back(s);
+    }
+
+    tiering::StepReport total;
+    bool nonfinite = false;
+    bool skipped = false;
+    std::size_t runs = 0;
+    {
+      nb::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const SegmentArg& s : segs) {
+        if (!tiering::grads_finite(grad_ + s.start, tiering::DType::fp32, s.end - s.start, grad_scale, clip,
+                                   &memtide::default_pool())) {
+          nonfinite = true;
+          break;
+        }
+      }
+      skipped = nonfinite && skip_if_nonfinite;
+      if (!skipped && !segs.empty()) {
+        std::map<HyperKey, std::vector<const SegmentArg*>> by_key;
+        for (const SegmentArg& s : segs) {
+          const auto& p = s.params;
+          by_key[HyperKey{p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, p.step}].push_back(&s);
+        }
+        std::vector<tiering::UpdateScheduler*> used;
+        for (auto& [key, list] : by_key) {
+          std::vector<std::pair<std::size_t, std::size_t>> ranges;
+          tiering::Plan plan;
+          plan.gpu_slots = slots;
+          for (const SegmentArg* s : list) {
+            ranges.emplace_back(s->start, s->end);
+            plan.placement.push_back(place[s->subgroup]);
+          }
+          tiering::UpdateScheduler& scheduler = scheduler_for(ranges);
+          const tiering::StepReport r = scheduler.run(plan, list.front()->params);
+          used.push_back(&scheduler);
+          ++runs;
+          total.phase_ns += r.phase_ns;
+          add_use(total.cpu, r.cpu);
+          add_use(total.gpu, r.gpu);
+          add_use(total.h2d, r.h2d);
+          add_use(total.d2h, r.d2h);
+          total.h2d_d2h_overlap_ns += r.h2d_d2h_overlap_ns;
+          total.params_cpu += r.params_cpu;
+          total.params_gpu += r.params_gpu;
+          total.params_gpu_static += r.params_gpu_static;
+          total.setup_allocations += r.setup_allocations;
+          total.loop_allocations += r.loop_allocations;
+          total.loop_device_allocs += r.loop_device_allocs;
+        }
+        // Into the host arrays, which the model reads (see the class comment). A scheduler not
+        // used in this step holds residents older than the host arrays now: they go.
+        for (Entry& e : cache_) {
+          if (std::find(used.begin(), used.end(), e.scheduler.get()) != used.end()) {
+            e.scheduler->sync_to_host();
+          } else {
+            e.scheduler->discard_residents();
+          }
+        }
+        // This step's schedulers are at the front (most recently used); older ones, their
+        // residents just dropped, make room.
+        while (cache_.size() > std::max(kCacheEntries, used.size())) cache_.pop_back();
+        observe(total, predicted_ns);
+      }
+    }
+
+    nb::dict d;
+    d["nonfinite"] = nonfinite;
+    d["skipped"] = skipped;
+    d["runs"] = runs;
+    d["measured_ns"] = total.phase_ns;
+    d["clock"] = sim_ != nullptr ? "simulated" : "wall";
+    d["predicted_ns"] = predicted_ns;
+    d["cpu"] = use_dict(total.cpu);
+    d["gpu"] = use_dict(total.gpu);
+    d["h2d"] = use_dict(total.h2d);
+    d["d2h"] = use_dict(total.d2h);
+    d["h2d_d2h_overlap_ns"] = total.h2d_d2h_overlap_ns;
+    d["params_cpu"] = total.params_cpu;
+    d["params_gpu"] = total.params_gpu;
+    d["params_gpu_static"] = total.params_gpu_static;
+    d["loop_allocations"] = total.loop_allocations;
+    d["loop_device_allocs"] = total.loop_device_allocs;
+    return d;
+  }
+
+  void host_changed() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Entry& e : cache_) e.scheduler->discard_residents();
+  }
+
+  nb::dict rates() const { return rates_dict(calibration_.rates()); }
+
+  nb::dict errors() const {
+    const tiering::PredictionErrors e = calibration_.error_summary();
+    nb::dict d;
+    d["count"] = e.count;
+    d["last"] = e.last;
+    d["mean_abs"] = e.mean_abs;
+    d["max_abs"] = e.max_abs;
+    return d;
+  }
+
+  std::string device_name() { return device_.properties().name; }
+  bool simulated() const { return sim_ != nullptr; }
+
+ private:
+  static constexpr std::size_t kCacheEntries = 4;
+
+  struct Entry {
+    std::vector<std::pair<std::size_t, std::size_t>> ranges;
+    std::unique_ptr<tiering::OptimizerState> state;
+    std::unique_ptr<tiering::UpdateScheduler> scheduler;
+  };
+
+  float* flat_fp32(const CpuArray& a, const char* name) const {
+    if (array_dtype(a, name) != tiering::DType::fp32) value_error(std::string("UpdateEngine: ") + name + " must be float32");
+    if (a.size() != n_) {
+      value_error(std::string("UpdateEngine: ") + name + " has " + std::to_string(a.size()) + " elements, param has " +
+                  std::to_string(n_));
+    }
+    if (n_ == 0) value_error(std::string("UpdateEngine: ") + name + " is empty");
+    return static_cast<float*>(a.data());
+  }
+
+  // A scheduler over exactly `ranges` of the flat buffers. The usual step (one param group, every
+  // param with a gradient) always asks for the same ranges, so a small cache keeps it built.
+  tiering::UpdateScheduler& scheduler_for(const std::vector<std::pair<std::size_t, std::size_t>>& ranges) {
+    for (auto it = cache_.begin(); it != cache_.end(); ++it) {
+      if (it->ranges == ranges) {
+        if (it != cache_.begin()) cache_.splice(cache_.begin(), cache_, it);
+        return *cache_.front().scheduler;
+      }
+    }
+    std::vector<tiering::ExternalSubgroup> ext;
+    ext.reserve(ranges.size());
+    for (auto [s, e] : ranges) {
+      ext.push_back(tiering::ExternalSubgroup{param_ + s, exp_avg_ + s, exp_avg_sq_ + s, grad_ + s, e - s});
+    }
+    Entry entry;
+    entry.ranges = ranges;
+    entry.state = tiering::OptimizerState::external(device_, ext);
+    entry.scheduler = std::make_unique<tiering::UpdateScheduler>(*entry.state, allocator_, &memtide::default_pool());
+    cache_.push_front(std::move(entry));
+    return *cache_.front().scheduler;
+  }
+
+  // What the planner may use: slots and static residents in the update headroom (the
+  // PhaseTracker's, once an iteration has finished; the device's free memory before that).
+  tiering::Workload workload(std::uint64_t& headroom, std::string& from) {
+    tiering::Workload w;
+    std::size_t largest = 0;
+    for (auto [s, e] : subgroups_) {
+      w.subgroup_params.push_back(e - s);
+      largest = std::max(largest, e - s);
+    }
+    w.low_precision_bytes = low_precision_bytes_;
+    w.grads_on_host = true;
+    const memtide::Headroom h = allocator_.headroom(memtide::Phase::forward);
+    // The tracker sees only this allocator's blocks (not torch's own, when torch is not using
+    // memtide), so the device's free memory caps it.
+    const std::uint64_t free = device_.mem_info().free;
+    if (h.from_history && h.bytes <= free) {
+      headroom = h.bytes;
+      from = "phase tracker (" + std::to_string(h.iterations_used) + " iterations)";
+    } else {
+      headroom = free;
+      from = "device free memory";
+    }
+    const std::size_t array = (largest * sizeof(float) + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
+    const std::uint64_t slot = 4 * array;
+    const std::size_t n = subgroups_.size();
+    w.gpu_slot_limit = static_cast<std::size_t>(std::min<std::uint64_t>(headroom / slot, n));
+    const std::uint64_t slot_bytes = std::min<std::uint64_t>(w.gpu_slot_limit, 3) * slot;
+    w.gpu_static_limit =
+        headroom > slot_bytes ? static_cast<std::size_t>(std::min<std::uint64_t>((headroom - slot_bytes) / slot, n)) : 0;
+    return w;
+  }
+
+  void observe(const tiering::StepReport& r, double predicted_ns) {
+    if (r.cpu.busy_ns > 0 && r.cpu.params > 0) {
+      calibration_.observe_cpu_update(static_cast<std::size_t>(r.cpu.params), r.cpu.busy_ns);
+    }
+    if (r.gpu.busy_ns > 0 && r.gpu.params > 0) {
+      calibration_.observe_gpu_update(static_cast<std::size_t>(r.gpu.params), r.gpu.busy_ns);
+    }
+    if (r.h2d.busy_ns > 0 && r.h2d.bytes > 0) {
+      calibration_.observe_copy(CopyKindH2D, static_cast<std::size_t>(r.h2d.bytes), r.h2d.busy_ns);
+    }
+    if (r.d2h.busy_ns > 0 && r.d2h.bytes > 0) {
+      calibration_.observe_copy(CopyKindD2H, static_cast<std::size_t>(r.d2h.bytes), r.d2h.busy_ns);
+    }
+    if (predicted_ns > 0 && r.phase_ns > 0 && std::isfinite(predicted_ns)) {
+      calibration_.observe_update_phase(predicted_ns, r.phase_ns);
+    }
+  }
+
+  static constexpr memtide::CopyKind CopyKindH2D = memtide::CopyKind::host_to_device;
+  static constexpr memtide::CopyKind CopyKindD2H = memtide::CopyKind::device_to_host;
+
+  memtide::CachingAllocator& allocator_;
+  memtide::Device& device_;
+  memtide::SimDevice* sim_ = nullptr;
+  std::size_t n_ = 0;
+  float* param_ = nullptr;
+  float* exp_avg_ = nullptr;
+  float* exp_avg_sq_ = nullptr;
+  float* grad_ = nullptr;
+  std::size_t low_precision_bytes_ = 2;
+  std::vector<std::pair<std::size_t, std::size_t>> subgroups_;
+  std::vector<float*> registered_;
+  tiering::PerfModel model_;
+  tiering::Calibration calibration_;
+  std::list<Entry> cache_;  // most recently used first
+  std::mutex mutex_;
+};
+
 }  // namespace
 
 NB_MODULE(_memtide, m) {
@@ -749,4 +1178,34 @@ NB_MODULE(_memtide, m) {
   m.def("predict_update", &predict_update, "subgroup_params"_a, "placement"_a, "rates"_a = nb::none(),
         "low_precision_bytes"_a = 2, "grads_on_host"_a = true, "gpu_slot_limit"_a = 3,
         "The PerfModel's predicted update phase for `placement` (one letter per subgroup: c, g, s).");
+
+  nb::class_<UpdateEngine>(m, "UpdateEngine",
+                           "TieredAdamW's update through the UpdateScheduler on the runtime's device (a data-mode\n"
+                           "SimDevice without a GPU), planned by the PerfModel on calibrated rates.")
+      .def(nb::init<const CpuArray&, const CpuArray&, const CpuArray&, const CpuArray&,
+                    const std::vector<std::pair<std::int64_t, std::int64_t>>&, std::int64_t, int>(),
+           "param"_a.noconvert(), "exp_avg"_a.noconvert(), "exp_avg_sq"_a.noconvert(), "grad"_a.noconvert(),
+           "subgroups"_a, "low_precision_bytes"_a = 2, "device"_a = 0,
+           // The engine keeps raw pointers into the four arrays: they live as long as it does.
+           nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>(), nb::keep_alive<1, 4>(), nb::keep_alive<1, 5>(),
+           "Over the caller's contiguous float32 CPU arrays (no copy is made; they are kept alive),\n"
+           "cut into `subgroups`, consecutive [start, end) ranges covering them.")
+      .def("plan", &UpdateEngine::plan, "policy"_a, "k"_a = nb::none(), "static_fraction"_a = 0.0,
+           "The plan of `policy` (cpu, static, interleaved, auto) with TieredAdamW's k (CPU subgroups per\n"
+           "GPU subgroup; None: the PerfModel picks under auto) in the current update headroom, on the\n"
+           "calibrated rates. Returns placement (c/g/s per subgroup), k (PerfModel stride), gpu_slots,\n"
+           "prediction, reason, headroom_bytes, headroom_from.")
+      .def("step", &UpdateEngine::step, "placement"_a, "gpu_slots"_a, "predicted_ns"_a, "segments"_a,
+           "grad_scale"_a = 1.0, "clip"_a = 1.0, "l2"_a = false, "skip_if_nonfinite"_a = false,
+           "One update phase. segments: (subgroup, start, end, lr, beta1, beta2, eps, weight_decay, step)\n"
+           "tuples; segments with the same hyperparameters share one scheduler run. Returns nonfinite,\n"
+           "skipped, measured_ns (clock: simulated on a SimDevice, else wall), predicted_ns, per-resource\n"
+           "use and params updated per placement. Calibration learns from every step.")
+      .def("host_changed", &UpdateEngine::host_changed,
+           "The host arrays were changed outside step(): GPU-static residents are dropped and moved in\n"
+           "again from the host on the next step.")
+      .def("rates", &UpdateEngine::rates, "The Calibration's current rates.")
+      .def("prediction_errors", &UpdateEngine::errors, "Recent (measured - predicted) / predicted of whole phases.")
+      .def_prop_ro("device_name", &UpdateEngine::device_name)
+      .def_prop_ro("simulated", &UpdateEngine::simulated);
 }

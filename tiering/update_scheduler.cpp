@@ -203,6 +203,19 @@ void UpdateScheduler::sync_to_host() {
 
 void UpdateScheduler::release_residents() { place_residents(std::vector<Placement>(state_.size(), Placement::cpu)); }
 
+void UpdateScheduler::discard_residents() {
+  bool any = false;
+  for (const Arrays& r : residents_) any = any || r.block != nullptr;
+  if (!any) return;
+  // Work queued on the resident arrays (the last sync_to_host) must finish before they are reused.
+  device_.stream_synchronize(config_.main_stream);
+  for (Arrays& r : residents_) {
+    if (r.block == nullptr) continue;
+    allocator_.deallocate(r.block, config_.main_stream);
+    r = Arrays{};
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The phase.
 

@@ -608,16 +608,31 @@ def _print_train(r: Dict[str, Any]) -> None:
           f"= {_format_count(u['engine_params_per_second'])} params/s (median of {u['steps_measured']} steps)")
     print(f"          whole step() with gradient gather and write-back: "
           f"{_format_duration(u['step_seconds_median'] * 1e9)} = {_format_count(u['step_params_per_second'])} params/s")
+    ep = r["plan"].get("engine_plan")
+    if ep is not None:
+        print(f"          PerfModel plan: placement {ep['placement']} (c CPU, g streamed GPU, s GPU-static), "
+              f"{ep['gpu_slots']} GPU slots, busiest {ep['prediction']['busiest']}; headroom "
+              f"{format_bytes(ep['headroom_bytes'])} from {ep['headroom_from']}")
     if u["predicted_seconds"] is not None:
         p = u["predicted_seconds"]
-        print(f"          predicted {_format_duration(p * 1e9)} vs measured "
-              f"{_format_duration(u['engine_seconds_median'] * 1e9)} ({u['engine_seconds_median'] / p:.2f}x)")
+        m = u.get("measured_seconds")
+        clock = u.get("measured_clock", "wall")
+        if m is None:
+            m, clock = u["engine_seconds_median"], "wall"
+        label = ("simulated: the SimDevice's virtual clock, no GPU here" if clock == "simulated"
+                 else "wall clock")
+        print(f"          update phase predicted {_format_duration(p * 1e9)} vs measured "
+              f"{_format_duration(m * 1e9)} ({label}; {m / p:.2f}x)")
     print()
-    print("the same update (trained state, last gradients) under each policy:")
+    print("the same update (trained state, last gradients) under each policy (wall time of the engine; "
+          "then the update phase on the scheduler's clock):")
     for p in r["policies"]:
         print(f"  {p['plan']}")
         print(f"    {_format_duration(p['update_seconds'] * 1e9)} = {_format_count(p['params_per_second'])} params/s, "
               f"state digest {p['digest']}")
+        if p.get("phase_seconds") is not None and p.get("predicted_seconds") is not None:
+            print(f"    update phase {_format_duration(p['phase_seconds'] * 1e9)} ({p['phase_clock']}), "
+                  f"predicted {_format_duration(p['predicted_seconds'] * 1e9)}")
     same = "yes, bit for bit" if r["policies_identical"] else "NO: the policies disagree"
     print(f"identical results under every policy: {same}")
 

@@ -29,6 +29,7 @@ __all__ = [
     "LossScaler",
     "Segment",
     "StepArgs",
+    "SchedulerEngine",
     "SubgroupEngine",
     "TieredAdamW",
     "UpdatePlan",
@@ -171,6 +172,9 @@ class UpdatePlan:
     requested: Optional[Tuple[str, ...]]
     placement: Tuple[str, ...]
     reason: str = ""
+    #: The engine's own plan when it has one (SchedulerEngine: the PerfModel's plan dict, with
+    #: "placement" as one letter per subgroup: c CPU, g streamed through the GPU, s GPU-static).
+    engine_plan: Optional[Dict[str, Any]] = field(default=None, compare=False, hash=False)
 
     def counts(self) -> Dict[str, int]:
         return {"cpu": self.placement.count("cpu"), "gpu": self.placement.count("gpu")}
@@ -193,6 +197,13 @@ class UpdatePlan:
         text = f"{head}: {n} subgroup{'s' if n != 1 else ''}, {where}"
         if self.requested is not None and self.requested != self.placement:
             text += f"; the policy asked for {self.requested.count('gpu')} on GPU"
+        if self.engine_plan is not None:
+            ep = self.engine_plan
+            statics = ep["placement"].count("s")
+            if statics:
+                text += f" ({statics} GPU-static)"
+            if len(ep["placement"]) <= 64:
+                text += f" [{ep['placement']}]"
         if self.reason:
             text += f" ({self.reason})"
         return text
@@ -294,6 +305,101 @@ class SubgroupEngine:
         return nonfinite
 
 
+class SchedulerEngine(SubgroupEngine):
+    """Runs every update through memtide's UpdateScheduler (``_memtide.UpdateEngine``).
+
+    The scheduler places subgroups on the CPU, streams them through GPU slots or keeps them
+    GPU-static, on the runtime's device: the GPU with CUDA, else a data-mode SimDevice whose
+    "GPU" updates really run (on the host) while its clocks are virtual. The PerfModel plans the
+    placement on the rates a Calibration learns from every step; ``auto`` re-plans each step.
+    The state stays in the flat host buffers (external memory), so every policy gives
+    bit-identical results, as with the CPU engine.
+    """
+
+    name = "scheduler"
+
+    def __init__(self, buffers: FlatBuffers) -> None:
+        super().__init__(buffers)
+        self.native: Optional[Any] = None
+        self._subgroups: Tuple[Tuple[int, int], ...] = ()
+        self.last_report: Optional[Dict[str, Any]] = None
+        #: Every step's measured update phase in ns, on ``clock`` (skipped steps excluded).
+        self.measured_ns: List[float] = []
+
+    @staticmethod
+    def available() -> str:
+        """Why the runtime's device cannot run the scheduler here ("" if it can)."""
+        try:
+            backend = _memtide.backend()
+            if backend == "sim" and _memtide.options().get("sim_phantom") == "true":
+                return "the runtime's SimDevice is in phantom mode (MEMTIDE_SIM_PHANTOM=true)"
+            if _memtide.device_count() < 1:
+                return f"the memtide backend {backend} has no device"
+        except Exception as e:  # a bad MEMTIDE_* setting must not break the optimizer
+            return f"memtide runtime unavailable: {e}"
+        return ""
+
+    def gpu_update_unavailable(self) -> str:
+        return ""
+
+    def _native_for(self, subgroups: Tuple[Tuple[int, int], ...]) -> Any:
+        if self.native is None or subgroups != self._subgroups:
+            b = self.buffers
+            lowp_bytes = 4 if b.lowp is None else b.lowp.element_size()
+            self.native = _memtide.UpdateEngine(b.params, b.exp_avg, b.exp_avg_sq, b.grads, list(subgroups),
+                                                low_precision_bytes=lowp_bytes)
+            self._subgroups = subgroups
+        return self.native
+
+    def plan(self, policy: str, subgroups: Tuple[Tuple[int, int], ...], k: Optional[int],
+             gpu_static_fraction: float) -> UpdatePlan:
+        if not subgroups:  # nothing to update (every param is empty)
+            return super().plan(policy, subgroups, k, gpu_static_fraction)
+        requested = policy_placement(policy, len(subgroups), k, gpu_static_fraction)
+        ep = self._native_for(subgroups).plan(policy, None if k is None else float(k), float(gpu_static_fraction))
+        placement = tuple("cpu" if c == "c" else "gpu" for c in ep["placement"])
+        return UpdatePlan(policy, k, gpu_static_fraction, subgroups, requested, placement, ep["reason"], ep)
+
+    def predict_seconds(self, plan: UpdatePlan) -> Optional[float]:
+        if plan.engine_plan is None:
+            return None
+        return plan.engine_plan["prediction"]["total_ns"] * 1e-9
+
+    def host_changed(self) -> None:
+        """The flat buffers were changed outside step(): GPU-static copies are stale."""
+        if self.native is not None:
+            self.native.host_changed()
+
+    @property
+    def clock(self) -> str:
+        """"simulated" on a SimDevice (virtual clocks), "wall" on a real device."""
+        return "simulated" if self.native is not None and self.native.simulated else "wall"
+
+    def step(self, plan: UpdatePlan, args: StepArgs) -> bool:
+        if not args.segments:
+            return False
+        ep = plan.engine_plan
+        if ep is None or plan.subgroups != self._subgroups:
+            plan = self.plan(plan.policy, plan.subgroups, plan.k, plan.gpu_static_fraction)
+            ep = plan.engine_plan
+        segments = [(s.subgroup, s.start, s.end, s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step)
+                    for s in args.segments]
+        report = self.native.step(ep["placement"], ep["gpu_slots"], ep["prediction"]["total_ns"], segments,
+                                  grad_scale=args.grad_scale, clip=args.clip, l2=False,
+                                  skip_if_nonfinite=args.skip_if_nonfinite)
+        self.last_report = report
+        if not report["skipped"]:
+            self.measured_ns.append(float(report["measured_ns"]))
+        b = self.buffers
+        if not report["skipped"] and b.lowp is not None:
+            # The scheduler steps the fp32 masters; the model's low-precision copy is rounded from
+            # them here (round to nearest even, as the fused kernel writes it).
+            for s in args.segments:
+                if s.lowp:
+                    b.lowp[s.start:s.end].copy_(b.params[s.start:s.end])
+        return bool(report["nonfinite"])
+
+
 def _device_words() -> str:
     try:
         backend = _memtide.backend()
@@ -354,8 +460,9 @@ class TieredAdamW(torch.optim.Optimizer):
     their update costs no copy; params on a GPU are copied back after each step.
     """
 
-    #: The engine class: built over the flat buffers, it plans and runs every update.
-    engine_class = SubgroupEngine
+    #: The engine class: built over the flat buffers, it plans and runs every update. None (the
+    #: default): SchedulerEngine when the memtide runtime's device can run it, else SubgroupEngine.
+    engine_class: Optional[type] = None
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, policy: str = "auto",
@@ -394,6 +501,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._mark_update = False
         self._steps: List[int] = []
         self._pending_copies: Optional[Any] = None  # CUDA event after the last write-back
+        self._host_versions: Optional[Tuple[int, ...]] = None  # _versions() after the last update
         super().__init__(params, defaults)
         self._ready = True
         self._build()
@@ -482,12 +590,31 @@ class TieredAdamW(torch.optim.Optimizer):
         self._layout = _Layout(params, group_of, ranges, lowp_of, aliased, pieces, bounds, numel)
         self.buffers = buffers
         self._steps = steps
-        self.engine = self.engine_class(buffers)
+        self.engine = self._engine_class()(buffers)
+        self._host_versions = None
         self.plan = self.engine.plan(self.policy, bounds, self.k, self.gpu_static_fraction)
         self.state.clear()
         for i in range(len(params)):
             if steps[i] > 0:
                 self._expose_state(i)
+
+    def _versions(self) -> Tuple[int, ...]:
+        """torch's in-place write counters of the host state and of the params that are views of it
+        (a write through ``p.data`` is not counted: call sync_master_from_model after one)."""
+        b, layout = self.buffers, self._layout
+        return (b.params._version, b.exp_avg._version, b.exp_avg_sq._version,
+                *(p._version for p, a in zip(layout.params, layout.aliased) if a))
+
+    def _host_changed(self) -> None:
+        changed = getattr(self.engine, "host_changed", None)
+        if changed is not None:
+            changed()
+        self._host_versions = None
+
+    def _engine_class(self) -> type:
+        if self.engine_class is not None:
+            return self.engine_class
+        return SchedulerEngine if not SchedulerEngine.available() else SubgroupEngine
 
     def _expose_state(self, i: int) -> None:
         """torch.optim's view of param i's state: views of the flat buffers, and the step."""
@@ -558,9 +685,17 @@ class TieredAdamW(torch.optim.Optimizer):
         engine_ran = False
         if not nonfinite:
             args = StepArgs(segments, grad_scale=grad_scale, clip=clip, skip_if_nonfinite=self.scaler is not None)
+            if self._host_versions is not None and self._host_versions != self._versions():
+                # The model's params or the state were changed in place since the last step
+                # (model.load_state_dict, an init): copies the engine keeps on a GPU are stale.
+                self._host_changed()
+            if self.policy == "auto" and self.k is None and isinstance(self.engine, SchedulerEngine):
+                # The PerfModel's plan follows the calibrated rates and the headroom: every step.
+                self.plan = self.engine.plan(self.policy, layout.subgroups, self.k, self.gpu_static_fraction)
             t1 = time.perf_counter()
             nonfinite = self.engine.step(self.plan, args)
             engine_seconds = time.perf_counter() - t1
+            self._host_versions = self._versions()
             engine_ran = not (nonfinite and args.skip_if_nonfinite)
 
         if self.scaler is not None:
@@ -727,6 +862,7 @@ class TieredAdamW(torch.optim.Optimizer):
                                  "which TieredAdamW does not support")
 
         self._wait_for_copies()
+        self._host_changed()
         # The model is the truth for fp32 params and the fallback for fp16/bf16 ones (a state dict
         # of torch.optim.AdamW has no master params); saved masters replace it below.
         self.sync_master_from_model()
@@ -778,9 +914,12 @@ class TieredAdamW(torch.optim.Optimizer):
         Needed only after the model's params changed outside step() and load_state_dict (e.g.
         ``model.load_state_dict`` after this optimizer was created) for params that are not views
         of the optimizer's buffers: params on a GPU, and fp16/bf16 params (whose fp32 master is
-        then rebuilt from the low-precision values).
+        then rebuilt from the low-precision values). In-place changes to the other params
+        (``model.load_state_dict``, ``torch.nn.init``) are noticed at the next step; a write
+        through ``p.data`` is not, so call this after one.
         """
         self._wait_for_copies()
+        self._host_changed()
         layout, b = self._layout, self.buffers
         for i, p in enumerate(layout.params):
             lo, hi = layout.ranges[i]

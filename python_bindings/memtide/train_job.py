@@ -135,6 +135,11 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
     step_s = statistics.median(h[2] for h in hist)
     params_per_step = hist[-1][0]
     predicted = opt.engine.predict_seconds(opt.plan)
+    # The engine's own measure of the update phase (the scheduler's clock: virtual on a SimDevice).
+    engine_ns = list(getattr(opt.engine, "measured_ns", []))
+    engine_ns = engine_ns[1:] or engine_ns
+    measured = statistics.median(engine_ns) * 1e-9 if engine_ns else None
+    clock = getattr(opt.engine, "clock", "wall")
 
     # The same update (the trained state and the last gradients) under every policy.
     progress(f"one update of the last gradients under each policy ({POLICY_REPEATS} repeats) ...")
@@ -157,11 +162,17 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
             o.step()
         sync()
         seconds = statistics.median(h[1] for h in o.stats.history)
+        engine_ns = getattr(o.engine, "measured_ns", [])
         policies.append({
             "policy": name,
             "plan": o.plan.summary(),
             "placement": o.plan.counts(),
             "update_seconds": seconds,
+            # The scheduler's own measure of the phase (its clock, virtual on a SimDevice), and the
+            # PerfModel's prediction; None with the CPU engine.
+            "phase_seconds": statistics.median(engine_ns) * 1e-9 if engine_ns else None,
+            "phase_clock": getattr(o.engine, "clock", "wall"),
+            "predicted_seconds": o.engine.predict_seconds(o.plan),
             "params_per_second": o.stats.history[0][0] / seconds if seconds > 0 else 0.0,
             "digest": _digest(o),
         })
@@ -190,7 +201,8 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
             "cpu_isa": memtide.cpu_isa(),
             "cpu_threads": memtide.cpu_threads(),
         },
-        "plan": {"summary": opt.plan.summary(), "placement": opt.plan.counts(), "reason": opt.plan.reason},
+        "plan": {"summary": opt.plan.summary(), "placement": opt.plan.counts(), "reason": opt.plan.reason,
+                 "engine_plan": opt.plan.engine_plan},
         "update": {
             "params_per_step": params_per_step,
             "engine_seconds_median": engine_s,
@@ -198,6 +210,8 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
             "engine_params_per_second": params_per_step / engine_s if engine_s > 0 else 0.0,
             "step_params_per_second": params_per_step / step_s if step_s > 0 else 0.0,
             "predicted_seconds": predicted,
+            "measured_seconds": measured,
+            "measured_clock": clock,
             "steps_measured": len(hist),
         },
         "policies": policies,

@@ -239,7 +239,15 @@ def test_cli_run_trains_by_default_json(cli):
     assert r["policies_identical"] is True
     for name in ("forward", "backward", "update"):
         assert r["phases"][name]["seen"] and r["phases"][name]["duration_ns"] > 0
-    if r["device"]["kind"] == "cpu":
+    if r["optimizer"]["engine"] == "scheduler":
+        # The UpdateScheduler ran the PerfModel's plan (on a data-mode SimDevice without a GPU).
+        ep = r["plan"]["engine_plan"]
+        assert len(ep["placement"]) == r["optimizer"]["subgroups"]
+        cpu = ep["placement"].count("c")
+        assert r["plan"]["placement"] == {"cpu": cpu, "gpu": len(ep["placement"]) - cpu}
+        assert r["update"]["predicted_seconds"] > 0 and r["update"]["measured_seconds"] > 0
+        assert r["update"]["measured_clock"] == ("simulated" if r["device"]["memtide_backend"] == "sim" else "wall")
+    elif r["device"]["kind"] == "cpu":
         assert r["plan"]["placement"] == {"cpu": r["optimizer"]["subgroups"], "gpu": 0}
         assert "no GPU" in r["plan"]["summary"] or r["plan"]["reason"] == ""
 
@@ -253,7 +261,13 @@ def test_cli_run_trains_by_default_text(cli):
     for needle in ("step   1/4", "per phase", "plan      policy interleaved (k=1):", "params/s",
                    "identical results under every policy: yes", "on CPU (fp32"):
         assert needle in out, needle
-    assert "the policy asked for" in out  # on sim nothing can run on a GPU, and the plan says so
+    if "engine scheduler" in out:
+        # The scheduler runs the GPU placements on the SimDevice; its clock is virtual, and the
+        # output says so next to the PerfModel's prediction.
+        assert "PerfModel plan: placement cgcg" in out
+        assert "update phase predicted" in out and "simulated" in out
+    else:
+        assert "the policy asked for" in out  # the CPU engine runs nothing on a GPU, and the plan says so
 
 
 def test_cli_run_train_flag_errors(cli):

@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 
 import memtide  # noqa: E402
 from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
-from memtide.optim import POLICIES, LossScaler, TieredAdamW, policy_placement  # noqa: E402
+from memtide.optim import (POLICIES, LossScaler, SchedulerEngine, SubgroupEngine, TieredAdamW,  # noqa: E402
+                           policy_placement)
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -138,10 +139,103 @@ def test_plan_says_what_ran():
     plan = opt.plan
     assert plan.requested == policy_placement("interleaved", 12, k=1)
     assert plan.requested.count("gpu") == 6
-    if not torch.cuda.is_available():
+    if isinstance(opt.engine, SchedulerEngine):
+        # The scheduler runs GPU placements (on a data-mode SimDevice without a GPU).
+        assert plan.placement == plan.requested and plan.reason == ""
+        assert plan.engine_plan["placement"] == "cg" * 6
+    elif not torch.cuda.is_available():
         assert plan.placement == ("cpu",) * 12
         assert "no GPU" in plan.reason and "all on CPU" in plan.summary()
     assert plan.summary().startswith("policy interleaved (k=1): 12 subgroups")
+
+
+# ---- the UpdateScheduler engine -----------------------------------------------------------------
+
+
+class CpuEngineAdamW(TieredAdamW):
+    """TieredAdamW on the pure-CPU engine: the reference the scheduler must match bit for bit."""
+
+    engine_class = SubgroupEngine
+
+
+def test_default_engine_is_the_scheduler():
+    if SchedulerEngine.available():
+        pytest.skip(f"the runtime's device cannot run the scheduler: {SchedulerEngine.available()}")
+    opt = TieredAdamW(make_model().parameters(), subgroup_size=SUBGROUP)
+    assert isinstance(opt.engine, SchedulerEngine)
+    assert opt.engine.name == "scheduler"
+
+
+def subgroup_sizes(opt, letter):
+    return sum(e - s for (s, e), c in zip(opt.plan.subgroups, opt.plan.engine_plan["placement"]) if c == letter)
+
+
+@pytest.mark.parametrize("policy,kw,letters", [
+    ("cpu", {}, "c" * 12),
+    ("static", dict(gpu_static_fraction=0.5), "c" * 6 + "s" * 6),
+    ("interleaved", dict(k=2), "ccg" * 4),
+    ("interleaved", dict(k=1, gpu_static_fraction=0.25), "cg" * 4 + "c" + "s" * 3),
+])
+def test_scheduler_places_subgroups_and_matches_the_cpu_engine(policy, kw, letters):
+    if SchedulerEngine.available():
+        pytest.skip(SchedulerEngine.available())
+    model, ref_model = make_model(), make_model()
+    opt = TieredAdamW(model.parameters(), policy=policy, subgroup_size=SUBGROUP, **HYPER, **kw)
+    ref = CpuEngineAdamW(ref_model.parameters(), policy=policy, subgroup_size=SUBGROUP, **HYPER, **kw)
+    assert isinstance(opt.engine, SchedulerEngine)
+    assert opt.plan.engine_plan["placement"] == letters
+    losses, ref_losses = train(model, opt, DATA[:6]), train(ref_model, ref, DATA[:6])
+    report = opt.engine.last_report
+    assert report["params_cpu"] == subgroup_sizes(opt, "c")
+    assert report["params_gpu"] == subgroup_sizes(opt, "g")
+    assert report["params_gpu_static"] == subgroup_sizes(opt, "s")
+    gpu = report["params_gpu"] + report["params_gpu_static"]
+    assert (gpu > 0) == (policy != "cpu")
+    assert report["params_cpu"] + gpu == opt.buffers.params.numel()
+    assert report["gpu"]["params"] == gpu  # the device really stepped them
+    assert report["loop_allocations"] == 0 and report["loop_device_allocs"] == 0
+    assert report["measured_ns"] > 0 and report["predicted_ns"] > 0
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(flat_state(opt), flat_state(ref)))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
+def test_auto_plans_with_the_perf_model():
+    if SchedulerEngine.available():
+        pytest.skip(SchedulerEngine.available())
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), policy="auto", subgroup_size=SUBGROUP, **HYPER)
+    ep = opt.plan.engine_plan
+    assert len(ep["placement"]) == len(opt.plan.subgroups) == 12
+    assert set(ep["placement"]) <= set("cgs")
+    assert opt.engine.predict_seconds(opt.plan) == ep["prediction"]["total_ns"] * 1e-9 > 0
+    train(model, opt, DATA[:4])
+    # Every step was measured and fed to the calibration, which compares it with the prediction.
+    assert len(opt.engine.measured_ns) == 4 and all(ns > 0 for ns in opt.engine.measured_ns)
+    assert opt.engine.native.prediction_errors()["count"] == 4
+    assert opt.engine.clock == ("simulated" if memtide.backend() == "sim" else "wall")
+    assert len(opt.plan.engine_plan["placement"]) == 12  # re-planned every step
+
+
+def test_scheduler_with_param_groups_and_low_precision():
+    if SchedulerEngine.available():
+        pytest.skip(SchedulerEngine.available())
+    results = []
+    for cls in (TieredAdamW, CpuEngineAdamW):
+        model = make_model(dtype=torch.bfloat16)
+        params = list(model.parameters())
+        groups = [dict(params=params[::2], lr=2e-3), dict(params=params[1::2], weight_decay=0.0)]
+        opt = cls(groups, policy="interleaved", k=1, gpu_static_fraction=0.25, subgroup_size=SUBGROUP,
+                  loss_scale="dynamic", **HYPER)
+        train(model, opt, DATA[:4])
+        results.append((flat_state(opt), [p.detach().clone() for p in params]))
+        if cls is TieredAdamW:
+            assert isinstance(opt.engine, SchedulerEngine)
+            assert opt.engine.last_report["runs"] == 2  # one scheduler run per hyperparameter set
+            assert opt.engine.last_report["params_gpu"] > 0
+    (state, params), (ref_state, ref_params) = results
+    assert all(torch.equal(a, b) for a, b in zip(state, ref_state))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
 
 def test_policy_placement():
@@ -462,3 +556,24 @@ def test_bad_params_and_state():
     with pytest.raises(ValueError, match="2 param groups"):
         opt.load_state_dict(sd)
     assert set(POLICIES) == set(POLICY_KW)
+
+
+def test_scheduler_sees_model_changes_between_steps():
+    """GPU-static residents stay on the device between steps; a model checkpoint loaded into the
+    (CPU, aliased) params between steps must still win over those device copies."""
+    if SchedulerEngine.available():
+        pytest.skip(SchedulerEngine.available())
+    checkpoint = make_model(seed=3).state_dict()
+    finals = []
+    for cls in (TieredAdamW, CpuEngineAdamW):
+        model = make_model()
+        opt = cls(model.parameters(), policy="static", gpu_static_fraction=0.5, subgroup_size=SUBGROUP, **HYPER)
+        train(model, opt, DATA[:3])
+        model.load_state_dict(checkpoint)
+        train(model, opt, DATA[3:6])
+        finals.append((flat_state(opt), [p.detach().clone() for p in model.parameters()]))
+        if cls is TieredAdamW:
+            assert opt.engine.last_report["params_gpu_static"] > 0
+    (state, params), (ref_state, ref_params) = finals
+    assert all(torch.equal(a, b) for a, b in zip(state, ref_state))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))

@@ -207,6 +207,34 @@ TYPED_TEST(UpdateSchedulerTest, PlanChangesMoveStaticResidentsInAndOut) {
   this->expect_matches_reference("plan sequence");
 }
 
+TYPED_TEST(UpdateSchedulerTest, DiscardedResidentsComeBackFromTheHostArrays) {
+  this->make_problem(11, 512, 512 * 5 + 31);
+  UpdateScheduler sched(*this->state_, *this->allocator_, this->pool_.get());
+  const Pattern pat{"static 2", 0, 2, 0};
+  const std::size_t last = this->state_->size() - 1;
+  StepParams p;
+  this->reference_step(p);
+  sched.run(this->plan_for(pat), p);
+  sched.sync_to_host();
+  ASSERT_TRUE(sched.is_resident(last));
+  // The host arrays change behind the scheduler's back (a checkpoint load): the new values must
+  // win over the resident device copy, which is dropped, not copied back.
+  Subgroup& g = (*this->state_)[last];
+  for (std::size_t i = 0; i < g.n; ++i) {
+    g.param[i] += 1.0F;
+    this->ref_p_[g.offset + i] = g.param[i];
+  }
+  sched.discard_residents();
+  EXPECT_FALSE(sched.is_resident(last));
+  this->expect_matches_reference("after discard: the host arrays are untouched");
+  p.step = 2;
+  this->reference_step(p);
+  sched.run(this->plan_for(pat), p);
+  EXPECT_TRUE(sched.is_resident(last));
+  sched.sync_to_host();
+  this->expect_matches_reference("the step after a discard");
+}
+
 TYPED_TEST(UpdateSchedulerTest, NonFiniteGradientSkipsTheWholeStep) {
   this->make_problem(3, 600, 600 * 5 + 11);
   UpdateScheduler sched(*this->state_, *this->allocator_, this->pool_.get());

@@ -128,4 +128,13 @@ void count_nonfinite_async(Device& device, Stream stream, const void* src, DType
 #endif
 }
 
+bool device_ops_available(Device& device) noexcept {
+  if (dynamic_cast<SimDevice*>(&device) != nullptr) return true;
+#if MEMTIDE_HAVE_CUDA_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace memtide::tiering

@@ -107,6 +107,10 @@ class UpdateScheduler {
   void sync_to_host();
   /// Moves every static resident back to the host and frees its device memory.
   void release_residents();
+  /// Frees every static resident's device memory without copying it back: for when the host
+  /// arrays were changed since the last sync_to_host and are now the truth (a checkpoint load).
+  /// The next run moves the residents in again from the host.
+  void discard_residents();
   [[nodiscard]] bool is_resident(std::size_t subgroup) const;
 
  private:

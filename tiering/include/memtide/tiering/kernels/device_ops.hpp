@@ -33,6 +33,10 @@ void convert_async(Device& device, Stream stream, void* dst, DType dst_dtype, co
 void count_nonfinite_async(Device& device, Stream stream, const void* src, DType dtype, std::size_t n,
                            double scale, double clip, unsigned int* count);
 
+/// True when the operations above can run on `device`: always on a SimDevice, on other devices
+/// only when this build has the CUDA kernels (a planner then keeps every subgroup on the CPU).
+bool device_ops_available(Device& device) noexcept;
+
 /// HBM bytes one AdamW step moves per parameter (reads p, m, v, grad; writes p, m, v and the
 /// low-precision copy).
 double adamw_bytes_per_param(DType grad_dtype, DType param_out_dtype) noexcept;
