@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the update-phase simulator and writes bench/results/<date>-sim-update-sweep.{md,csv}
-# (+ update_time_vs_k.png when matplotlib is available). Virtual time: the build type and the
+# (+ <date>-sim-update-time-vs-k.png when matplotlib is available). Virtual time: the build type and the
 # machine do not change the figures. Usage: bash bench/run_sim_update.sh [build-preset]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ stem="bench/results/$(date +%Y-%m-%d)-sim-update-sweep"
 "$bin" --dram-gbs 110 --csv "$stem-dram110.csv"
 py=.venv/bin/python
 [ -x "$py" ] || py=python3
-"$py" bench/sim_update_report.py "$stem.csv" "$stem.md" --png bench/results/update_time_vs_k.png \
+"$py" bench/sim_update_report.py "$stem.csv" "$stem.md" --png "${stem%-sim-update-sweep}-sim-update-time-vs-k.png" \
   --command "bash bench/run_sim_update.sh $preset" \
   --extra-csv "$stem-dram110.csv" --extra-label "host DRAM 110 GB/s per GPU (one socket's ~220 GB/s shared by its 2 GPUs)"
 echo "wrote $stem.md"

@@ -125,10 +125,13 @@ class Walk {
   Walk(const Workload& w, const Rates& r, const Costs& c, const std::vector<Placement>& placement,
        std::size_t slots)
       : w_(w), r_(r), c_(c), slots_(slots) {
+    cpu_before_.reserve(placement.size());
     for (std::size_t i = 0; i < placement.size(); ++i) {
+      cpu_before_.push_back(cpu_tasks_.size());
       if (placement[i] == Placement::cpu) {
         cpu_tasks_.push_back(i);
       } else {
+        if (placement[i] == Placement::gpu) streamed_subgroups_.push_back(i);
         gpu_tasks_.push_back({i, placement[i] == Placement::gpu});
       }
     }
@@ -175,19 +178,40 @@ class Walk {
     return params(g.subgroup) * (g.streamed ? c_.in_streamed_per_param : c_.in_static_per_param);
   }
 
+  // When the scheduler's host loop reaches `subgroup`: once every CPU update before it is done
+  // (the loop runs them inline). False while that is still unknown.
+  bool host_reaches(std::size_t subgroup, double& at) const {
+    const std::size_t need = cpu_before_[subgroup];
+    if (need == 0) {
+      at = 0;
+      return true;
+    }
+    if (lp_ready_at_.size() < need) return false;
+    at = lp_ready_at_[need - 1];
+    return true;
+  }
+
   // Issues GPU inputs in order as far as slots allow: an input is ready after the previous one
   // (one prefetch stream), and a streamed one only once the flush holding its slot has ended.
+  // The host issues inputs from its loop: the first `slots` prefetches at the start, each later
+  // one when the loop reaches the streamed subgroup whose slot it reuses, a static resident's
+  // gradient when the loop reaches the resident.
   void issue_inputs() {
     while (input_issued_ < gpu_tasks_.size()) {
       const std::size_t j = input_issued_;
       double ready = j == 0 ? 0.0 : input_ready_at_[j - 1];
+      double issued = 0;
       if (gpu_tasks_[j].streamed) {
         if (streamed_issued_ >= slots_) {
           const std::size_t holder = streamed_issued_ - slots_;  // the flush that frees our slot
           if (holder >= flush_done_at_.size()) return;
-          ready = std::max(ready, flush_done_at_[holder]);
+          if (!host_reaches(streamed_subgroups_[holder], issued)) return;
+          ready = std::max({ready, flush_done_at_[holder], issued});
         }
         ++streamed_issued_;
+      } else {
+        if (!host_reaches(gpu_tasks_[j].subgroup, issued)) return;
+        ready = std::max(ready, issued);
       }
       input_ready_at_[j] = ready;
       ++input_issued_;
@@ -288,6 +312,8 @@ class Walk {
   std::size_t cpu_next_ = 0;          // next CPU task to start
   std::vector<double> lp_ready_at_;   // when each finished CPU task's copy became ready
   std::size_t lp_next_ = 0;           // next low-precision copy to start
+  std::vector<std::size_t> cpu_before_;          // per subgroup: CPU tasks before it in update order
+  std::vector<std::size_t> streamed_subgroups_;  // subgroup of each streamed GPU task
 
   std::size_t input_issued_ = 0;      // GPU inputs with a known ready time
   std::size_t streamed_issued_ = 0;   // ... of which streamed (each holds a slot)

@@ -226,6 +226,23 @@ TEST(PerfModel, OneSlotSerializesPrefetchUpdateFlush) {
   EXPECT_NEAR(p.total_ns, 6 * one, 1e-6 * 6 * one);
 }
 
+// The scheduler's host loop runs CPU updates inline, so a prefetch that reuses a slot is issued
+// only when the loop reaches the subgroup holding that slot: here after the slow CPU update.
+TEST(PerfModel, ReusedSlotPrefetchWaitsForTheHostLoop) {
+  Rates r;
+  r.cpu_update_params_per_s = 0.1e9;  // 1 s for one subgroup: the GPU chain is long done by then
+  r.host_dram_bytes_per_s = 1e18;
+  Workload w = uniform(3);
+  w.gpu_slot_limit = 1;
+  const Prediction p =
+      PerfModel{}.predict(w, r, {Placement::cpu, Placement::gpu, Placement::gpu});
+  const double p1 = static_cast<double>(k100M);
+  const double cpu = p1 / r.cpu_update_params_per_s;
+  // Input first on the tie with the CPU subgroup's low-precision copy; then update and flush.
+  const double tail = 16 * p1 / r.h2d_bytes_per_s + p1 / r.gpu_update_params_per_s + 12 * p1 / r.d2h_bytes_per_s;
+  EXPECT_NEAR(p.total_ns, (cpu + tail) * 1e9, 1e-6 * (cpu + tail) * 1e9);
+}
+
 TEST(PerfModel, ZeroSlotsMeansNoStreamedGpu) {
   Rates r;
   Workload w = uniform(20);

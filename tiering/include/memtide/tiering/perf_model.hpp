@@ -16,6 +16,9 @@
 /// - GPU inputs (streamed state 12 B/param, plus 4 B/param of fp32 grads when they are on the
 ///   host; a static resident's host grads) are issued in update order on one H2D stream; a
 ///   streamed input waits for a free GPU slot (a slot is freed when its subgroup's flush ends);
+/// - the scheduler's host loop issues them: the first `slots` prefetches at the start, each later
+///   one when the loop reaches the streamed subgroup whose slot it reuses (after every CPU update
+///   before that subgroup), a static resident's grads when the loop reaches the resident;
 /// - the GPU updates its subgroups (streamed and static) in update order, each once its input
 ///   is on the device; streamed ones are flushed D2H (12 B/param) in the same order;
 /// - each copy engine serves copies in the order they became ready (GPU input first on a tie);
