@@ -107,8 +107,17 @@ def main():
     # STREAM-like in-place probe: a += s*b over fp32 arrays (read a, read b, write a).
     a = torch.randn(n)
     b = torch.randn(n)
-    add("stream probe a += s*b (torch, fp32)", lambda: a.add_(b, alpha=1e-3), 12, "memory roof")
+    add("stream probe a += s*b (torch, fp32)", lambda: a.add_(b, alpha=1e-3), 12, "generic STREAM-like")
     del a, b
+
+    # The step's own roof: p, m, v (fp32) read and written, a bf16 gradient read, a bf16 copy
+    # written (28 B/param), nearly no arithmetic, same tiles and pool as the step.
+    from memtide import _memtide
+    pp, mm, vv = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    gg, oo = torch.zeros(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    add("memtide stream probe (the step's streams)", lambda: _memtide.stream_probe_cpu(pp, mm, vv, gg, oo), 28,
+        "memory roof")
+    del pp, mm, vv, gg, oo
 
     ds_note = ""
     if not args.no_deepspeed:

@@ -41,6 +41,7 @@
 #include "memtide/memtide.h"
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
+#include "memtide/tiering/kernels/bandwidth_probe.hpp"
 #include "memtide/tiering/calibration.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
 #include "memtide/tiering/optimizer_state.hpp"
@@ -1003,6 +1004,106 @@ class UpdateEngine {
   std::mutex mutex_;
 };
 
+// ---- kernels on their own: the CPU memory roof and the device-side step (benchmarks) ---------
+
+memtide::tiering::DType dlpack_dtype(const nb::dlpack::dtype& d) {
+  using memtide::tiering::DType;
+  const auto code = static_cast<nb::dlpack::dtype_code>(d.code);
+  if (d.lanes != 1) return DType::none;
+  if (code == nb::dlpack::dtype_code::Float && d.bits == 32) return DType::fp32;
+  if (code == nb::dlpack::dtype_code::Float && d.bits == 16) return DType::fp16;
+  if (code == nb::dlpack::dtype_code::Bfloat && d.bits == 16) return DType::bf16;
+  return DType::none;
+}
+
+void stream_probe_cpu(const CpuArray& p, const CpuArray& m, const CpuArray& v, const CpuArray& g, const CpuArray& out) {
+  using memtide::tiering::DType;
+  const std::size_t n = p.size();
+  for (const auto* a : {&p, &m, &v}) {
+    if (dlpack_dtype(a->dtype()) != DType::fp32 || a->size() != n) {
+      value_error("stream_probe_cpu: p, m and v must be float32 arrays of one size");
+    }
+  }
+  for (const auto* a : {&g, &out}) {
+    const DType d = dlpack_dtype(a->dtype());
+    if ((d != DType::fp16 && d != DType::bf16) || a->size() != n) {
+      value_error("stream_probe_cpu: g and out must be 16-bit float arrays with as many elements as p");
+    }
+  }
+  nb::gil_scoped_release nogil;
+  memtide::tiering::stream_probe(static_cast<float*>(p.data()), static_cast<float*>(m.data()),
+                                 static_cast<float*>(v.data()), static_cast<const std::uint16_t*>(g.data()),
+                                 static_cast<std::uint16_t*>(out.data()), n, &memtide::default_pool());
+}
+
+using DeviceArray = nb::ndarray<nb::c_contig>;
+
+// The Runtime's device for an array's device; CPU arrays go to SimDevice's device memory only
+// when they were allocated there, so accept only arrays on the runtime's kind of device.
+memtide::Device& device_for(const DeviceArray& a, const char* who) {
+  memtide::Runtime& rt = memtide::Runtime::get();
+  const bool cuda_array = a.device_type() == nb::device::cuda::value;
+  if (cuda_array != (rt.backend() == memtide::Backend::cuda)) {
+    value_error(std::string(who) + ": the array is on " + (cuda_array ? "a CUDA device" : "the CPU") +
+                " but memtide's runtime uses the " + backend_name(rt.backend()) + " backend");
+  }
+  return rt.allocator(cuda_array ? a.device_id() : 0).device();
+}
+
+float* fp32_device(const DeviceArray& a, const char* name, std::size_t n) {
+  if (dlpack_dtype(a.dtype()) != memtide::tiering::DType::fp32 || a.size() != n) {
+    value_error(std::string("adamw_step_device: ") + name + " must be float32 with as many elements as param");
+  }
+  return static_cast<float*>(a.data());
+}
+
+void adamw_step_device(const DeviceArray& param, const DeviceArray& grad, const DeviceArray& exp_avg,
+                       const DeviceArray& exp_avg_sq, double lr, double beta1, double beta2, double eps,
+                       double weight_decay, std::int64_t step, double grad_scale, double clip, bool l2,
+                       std::optional<DeviceArray> out, std::uintptr_t stream) {
+  memtide::Device& dev = device_for(param, "adamw_step_device");
+  memtide::tiering::AdamwArgs a;
+  a.n = param.size();
+  a.param = fp32_device(param, "param", a.n);
+  a.exp_avg = fp32_device(exp_avg, "exp_avg", a.n);
+  a.exp_avg_sq = fp32_device(exp_avg_sq, "exp_avg_sq", a.n);
+  a.grad_dtype = dlpack_dtype(grad.dtype());
+  if (a.grad_dtype == memtide::tiering::DType::none || grad.size() != a.n) {
+    value_error("adamw_step_device: grad must be float32, float16 or bfloat16 with as many elements as param");
+  }
+  a.grad = grad.data();
+  if (out) {
+    a.param_out_dtype = dlpack_dtype(out->dtype());
+    if ((a.param_out_dtype != memtide::tiering::DType::fp16 && a.param_out_dtype != memtide::tiering::DType::bf16) ||
+        out->size() != a.n) {
+      value_error("adamw_step_device: out must be float16 or bfloat16 with as many elements as param");
+    }
+    a.param_out = out->data();
+  }
+  a.lr = lr;
+  a.beta1 = beta1;
+  a.beta2 = beta2;
+  a.eps = eps;
+  a.weight_decay = weight_decay;
+  a.step = step;
+  a.grad_scale = grad_scale;
+  a.clip = clip;
+  a.l2 = l2;
+  nb::gil_scoped_release nogil;
+  memtide::tiering::adamw_step_async(dev, memtide::Stream{reinterpret_cast<void*>(stream)}, a);
+}
+
+void convert_device(const DeviceArray& dst, const DeviceArray& src, double scale, std::uintptr_t stream) {
+  memtide::Device& dev = device_for(dst, "convert_device");
+  const auto dd = dlpack_dtype(dst.dtype()), sd = dlpack_dtype(src.dtype());
+  if (dd == memtide::tiering::DType::none || sd == memtide::tiering::DType::none || dst.size() != src.size()) {
+    value_error("convert_device: dst and src must be float32/float16/bfloat16 arrays of one size");
+  }
+  nb::gil_scoped_release nogil;
+  memtide::tiering::convert_async(dev, memtide::Stream{reinterpret_cast<void*>(stream)}, dst.data(), dd, src.data(), sd,
+                                  dst.size(), static_cast<float>(scale));
+}
+
 }  // namespace
 
 NB_MODULE(_memtide, m) {
@@ -1208,4 +1309,16 @@ NB_MODULE(_memtide, m) {
       .def("prediction_errors", &UpdateEngine::errors, "Recent (measured - predicted) / predicted of whole phases.")
       .def_prop_ro("device_name", &UpdateEngine::device_name)
       .def_prop_ro("simulated", &UpdateEngine::simulated);
+
+  m.def("stream_probe_cpu", &stream_probe_cpu, "p"_a.noconvert(), "m"_a.noconvert(), "v"_a.noconvert(),
+        "g"_a.noconvert(), "out"_a.noconvert(),
+        "The fused AdamW step's memory roof: its streams (28 B/element) with almost no arithmetic.");
+  m.def("adamw_step_device", &adamw_step_device, "param"_a.noconvert(), "grad"_a.noconvert(),
+        "exp_avg"_a.noconvert(), "exp_avg_sq"_a.noconvert(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
+        "weight_decay"_a, "step"_a, "grad_scale"_a = 1.0, "clip"_a = 1.0, "l2"_a = false,
+        "out"_a.noconvert() = nb::none(), "stream"_a = 0,
+        "Enqueues the fused AdamW step on the runtime's device (CUDA kernels on a GPU, the CPU kernel on\n"
+        "SimDevice) on `stream` (a cudaStream_t as int; 0 = default). Arrays must live on that device.");
+  m.def("convert_device", &convert_device, "dst"_a.noconvert(), "src"_a.noconvert(), "scale"_a = 1.0, "stream"_a = 0,
+        "Enqueues dst = src * scale with fp32/fp16/bf16 conversion on the runtime's device.");
 }
