@@ -69,19 +69,6 @@ SimConfig sim_config(const Setup& setup) {
   return config;
 }
 
-// The PerfModel's rates are the simulator's own: the comparison tests the model's schedule, not
-// its inputs. (The simulator's per-operation latency has no counterpart in the model.)
-Rates rates_of(const SimConfig& c) {
-  Rates r;
-  r.h2d_bytes_per_s = c.h2d_bytes_per_s;
-  r.d2h_bytes_per_s = c.d2h_bytes_per_s;
-  r.cpu_update_params_per_s = c.cpu_update_params_per_s;
-  r.gpu_update_params_per_s = c.gpu_update_params_per_s;
-  r.host_dram_bytes_per_s = c.host_dram_bytes_per_s;
-  r.cpu_dram_bytes_per_param = adamw_bytes_per_param(DType::fp32, DType::bf16);
-  return r;
-}
-
 Workload workload_of(const Setup& setup, std::size_t shard, bool grads_on_gpu) {
   Workload w;
   for (std::size_t left = shard; left > 0; left -= std::min(left, kSubgroup)) {
@@ -162,7 +149,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const SimConfig config = sim_config(setup);
-  const Rates rates = rates_of(config);
+  const Rates rates = sim_rates(config);
   std::fprintf(stderr,
                "phantom SimDevice: H2D %.0f GB/s, D2H %.0f GB/s, GPU update %.0f G params/s, CPU update %.1f G "
                "params/s, host DRAM %.0f GB/s per GPU, %zu slots, %d GPUs, 100M-param subgroups\n",

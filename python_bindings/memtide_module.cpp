@@ -289,18 +289,36 @@ nb::dict topology_dict(const std::optional<std::string>& path) {
 
 using CpuArray = nb::ndarray<nb::device::cpu, nb::c_contig>;
 
+memtide::tiering::DType dlpack_dtype(const nb::dlpack::dtype& d) {
+  using memtide::tiering::DType;
+  const auto code = static_cast<nb::dlpack::dtype_code>(d.code);
+  if (d.lanes != 1) return DType::none;
+  if (code == nb::dlpack::dtype_code::Float && d.bits == 32) return DType::fp32;
+  if (code == nb::dlpack::dtype_code::Float && d.bits == 16) return DType::fp16;
+  if (code == nb::dlpack::dtype_code::Bfloat && d.bits == 16) return DType::bf16;
+  return DType::none;
+}
+
 memtide::tiering::DType array_dtype(const CpuArray& a, const char* name) {
-  const nb::dlpack::dtype d = a.dtype();
-  if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 32) {
-    return memtide::tiering::DType::fp32;
+  const memtide::tiering::DType d = dlpack_dtype(a.dtype());
+  if (d == memtide::tiering::DType::none) {
+    value_error(std::string("adamw_step_cpu: ") + name + " must be float32, float16 or bfloat16");
   }
-  if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 16) {
-    return memtide::tiering::DType::fp16;
-  }
-  if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && d.bits == 16) {
-    return memtide::tiering::DType::bf16;
-  }
-  value_error(std::string("adamw_step_cpu: ") + name + " must be float32, float16 or bfloat16");
+  return d;
+}
+
+// The per-step scalars of the adamw_step_* bindings, which take them as keyword arguments.
+void set_hyperparameters(memtide::tiering::AdamwArgs& a, double lr, double beta1, double beta2, double eps,
+                         double weight_decay, std::int64_t step, double grad_scale, double clip, bool l2) {
+  a.lr = lr;
+  a.beta1 = beta1;
+  a.beta2 = beta2;
+  a.eps = eps;
+  a.weight_decay = weight_decay;
+  a.step = step;
+  a.grad_scale = grad_scale;
+  a.clip = clip;
+  a.l2 = l2;
 }
 
 float* fp32_data(const CpuArray& a, const char* name, std::size_t n) {
@@ -329,15 +347,7 @@ bool adamw_step_cpu(const CpuArray& param, const CpuArray& grad, const CpuArray&
     if (out->size() != a.n) value_error("adamw_step_cpu: out and param differ in size");
     a.param_out = out->data();
   }
-  a.lr = lr;
-  a.beta1 = beta1;
-  a.beta2 = beta2;
-  a.eps = eps;
-  a.weight_decay = weight_decay;
-  a.step = step;
-  a.grad_scale = grad_scale;
-  a.clip = clip;
-  a.l2 = l2;
+  set_hyperparameters(a, lr, beta1, beta2, eps, weight_decay, step, grad_scale, clip, l2);
   a.skip_if_nonfinite = skip_if_nonfinite;
   nb::gil_scoped_release nogil;
   return memtide::tiering::adamw_step(a, &memtide::default_pool());
@@ -1006,16 +1016,6 @@ class UpdateEngine {
 
 // ---- kernels on their own: the CPU memory roof and the device-side step (benchmarks) ---------
 
-memtide::tiering::DType dlpack_dtype(const nb::dlpack::dtype& d) {
-  using memtide::tiering::DType;
-  const auto code = static_cast<nb::dlpack::dtype_code>(d.code);
-  if (d.lanes != 1) return DType::none;
-  if (code == nb::dlpack::dtype_code::Float && d.bits == 32) return DType::fp32;
-  if (code == nb::dlpack::dtype_code::Float && d.bits == 16) return DType::fp16;
-  if (code == nb::dlpack::dtype_code::Bfloat && d.bits == 16) return DType::bf16;
-  return DType::none;
-}
-
 void stream_probe_cpu(const CpuArray& p, const CpuArray& m, const CpuArray& v, const CpuArray& g, const CpuArray& out) {
   using memtide::tiering::DType;
   const std::size_t n = p.size();
@@ -1080,15 +1080,7 @@ void adamw_step_device(const DeviceArray& param, const DeviceArray& grad, const 
     }
     a.param_out = out->data();
   }
-  a.lr = lr;
-  a.beta1 = beta1;
-  a.beta2 = beta2;
-  a.eps = eps;
-  a.weight_decay = weight_decay;
-  a.step = step;
-  a.grad_scale = grad_scale;
-  a.clip = clip;
-  a.l2 = l2;
+  set_hyperparameters(a, lr, beta1, beta2, eps, weight_decay, step, grad_scale, clip, l2);
   nb::gil_scoped_release nogil;
   memtide::tiering::adamw_step_async(dev, memtide::Stream{reinterpret_cast<void*>(stream)}, a);
 }
@@ -1248,17 +1240,8 @@ NB_MODULE(_memtide, m) {
   m.def(
       "grads_finite_cpu",
       [](const CpuArray& grad, double grad_scale, double clip) {
-        const nb::dlpack::dtype d = grad.dtype();
-        memtide::tiering::DType dt = memtide::tiering::DType::none;
-        if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 32) {
-          dt = memtide::tiering::DType::fp32;
-        } else if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 16) {
-          dt = memtide::tiering::DType::fp16;
-        } else if (d.lanes == 1 && d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && d.bits == 16) {
-          dt = memtide::tiering::DType::bf16;
-        } else {
-          value_error("grads_finite_cpu: grad must be float32, float16 or bfloat16");
-        }
+        const memtide::tiering::DType dt = dlpack_dtype(grad.dtype());
+        if (dt == memtide::tiering::DType::none) value_error("grads_finite_cpu: grad must be float32, float16 or bfloat16");
         const void* data = grad.data();
         const std::size_t n = grad.size();
         nb::gil_scoped_release nogil;

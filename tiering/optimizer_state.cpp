@@ -36,6 +36,22 @@ void check_total(std::size_t total, const char* who) {
   if (total == 0) throw InvalidArgument(std::string(who) + ": total_params must be > 0, got 0");
 }
 
+// Bytes of one fp32 array of a subgroup of `n` params; a subgroup block holds four of them.
+std::size_t array_bytes(std::size_t n) { return round_up(n * sizeof(float), kArrayAlign); }
+
+// The subgroup whose p, m, v and g arrays follow one another from `base`.
+Subgroup carve(std::uintptr_t base, std::size_t offset, std::size_t n) {
+  const std::size_t a = array_bytes(n);
+  Subgroup g;
+  g.offset = offset;
+  g.n = n;
+  g.param = reinterpret_cast<float*>(base);
+  g.exp_avg = reinterpret_cast<float*>(base + a);
+  g.exp_avg_sq = reinterpret_cast<float*>(base + 2 * a);
+  g.grad = reinterpret_cast<float*>(base + 3 * a);
+  return g;
+}
+
 }  // namespace
 
 bool is_phantom(Device& device) noexcept {
@@ -59,19 +75,10 @@ std::unique_ptr<OptimizerState> OptimizerState::owned(Device& device, SlabSource
   s->slabs_ = &slabs;
   std::size_t offset = 0;
   for (std::size_t n : split(total_params, per)) {
-    const std::size_t array_bytes = round_up(n * sizeof(float), kArrayAlign);
-    HostSlab slab = slabs.map_slab(4 * array_bytes, kArrayAlign);
+    HostSlab slab = slabs.map_slab(4 * array_bytes(n), kArrayAlign);
     s->owned_slabs_.push_back(slab);
-    auto* base = static_cast<unsigned char*>(slab.ptr);
-    std::memset(base, 0, 4 * array_bytes);
-    Subgroup g;
-    g.offset = offset;
-    g.n = n;
-    g.param = reinterpret_cast<float*>(base);
-    g.exp_avg = reinterpret_cast<float*>(base + array_bytes);
-    g.exp_avg_sq = reinterpret_cast<float*>(base + 2 * array_bytes);
-    g.grad = reinterpret_cast<float*>(base + 3 * array_bytes);
-    s->subgroups_.push_back(g);
+    std::memset(slab.ptr, 0, 4 * array_bytes(n));
+    s->subgroups_.push_back(carve(reinterpret_cast<std::uintptr_t>(slab.ptr), offset, n));
     offset += n;
   }
   s->total_ = total_params;
@@ -112,23 +119,15 @@ std::unique_ptr<OptimizerState> OptimizerState::phantom(SimDevice& device, std::
   std::unique_ptr<OptimizerState> s(new OptimizerState(device, StateMemory::phantom));
   const std::vector<std::size_t> sizes = split(total_params, per);
   std::size_t bytes = 0;
-  for (std::size_t n : sizes) bytes += 4 * round_up(n * sizeof(float), kArrayAlign);
+  for (std::size_t n : sizes) bytes += 4 * array_bytes(n);
   s->phantom_base_ = reserve_phantom_host(bytes);
   s->phantom_bytes_ = bytes;
   device.host_register(s->phantom_base_, bytes);  // pinned: copies run at full rate
   auto at = reinterpret_cast<std::uintptr_t>(s->phantom_base_);
   std::size_t offset = 0;
   for (std::size_t n : sizes) {
-    const std::size_t array_bytes = round_up(n * sizeof(float), kArrayAlign);
-    Subgroup g;
-    g.offset = offset;
-    g.n = n;
-    g.param = reinterpret_cast<float*>(at);
-    g.exp_avg = reinterpret_cast<float*>(at + array_bytes);
-    g.exp_avg_sq = reinterpret_cast<float*>(at + 2 * array_bytes);
-    g.grad = reinterpret_cast<float*>(at + 3 * array_bytes);
-    s->subgroups_.push_back(g);
-    at += 4 * array_bytes;
+    s->subgroups_.push_back(carve(at, offset, n));
+    at += 4 * array_bytes(n);
     offset += n;
   }
   s->total_ = total_params;

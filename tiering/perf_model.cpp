@@ -8,6 +8,8 @@
 
 #include "memtide/core/assert.hpp"
 #include "memtide/core/error.hpp"
+#include "memtide/device/sim_device.hpp"
+#include "memtide/tiering/kernels/device_ops.hpp"
 
 namespace memtide::tiering {
 namespace {
@@ -523,6 +525,17 @@ Plan PerfModel::plan(const Workload& work, const Rates& rates, Policy policy, do
     }
   }
   return best;
+}
+
+Rates sim_rates(const SimConfig& c) {
+  Rates r;
+  r.h2d_bytes_per_s = c.h2d_bytes_per_s;
+  r.d2h_bytes_per_s = c.d2h_bytes_per_s;
+  r.cpu_update_params_per_s = c.cpu_update_params_per_s;
+  r.gpu_update_params_per_s = c.gpu_update_params_per_s;
+  r.host_dram_bytes_per_s = c.host_dram_bytes_per_s;
+  r.cpu_dram_bytes_per_param = adamw_bytes_per_param(DType::fp32, DType::bf16);
+  return r;
 }
 
 }  // namespace memtide::tiering

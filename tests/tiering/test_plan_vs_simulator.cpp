@@ -29,17 +29,6 @@ SimConfig paper_node() {
   return c;
 }
 
-Rates rates_of(const SimConfig& c) {
-  Rates r;
-  r.h2d_bytes_per_s = c.h2d_bytes_per_s;
-  r.d2h_bytes_per_s = c.d2h_bytes_per_s;
-  r.cpu_update_params_per_s = c.cpu_update_params_per_s;
-  r.gpu_update_params_per_s = c.gpu_update_params_per_s;
-  r.host_dram_bytes_per_s = c.host_dram_bytes_per_s;
-  r.cpu_dram_bytes_per_param = adamw_bytes_per_param(DType::fp32, DType::bf16);
-  return r;
-}
-
 // Simulated seconds of one steady-state update phase (the second run) of `plan`.
 double simulate(const SimConfig& config, const Plan& plan) {
   SimDevice dev(config);
@@ -77,7 +66,7 @@ TEST(PlanVsSimulator, AutomaticPlanIsWithinFivePercentOfTheBestSweptStride) {
   work.grads_on_host = true;
   work.gpu_slot_limit = kSlots;
   work.gpu_static_limit = 0;
-  const Plan plan = PerfModel{}.plan(work, rates_of(config), Policy::automatic);
+  const Plan plan = PerfModel{}.plan(work, sim_rates(config), Policy::automatic);
   ASSERT_EQ(plan.static_residents, 0U);
   // At these rates all-CPU is several times slower than the best mix: a plan that streamed
   // nothing would be a planner failure, not a close call.

@@ -32,6 +32,10 @@
 
 #include "memtide/tiering/placement.hpp"
 
+namespace memtide {
+struct SimConfig;
+}  // namespace memtide
+
 namespace memtide::tiering {
 
 /// Throughputs the model runs on. Calibration keeps them current from measurements.
@@ -44,6 +48,12 @@ struct Rates {
   double host_dram_bytes_per_s = 220e9;  ///< host DRAM, shared by CPU updates and DMA
   double cpu_dram_bytes_per_param = 30;  ///< DRAM traffic of one CPU-updated param
 };
+
+/// The rates a SimDevice runs at, as the model sees them: comparing the model with the simulator
+/// then tests the model's schedule, not its inputs. The CPU's DRAM traffic per param is the
+/// fused step's with fp32 grads and a bf16 copy. (The simulator's per-operation latency has no
+/// counterpart in the model.)
+Rates sim_rates(const SimConfig& config);
 
 /// What is being updated and what the GPU can hold.
 struct Workload {
