@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,24 @@ def test_console_script():
         pytest.skip("the memtide console script is not on PATH")
     p = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == f"memtide {memtide.__version__}"
+
+
+def _omp_policy_after(script, env_policy):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if env_policy is not None:
+        env["OMP_WAIT_POLICY"] = env_policy
+    out = subprocess.run([sys.executable, "-c", script + "; import os; print(os.environ.get('OMP_WAIT_POLICY'))"],
+                         env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "script, env_policy, expected",
+    [
+        ("import memtide", None, "PASSIVE"),  # memtide first: torch's OpenMP threads will not spin
+        ("import memtide", "ACTIVE", "ACTIVE"),  # the user's choice stands
+        ("import torch, memtide", None, "None"),  # too late to matter: left alone
+    ],
+)
+def test_import_sets_passive_omp_wait_only_before_torch(script, env_policy, expected):
+    assert _omp_policy_after(script, env_policy) == expected
