@@ -19,6 +19,17 @@ import sys as _sys
 # and a value the user chose is kept.
 if "torch" not in _sys.modules:
     _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+try:  # a top-level module next to the package: site.py's .pth hook must load it without memtide
+    import _memtide_alloc_conf as _alloc_conf
+except ImportError:  # memtide imported from a source tree, not installed
+    _alloc_conf = None
+
+# memtide's items of PYTORCH_CUDA_ALLOC_CONF set inside this process (os.environ[...] = ...):
+# torch has not parsed the variable yet, so take them out now (the .pth hook did it at start-up
+# for variables set before Python started).
+if _alloc_conf is not None and "torch" not in _sys.modules:
+    _alloc_conf.strip_environ()
 from typing import Any, Iterator, List, Optional
 
 from . import _memtide, host
@@ -56,6 +67,7 @@ __all__ = [
     "ConfigError",
     "__version__",
     "adamw_step_cpu",
+    "apply_alloc_conf",
     "backend",
     "cpu_isa",
     "cpu_threads",
@@ -82,6 +94,7 @@ __all__ = [
     "stats",
     "topology",
     "torch_allocator",
+    "torch_allocator_installed",
     "use_with_torch",
     "version",
 ]
@@ -111,11 +124,61 @@ def use_with_torch():
     Must run before the first CUDA allocation of the process: torch refuses to
     swap an allocator that has already handed out memory.
     """
+    global _installed_allocator
     import torch.cuda.memory
 
     alloc = torch_allocator()
     torch.cuda.memory.change_current_allocator(alloc)
+    _installed_allocator = alloc
     return alloc
+
+
+_installed_allocator = None
+
+
+def torch_allocator_installed() -> bool:
+    """Whether use_with_torch() (or ``backend:memtide`` in PYTORCH_CUDA_ALLOC_CONF) made memtide
+    torch's CUDA allocator in this process."""
+    return _installed_allocator is not None
+
+
+def apply_alloc_conf() -> None:
+    """Acts on memtide's items of PYTORCH_CUDA_ALLOC_CONF; torch calls this at the end of
+    ``import torch`` (the ``torch.backends`` entry point), so users need not.
+
+    ``memtide_<option>:<value>`` items are memtide options (the names ``memtide info`` lists,
+    e.g. ``memtide_max_bytes:60GiB``); ``backend:memtide`` makes memtide torch's allocator.
+    Raises ConfigError naming the item for an unknown option or a bad value.
+    """
+    if _alloc_conf is None:
+        return
+    try:
+        _alloc_conf.check()
+    except _alloc_conf.AllocConfError as e:
+        raise ConfigError(str(e)) from None
+    where = _alloc_conf.origins()
+    known = [row["key"] for row in option_table()]
+    for option, item in where.items():
+        if option not in known:
+            raise ConfigError(f"{item}: memtide has no option {option!r}; known options: {', '.join(known)}")
+    try:
+        options()  # parses every MEMTIDE_* value
+    except ConfigError as e:
+        for option, item in where.items():
+            if f"MEMTIDE_{option.upper()}=" in str(e):
+                raise ConfigError(f"{item}: {e}") from None
+        raise
+    if _os.environ.get(_alloc_conf.SELECTED) == "1" and _installed_allocator is None:
+        import torch.cuda
+
+        if torch.cuda.is_initialized():
+            import warnings
+
+            warnings.warn("PYTORCH_CUDA_ALLOC_CONF asks for backend:memtide, but CUDA started before memtide "
+                          "could take over; torch keeps its own allocator. import memtide (or torch, with "
+                          "TORCH_DEVICE_BACKEND_AUTOLOAD on) before the first CUDA call.", RuntimeWarning, stacklevel=2)
+            return
+        use_with_torch()
 
 
 class PhaseHooks:
@@ -185,3 +248,9 @@ def install_phase_hooks(model: Any, optimizer: Optional[Any] = None) -> PhaseHoo
         else:
             handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: mark_phase("update")))
     return PhaseHooks(handles, marked_optimizer)
+
+
+# torch is loaded but its entry point has not installed memtide (TORCH_DEVICE_BACKEND_AUTOLOAD=0,
+# or torch imported from a source tree): this import is the next chance.
+if _alloc_conf is not None and "torch" in _sys.modules and _os.environ.get(_alloc_conf.SELECTED) == "1":
+    apply_alloc_conf()

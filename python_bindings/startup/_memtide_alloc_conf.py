@@ -1,0 +1,139 @@
+"""memtide selected and configured through ``PYTORCH_CUDA_ALLOC_CONF``.
+
+    PYTORCH_CUDA_ALLOC_CONF=backend:memtide,memtide_max_bytes:60GiB,garbage_collection_threshold:0.8
+
+torch parses that variable (or its alias ``PYTORCH_ALLOC_CONF``) while ``import torch`` loads its
+CUDA library; it accepts only ``native`` and ``cudaMallocAsync`` as backends and stops on a key it
+does not know. So memtide takes its part out before torch looks, in two steps:
+
+1. ``memtide_alloc_conf.pth`` (site-packages) calls :func:`strip_environ` as the interpreter
+   starts, but only when one of the variables mentions memtide. It removes ``backend:memtide``
+   and every ``memtide_<option>:<value>`` item, exports the options as ``MEMTIDE_<OPTION>`` (the
+   names of memtide's options table) and leaves torch's own items in their order. ``import
+   memtide`` before ``import torch`` does the same, for variables set inside the process.
+2. torch calls :func:`torch_autoload` (a ``torch.backends`` entry point) at the end of ``import
+   torch``, before CUDA is initialized. It checks the options (a bad key or value stops the
+   import, naming the item) and, if ``backend:memtide`` was asked for, makes memtide torch's
+   CUDA allocator.
+
+Child processes inherit the rewritten variables, so they make the same choice. This module must
+stay cheap and free of imports beyond ``os``: it runs in every interpreter start-up that names
+memtide, and torch_autoload runs in every ``import torch`` in the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, MutableMapping, Tuple
+
+CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+PREFIX = "memtide_"
+#: "1" once a variable asked for backend:memtide; read by torch_autoload (and inherited).
+SELECTED = "MEMTIDE_TORCH_ALLOCATOR"
+#: "option=item;..." for the options that came from a variable, so errors can name the item.
+ORIGIN = "MEMTIDE_ALLOC_CONF_ITEMS"
+#: A problem strip_environ found; raised by torch_autoload and by `import memtide`.
+ERROR = "MEMTIDE_ALLOC_CONF_ERROR"
+
+
+class AllocConfError(ValueError):
+    """A memtide item in PYTORCH_CUDA_ALLOC_CONF that cannot be used."""
+
+
+def is_memtide_item(item: str) -> bool:
+    """True for backend:memtide and memtide_<option>:<value> items."""
+    key, _, value = item.partition(":")
+    key = key.strip()
+    return key.startswith(PREFIX) or (key == "backend" and value.strip() == "memtide")
+
+
+def split(var: str, text: str) -> Tuple[List[str], bool, Dict[str, Tuple[str, str]]]:
+    """Splits one variable's value into (torch's items, backend:memtide asked, memtide options).
+
+    memtide options map option -> (value, the item as written). Raises AllocConfError for a
+    memtide item without a value, an option given twice, or memtide next to another backend.
+    """
+    kept: List[str] = []
+    selected = False
+    other_backend = None
+    opts: Dict[str, Tuple[str, str]] = {}
+    for item in filter(None, (raw.strip() for raw in text.split(","))):
+        if not is_memtide_item(item):
+            if item.partition(":")[0].strip() == "backend":
+                other_backend = item
+            kept.append(item)
+            continue
+        key, sep, value = (part.strip() for part in item.partition(":"))
+        if key == "backend":
+            selected = True
+            continue
+        option = key[len(PREFIX):].lower()
+        if not sep or not value or not option:
+            raise AllocConfError(f"{var}: item {item!r} needs the form memtide_<option>:<value>")
+        if option in opts:
+            raise AllocConfError(f"{var}: memtide_{option} is given twice ({opts[option][1]!r} and {item!r})")
+        opts[option] = (value, item)
+    if selected and other_backend is not None:
+        raise AllocConfError(f"{var}: backend:memtide and {other_backend} both choose an allocator; keep one")
+    return kept, selected, opts
+
+
+def strip_environ(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Moves memtide's items out of the PYTORCH_*ALLOC_CONF variables of `environ`.
+
+    Never raises (it runs inside site.py): a problem is stored in MEMTIDE_ALLOC_CONF_ERROR, to be
+    raised where torch or memtide loads, and memtide's items are removed all the same, so torch's
+    own "unrecognized key" does not hide it.
+    """
+    origin: List[str] = []
+    for var in CONF_VARS:
+        text = environ.get(var)
+        if text is None or "memtide" not in text:
+            continue
+        try:
+            kept, selected, opts = split(var, text)
+            for option, (value, item) in opts.items():
+                env = "MEMTIDE_" + option.upper()
+                if environ.get(env, value) != value:
+                    raise AllocConfError(f"{var} item {item!r} disagrees with {env}={environ[env]!r}; set one of them")
+            for option, (value, item) in opts.items():
+                environ["MEMTIDE_" + option.upper()] = value
+                origin.append(f"{option}={var} item {item}")
+            if selected:
+                environ[SELECTED] = "1"
+        except AllocConfError as e:
+            environ.setdefault(ERROR, str(e))
+            kept = [i.strip() for i in text.split(",") if i.strip() and not is_memtide_item(i)]
+        if kept:
+            environ[var] = ",".join(kept)
+        else:
+            del environ[var]
+    if origin:
+        previous = environ.get(ORIGIN)
+        environ[ORIGIN] = ";".join(([previous] if previous else []) + origin)
+
+
+def check(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Raises AllocConfError if strip_environ found a problem in this process or a parent."""
+    message = environ.get(ERROR)
+    if message:
+        raise AllocConfError(message)
+
+
+def origins(environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
+    """option -> "VAR item memtide_<option>:<value>" for options set through a variable."""
+    out: Dict[str, str] = {}
+    for entry in filter(None, environ.get(ORIGIN, "").split(";")):
+        option, _, where = entry.partition("=")
+        out[option] = where
+    return out
+
+
+def torch_autoload() -> None:
+    """torch.backends entry point: validate memtide's items and install memtide if asked."""
+    if not (os.environ.get(ERROR) or os.environ.get(SELECTED) or os.environ.get(ORIGIN)):
+        return  # the common case: memtide is installed but not named; do not load it
+    check()
+    import memtide
+
+    memtide.apply_alloc_conf()

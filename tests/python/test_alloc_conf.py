@@ -1,0 +1,152 @@
+"""memtide chosen and configured through PYTORCH_CUDA_ALLOC_CONF.
+
+The parsing is tested in-process on plain dicts; the start-up hook, torch's entry point and the
+allocator swap run in fresh interpreters, since each happens once per process.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+alloc_conf = pytest.importorskip("_memtide_alloc_conf")
+
+from memtide_testing import clean_env, run_python  # noqa: E402
+
+
+def strip(env):
+    env = dict(env)
+    alloc_conf.strip_environ(env)
+    return env
+
+
+# ---- parsing (no torch) ---------------------------------------------------------------------------
+
+
+def test_memtide_items_become_options_and_torch_items_stay_in_order():
+    env = strip({"PYTORCH_CUDA_ALLOC_CONF":
+                 "garbage_collection_threshold:0.6, backend:memtide,memtide_max_bytes:60GiB,"
+                 "max_split_size_mb:512,memtide_Host_Node:1"})
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "garbage_collection_threshold:0.6,max_split_size_mb:512"
+    assert env["MEMTIDE_MAX_BYTES"] == "60GiB"
+    assert env["MEMTIDE_HOST_NODE"] == "1"
+    assert env[alloc_conf.SELECTED] == "1"
+    assert alloc_conf.origins(env) == {
+        "max_bytes": "PYTORCH_CUDA_ALLOC_CONF item memtide_max_bytes:60GiB",
+        "host_node": "PYTORCH_CUDA_ALLOC_CONF item memtide_Host_Node:1",
+    }
+    alloc_conf.check(env)  # no problem recorded
+
+
+def test_a_variable_with_only_memtide_items_is_removed():
+    env = strip({"PYTORCH_ALLOC_CONF": "backend:memtide"})  # the newer alias
+    assert "PYTORCH_ALLOC_CONF" not in env
+    assert env[alloc_conf.SELECTED] == "1"
+
+
+def test_options_without_the_backend_do_not_select_memtide():
+    env = strip({"PYTORCH_CUDA_ALLOC_CONF": "memtide_record_history:1"})
+    assert env["MEMTIDE_RECORD_HISTORY"] == "1"
+    assert alloc_conf.SELECTED not in env
+
+
+def test_variables_without_memtide_are_untouched():
+    before = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "MEMTIDE_MAX_BYTES": "1GiB"}
+    assert strip(before) == before
+
+
+@pytest.mark.parametrize(
+    "conf, env, words",
+    [
+        ("memtide_max_bytes", {}, ["memtide_max_bytes", "memtide_<option>:<value>"]),
+        ("memtide_max_bytes:", {}, ["memtide_max_bytes:", "memtide_<option>:<value>"]),
+        ("memtide_:3", {}, ["memtide_:3"]),
+        ("memtide_max_bytes:1GiB,memtide_max_bytes:2GiB", {}, ["given twice", "1GiB", "2GiB"]),
+        ("backend:memtide,backend:cudaMallocAsync", {}, ["backend:cudaMallocAsync", "keep one"]),
+        ("memtide_max_bytes:1GiB", {"MEMTIDE_MAX_BYTES": "2GiB"}, ["memtide_max_bytes:1GiB", "MEMTIDE_MAX_BYTES", "2GiB"]),
+    ],
+)
+def test_problems_are_recorded_and_memtide_items_still_removed(conf, env, words):
+    out = strip({"PYTORCH_CUDA_ALLOC_CONF": conf + ",roundup_power2_divisions:4", **env})
+    assert out["PYTORCH_CUDA_ALLOC_CONF"] in ("roundup_power2_divisions:4", "roundup_power2_divisions:4,backend:cudaMallocAsync",
+                                              "backend:cudaMallocAsync,roundup_power2_divisions:4")
+    with pytest.raises(alloc_conf.AllocConfError) as err:
+        alloc_conf.check(out)
+    for word in words:
+        assert word in str(err.value)
+    assert "PYTORCH_CUDA_ALLOC_CONF" in str(err.value)
+
+
+def test_an_agreeing_environment_variable_is_fine():
+    env = strip({"PYTORCH_CUDA_ALLOC_CONF": "memtide_max_bytes:1GiB", "MEMTIDE_MAX_BYTES": "1GiB"})
+    alloc_conf.check(env)
+    assert env["MEMTIDE_MAX_BYTES"] == "1GiB"
+
+
+# ---- a fresh interpreter: .pth hook, torch's entry point, the swap ------------------------------
+
+torch = pytest.importorskip("torch")
+
+REPORT = """
+import json, os, torch, memtide
+print(json.dumps({"conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "max_bytes": memtide.options()["max_bytes"],
+                  "installed": memtide.torch_allocator_installed(), "cuda_initialized": torch.cuda.is_initialized()}))
+"""
+
+
+def report(env):
+    p = run_python(["-c", REPORT], env=env)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_backend_memtide_installs_memtide_at_import_torch():
+    r = report(clean_env(PYTORCH_CUDA_ALLOC_CONF="backend:memtide,memtide_max_bytes:1GiB,garbage_collection_threshold:0.6"))
+    assert r == {"conf": "garbage_collection_threshold:0.6", "max_bytes": "1.00 GiB", "installed": True,
+                 "cuda_initialized": False}
+
+
+def test_without_the_backend_torch_keeps_its_allocator():
+    r = report(clean_env(PYTORCH_CUDA_ALLOC_CONF="memtide_max_bytes:1GiB"))
+    assert r["installed"] is False and r["max_bytes"] == "1.00 GiB" and r["conf"] is None
+
+
+def test_autoload_off_then_import_memtide_installs_it():
+    r = report(clean_env(PYTORCH_CUDA_ALLOC_CONF="backend:memtide", TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    assert r["installed"] is True
+
+
+def test_variable_set_inside_the_process_before_import_memtide():
+    script = ("import os; os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'backend:memtide,memtide_max_bytes:2GiB'\n"
+              "import memtide\n" + REPORT)
+    p = run_python(["-c", script], env=clean_env())
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["installed"] is True and r["max_bytes"] == "2.00 GiB" and r["conf"] is None
+
+
+@pytest.mark.parametrize(
+    "conf, words",
+    [
+        ("backend:memtide,memtide_bogus:1", ["memtide_bogus:1", "no option 'bogus'", "max_bytes"]),
+        ("memtide_max_bytes:lots", ["memtide_max_bytes:lots", "MEMTIDE_MAX_BYTES=\"lots\"", "e.g."]),
+        ("memtide_max_bytes", ["memtide_<option>:<value>"]),
+    ],
+)
+def test_import_torch_stops_on_a_bad_memtide_item(conf, words):
+    p = run_python(["-c", "import torch"], env=clean_env(PYTORCH_CUDA_ALLOC_CONF=conf))
+    assert p.returncode != 0
+    for word in words:
+        assert word in p.stderr
+    assert "Unrecognized key" not in p.stderr  # torch never saw memtide's item
+
+
+def test_child_processes_make_the_same_choice():
+    script = ("import subprocess, sys, torch, memtide\n"
+              "assert memtide.torch_allocator_installed()\n"
+              "subprocess.run([sys.executable, '-c', " + repr(REPORT) + "], check=True)\n")
+    p = run_python(["-c", script], env=clean_env(PYTORCH_CUDA_ALLOC_CONF="backend:memtide,memtide_max_bytes:3GiB"))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["installed"] is True and r["max_bytes"] == "3.00 GiB"
