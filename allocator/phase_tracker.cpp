@@ -43,9 +43,13 @@ void PhaseTracker::begin_phase(Phase phase, std::uint64_t allocated, std::uint64
 void PhaseTracker::mark(Phase phase, std::uint64_t allocated, std::uint64_t reserved, double now_ns) {
   if (clock_started_) current_.phases[static_cast<int>(phase_)].duration_ns += now_ns - phase_start_ns_;
   clock_started_ = true;
-  const bool closes_iteration = phase == Phase::forward &&
-                                (current_.phases[static_cast<int>(Phase::backward)].seen ||
-                                 current_.phases[static_cast<int>(Phase::update)].seen);
+  // Once an update has been seen, only forward after update closes an iteration: with gradient
+  // accumulation, forward -> backward repeats per micro-batch inside one iteration. Before that
+  // (the first micro-batches, or a loop that never marks update), forward after backward does.
+  const bool after_update = current_.phases[static_cast<int>(Phase::update)].seen;
+  const bool after_backward = current_.phases[static_cast<int>(Phase::backward)].seen;
+  const bool closes_iteration = phase == Phase::forward && (after_update || (!update_seen_ && after_backward));
+  if (after_update) update_seen_ = true;
   if (closes_iteration) {
     history_.push_back(current_);
     if (history_.size() > capacity_) history_.pop_front();

@@ -53,6 +53,36 @@ TEST(PhaseTracker, OnlyForwardAfterBackwardOrUpdateClosesAnIteration) {
   EXPECT_EQ(t.iterations(), 1u);
 }
 
+TEST(PhaseTracker, GradientAccumulationMicroBatchesStayInOneIteration) {
+  PhaseTracker t(4);
+  t.set_limit(80 * GiB);
+  auto micro_batch = [&](std::uint64_t fwd_peak) {
+    t.mark(Phase::forward, GiB, GiB, 0);
+    t.observe(fwd_peak, fwd_peak);
+    t.mark(Phase::backward, fwd_peak, fwd_peak, 0);
+    t.observe(GiB, fwd_peak);
+  };
+  // Before any update, forward after backward is a new iteration (nothing says otherwise yet).
+  micro_batch(5 * GiB);
+  micro_batch(5 * GiB);
+  t.mark(Phase::update, GiB, 5 * GiB, 0);
+  EXPECT_EQ(t.iterations(), 1u);
+  // From then on, four micro-batches and one update are one iteration.
+  micro_batch(6 * GiB);
+  micro_batch(9 * GiB);
+  micro_batch(7 * GiB);
+  micro_batch(6 * GiB);
+  EXPECT_EQ(t.iterations(), 2u);
+  t.mark(Phase::update, GiB, 9 * GiB, 0);
+  t.observe(3 * GiB, 9 * GiB);
+  t.mark(Phase::forward, GiB, 9 * GiB, 0);
+  ASSERT_EQ(t.iterations(), 3u);
+  const IterationRecord& it = t.history().back();
+  EXPECT_EQ(it.phases[0].peak_allocated, 9 * GiB);  // the largest micro-batch's forward
+  EXPECT_EQ(it.phases[0].min_free, 71 * GiB);
+  EXPECT_EQ(it.phases[2].peak_allocated, 3 * GiB);
+}
+
 TEST(PhaseTracker, HistoryIsBounded) {
   PhaseTracker t(2);
   t.set_limit(80 * GiB);

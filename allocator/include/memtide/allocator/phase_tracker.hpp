@@ -55,7 +55,10 @@ class PhaseTracker {
   void set_limit(std::uint64_t limit) noexcept { limit_ = limit; }
   [[nodiscard]] std::uint64_t limit() const noexcept { return limit_; }
 
-  /// Enters `phase`. Entering forward after a backward or update closes the running iteration.
+  /// Enters `phase`. Entering forward after an update closes the running iteration; so does
+  /// forward after backward until the first update is seen (a loop without update marks, or the
+  /// first micro-batches of gradient accumulation, whose later micro-batches then stay inside one
+  /// iteration).
   void mark(Phase phase, std::uint64_t allocated, std::uint64_t reserved, double now_ns);
 
   /// Called on every change of allocated or reserved bytes; the allocator's hot path.
@@ -88,6 +91,7 @@ class PhaseTracker {
   double phase_start_ns_ = 0;
   bool clock_started_ = false;  ///< the first mark starts the clock; time before it is unknown
   std::uint64_t finished_ = 0;
+  bool update_seen_ = false;  ///< an update phase has run: only forward after update closes an iteration
   IterationRecord current_;
   std::deque<IterationRecord> history_;
 };
