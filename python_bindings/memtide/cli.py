@@ -18,6 +18,7 @@ from memtide import train_job
 # mistake, so it gets 2 as well. Failures of the work itself get 1.
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a C tool killed by the signal reports
 
 _INT_MAX = 2**31 - 1
 
@@ -747,6 +748,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (memtide.ConfigError, _UsageError) as e:
         _error(e)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader left (`memtide info --json | head`): not an error of ours. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except (MemoryError, RuntimeError, ValueError) as e:
         _error(e)
         return EXIT_FAILURE

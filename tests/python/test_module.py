@@ -308,3 +308,14 @@ def _omp_policy_after(script, env_policy):
 )
 def test_import_sets_passive_omp_wait_only_before_torch(script, env_policy, expected):
     assert _omp_policy_after(script, env_policy) == expected
+
+
+def test_cli_reader_leaving_early_is_not_a_traceback():
+    # `memtide info --json | head -c 0`: the reader is gone before the CLI (still importing) writes.
+    p = subprocess.Popen([sys.executable, "-m", "memtide.cli", "info", "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={k: v for k, v in os.environ.items() if not k.startswith("MEMTIDE_")})
+    p.stdout.close()
+    stderr = p.stderr.read().decode()
+    rc = p.wait(timeout=120)
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+    assert rc == 141
