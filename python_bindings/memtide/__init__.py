@@ -86,6 +86,7 @@ __all__ = [
     "phase",
     "phase_report",
     "plan_update",
+    "preload_library_path",
     "predict_update",
     "record_history",
     "replay_transformer",
@@ -109,6 +110,19 @@ def phase(name: str) -> Iterator[None]:
     """
     mark_phase(name)
     yield
+
+
+def preload_library_path() -> str:
+    """The LD_PRELOAD observer shipped with the package (``memtide observe`` uses it).
+
+    ``LD_PRELOAD=<this> MEMTIDE_PRELOAD_LOG=t.jsonl ./app`` records every cudaMalloc/cudaFree
+    (and their Async forms) of an unmodified CUDA program that uses the shared CUDA runtime.
+    """
+    path = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "libmemtide_preload.so")
+    if not _os.path.isfile(path):
+        raise RuntimeError(f"memtide: the LD_PRELOAD observer is missing ({path}); reinstall memtide "
+                           "(pip install .) or build it with CMake (build/<preset>/allocator/preload)")
+    return path
 
 
 def torch_allocator():

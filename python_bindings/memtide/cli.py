@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -679,6 +680,83 @@ def _add_plan_parser(sub) -> None:
     plan.set_defaults(func=_cmd_plan)
 
 
+# ---- observe -------------------------------------------------------------------------------------
+
+
+def _read_timeline(path: str) -> Dict[str, Any]:
+    """Summarizes an observer log: every process's header, events and summary line."""
+    pids, events, summaries = [], 0, []
+    peak, peak_t = 0, None
+    t0 = None
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RuntimeError(f"{path}:{n}: not a JSON line ({e.msg}); is it a memtide observer log?") from None
+            kind = rec.get("type")
+            if kind == "header":
+                pids.append(rec["pid"])
+            elif kind == "event":
+                events += 1
+                t0 = rec["t_ns"] if t0 is None else t0
+                if rec["peak"] > peak:
+                    peak, peak_t = rec["peak"], rec["t_ns"]
+            elif kind == "summary":
+                summaries.append(rec)
+    return {
+        "log": path, "processes": pids, "events": events, "peak_bytes": peak,
+        "peak_at_s": None if peak_t is None else (peak_t - t0) / 1e9,
+        "current_bytes": sum(s["current_bytes"] for s in summaries),
+        "unknown_frees": sum(s["unknown_frees"] for s in summaries),
+        "complete": len(summaries) == len(pids),
+    }
+
+
+def _cmd_observe(args: argparse.Namespace) -> int:
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise _UsageError("memtide observe: name the program to run, e.g. memtide observe -- python train.py")
+    lib = memtide.preload_library_path()
+    log = os.path.abspath(args.log)
+    if os.path.exists(log):
+        os.remove(log)  # the observer appends; one run, one timeline
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = lib + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+    env["MEMTIDE_PRELOAD_LOG"] = log
+    print(f"memtide observe: running {' '.join(command)} with {os.path.basename(lib)}; timeline -> {log}",
+          file=sys.stderr, flush=True)
+    try:
+        rc = subprocess.run(command, env=env).returncode
+    except FileNotFoundError:
+        raise _UsageError(f"memtide observe: program {command[0]!r} not found") from None
+    if not os.path.exists(log):
+        summary = {"log": log, "processes": [], "events": 0, "peak_bytes": 0, "peak_at_s": None,
+                   "current_bytes": 0, "unknown_frees": 0, "complete": True}
+    else:
+        summary = _read_timeline(log)
+    summary["exit_code"] = rc
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        print()
+    elif summary["events"] == 0:
+        print("memtide observe: no cudaMalloc/cudaFree(Async) call was seen. The program allocated no GPU "
+              "memory, or it reached the CUDA runtime without the dynamic symbol table (cudart_static, "
+              "nvcc's default; link with -cudart shared).")
+    else:
+        at = f" at {summary['peak_at_s']:.3f} s" if summary["peak_at_s"] is not None else ""
+        print(f"observed  {summary['events']} segment events in {len(summary['processes'])} process(es)")
+        print(f"peak      {format_bytes(summary['peak_bytes'])}{at} (per process)")
+        print(f"at exit   {format_bytes(summary['current_bytes'])} still allocated"
+              + (f", {summary['unknown_frees']} frees of unseen pointers" if summary["unknown_frees"] else ""))
+        if not summary["complete"]:
+            print("note      a process ended without its summary line (killed?); the timeline stops there")
+        print(f"timeline  {log}")
+    return rc
+
+
 # ---- main ---------------------------------------------------------------------------------------
 
 
@@ -734,6 +812,20 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
 
     _add_plan_parser(sub)
+
+    observe = sub.add_parser(
+        "observe",
+        help="run any CUDA program with the LD_PRELOAD observer and summarize its GPU memory timeline",
+        description="Runs PROGRAM with libmemtide_preload.so preloaded: every cudaMalloc/cudaFree(Async) it "
+        "makes through the shared CUDA runtime is forwarded unchanged and written, with current and peak "
+        "bytes, as JSON Lines to --log; then prints the peak and what was left allocated. Exits with "
+        "PROGRAM's exit code.",
+    )
+    observe.add_argument("--log", default="memtide_observe.jsonl", metavar="FILE",
+                         help="timeline file (default: memtide_observe.jsonl; replaced if it exists)")
+    observe.add_argument("--json", action="store_true", help="print the summary as JSON")
+    observe.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- PROGRAM [ARGS]")
+    observe.set_defaults(func=_cmd_observe)
     return parser
 
 

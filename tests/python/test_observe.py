@@ -1,0 +1,92 @@
+"""`memtide observe`: the LD_PRELOAD observer shipped in the package, around an unmodified program.
+
+No GPU here, so the "CUDA runtime" is a stand-in compiled by the test (a libcudart.so.0 backed by
+malloc) and the program is Python calling it through ctypes, as any dynamically linked CUDA program
+calls the real one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import memtide
+from memtide_testing import clean_env
+
+FAKE_CUDART = r"""
+#include <stdlib.h>
+int cudaMalloc(void** p, size_t n) { *p = malloc(n); return *p ? 0 : 2; }
+int cudaMallocAsync(void** p, size_t n, void* s) { (void)s; *p = malloc(n); return *p ? 0 : 2; }
+int cudaFree(void* p) { free(p); return 0; }
+int cudaFreeAsync(void* p, void* s) { (void)s; free(p); return 0; }
+"""
+
+# Peak 96 MiB (64 + 32), then the 32 MiB one is left allocated at exit.
+PROGRAM = r"""
+import ctypes, sys
+ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+rt = ctypes.CDLL(None)  # the global scope: the observer's cudaMalloc comes first
+a, b = ctypes.c_void_p(), ctypes.c_void_p()
+assert rt.cudaMalloc(ctypes.byref(a), ctypes.c_size_t(64 << 20)) == 0
+assert rt.cudaMallocAsync(ctypes.byref(b), ctypes.c_size_t(32 << 20), None) == 0
+assert rt.cudaFree(a) == 0
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_cudart(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in CUDA runtime")
+    d = tmp_path_factory.mktemp("cudart")
+    (d / "fake.c").write_text(FAKE_CUDART)
+    lib = d / "libcudart.so.0"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(d / "fake.c")], check=True)
+    return str(lib)
+
+
+def observe(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "memtide.cli", "observe", *args], cwd=tmp_path,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_the_observer_ships_with_the_package():
+    path = memtide.preload_library_path()
+    assert os.path.isfile(path) and os.path.dirname(path) == os.path.dirname(memtide.__file__)
+
+
+def test_observe_records_the_programs_segments(tmp_path, fake_cudart):
+    p = observe(tmp_path, "--json", "--log", "t.jsonl", "--", sys.executable, "-c", PROGRAM, fake_cudart, "0")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert s["events"] == 3
+    assert s["peak_bytes"] == 96 << 20
+    assert s["current_bytes"] == 32 << 20
+    assert s["complete"] and len(s["processes"]) == 1
+    lines = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert [e["op"] for e in lines if e["type"] == "event"] == ["malloc", "malloc_async", "free"]
+
+
+def test_observe_passes_the_exit_code_through_and_prints_text(tmp_path, fake_cudart):
+    p = observe(tmp_path, "--", sys.executable, "-c", PROGRAM, fake_cudart, "3")
+    assert p.returncode == 3
+    assert "96.00 MiB" in p.stdout and "32.00 MiB still allocated" in p.stdout
+
+
+def test_observe_without_gpu_calls_says_why_nothing_was_seen(tmp_path):
+    p = observe(tmp_path, "--", sys.executable, "-c", "pass")
+    assert p.returncode == 0
+    assert "no cudaMalloc/cudaFree(Async) call was seen" in p.stdout
+
+
+@pytest.mark.parametrize("args, words", [([], "name the program"), (["--", "no-such-program-xyz"], "not found")])
+def test_observe_usage_errors(tmp_path, args, words):
+    p = observe(tmp_path, *args)
+    assert p.returncode == 2
+    assert words in p.stderr
