@@ -16,6 +16,7 @@
 #include <tuple>
 #include <utility>
 #include <memory>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -75,7 +76,12 @@ nb::dict watermark_dict(const memtide::PhaseWatermark& w) {
   d["seen"] = w.seen;
   d["peak_allocated"] = w.peak_allocated;
   d["peak_reserved"] = w.peak_reserved;
-  d["min_free"] = w.min_free;
+  // A phase entered but never observed (nothing allocated or freed yet) has no low water.
+  if (w.min_free == std::numeric_limits<std::uint64_t>::max()) {
+    d["min_free"] = nb::none();
+  } else {
+    d["min_free"] = w.min_free;
+  }
   d["duration_ns"] = w.duration_ns;
   return d;
 }

@@ -244,7 +244,7 @@ def _print_run(result: Dict[str, Any], shape: Dict[str, int]) -> None:
         if not w["seen"]:
             continue
         print(f"  {name:<14} {format_bytes(w['peak_allocated']):>15}  {format_bytes(w['peak_reserved']):>15}  "
-              f"{format_bytes(w['min_free']):>15}  {_format_duration(w['duration_ns']):>10}")
+              f"{format_bytes(w['min_free']) if w['min_free'] is not None else '-':>15}  {_format_duration(w['duration_ns']):>10}")
     print()
     print(f"peak reserved / peak allocated   {result['reserved_over_allocated']:.3f}  "
           f"({format_bytes(result['peak_reserved'])} / {format_bytes(result['peak_allocated'])})")
@@ -584,7 +584,7 @@ def _print_train(r: Dict[str, Any]) -> None:
         for name in ("forward", "backward", "update"):
             w = phases[name]
             print(f"  {name:<10} {format_bytes(w['peak_allocated']):>15}  {format_bytes(w['peak_reserved']):>15}  "
-                  f"{format_bytes(w['min_free']):>15}  {_format_duration(w['duration_ns']):>10}")
+                  f"{format_bytes(w['min_free']) if w['min_free'] is not None else '-':>15}  {_format_duration(w['duration_ns']):>10}")
         h = r["headroom"]
         print(f"  update headroom until forward: {format_bytes(h['bytes'])} (limited by {h['limiting_phase']})")
     else:

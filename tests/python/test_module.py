@@ -319,3 +319,13 @@ def test_cli_reader_leaving_early_is_not_a_traceback():
     rc = p.wait(timeout=120)
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
     assert rc == 141
+
+
+def test_phase_report_has_no_low_water_before_anything_was_observed():
+    # A fresh process: the runtime starts in "other" and nothing has been allocated yet.
+    script = "import json, memtide; print(json.dumps(memtide.phase_report()['running']['phases']['other']))"
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("MEMTIDE_")})
+    other = json.loads(p.stdout)
+    assert other["seen"] is True
+    assert other["min_free"] is None  # not 2**64 - 1
