@@ -9,6 +9,11 @@
 /// Subgroups the plan updates on the GPU may keep their fp32 gradient on the GPU instead, as far
 /// as the headroom passed to begin() allows; the UpdateScheduler then reads it there.
 /// The non-finite check runs on the GPU as gradients pass, so the update phase need not rescan.
+///
+/// One push per element per optimizer step: a push writes its elements, it does not add to them.
+/// With gradient accumulation the micro-batches accumulate in the producer's buffer (torch's
+/// .grad, in low precision on the GPU) and the sink is fed after the last one; accumulating in
+/// fp32 on the host instead would add a CPU pass per micro-batch (what DeepSpeed does).
 
 #include <cstddef>
 #include <cstdint>
