@@ -194,14 +194,11 @@ def main():
         lines.append(f"| {name} | - | - | - | - | not run: {why} |")
 
     lines += ["", "## Paired ratios (per round, then the median; min-max in brackets)", ""]
-    ratios = {}
     q = paired(roof, main_c)
-    ratios["roof"] = q
     lines.append(f"- {main_c.name} vs the step's roof: **{q[0]:.0%}** of its bandwidth [{q[1]:.0%}-{q[2]:.0%}]"
                  " (target >= 90%)")
     if ds_c is not None:
         q = paired(ds_c, main_c)
-        ratios["deepspeed"] = q
         lines.append(f"- {main_c.name} vs {ds_c.name}: **{q[0]:.2f}x** [{q[1]:.2f}-{q[2]:.2f}] (target >= 1.25x)")
     for c in contenders:
         if c.name.startswith("torch AdamW fused"):

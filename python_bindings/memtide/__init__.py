@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os as _os
 import sys as _sys
+from typing import Any, Iterator, List, Optional
 
 # memtide's CPU optimizer step runs on its own thread pool, on the cores torch's OpenMP threads
 # use. libgomp's default wait policy spins after every parallel region, so a torch CPU op just
@@ -30,7 +31,6 @@ except ImportError:  # memtide imported from a source tree, not installed
 # for variables set before Python started).
 if _alloc_conf is not None and "torch" not in _sys.modules:
     _alloc_conf.strip_environ()
-from typing import Any, Iterator, List, Optional
 
 from . import _memtide, host
 from ._memtide import (
@@ -179,7 +179,7 @@ def apply_alloc_conf() -> None:
         options()  # parses every MEMTIDE_* value
     except ConfigError as e:
         for option, item in where.items():
-            if f"MEMTIDE_{option.upper()}=" in str(e):
+            if f"{_alloc_conf.env_name(option)}=" in str(e):
                 raise ConfigError(f"{item}: {e}") from None
         raise
     if _os.environ.get(_alloc_conf.SELECTED) == "1" and _installed_allocator is None:

@@ -32,12 +32,17 @@ PREFIX = "memtide_"
 SELECTED = "MEMTIDE_TORCH_ALLOCATOR"
 #: "option=item;..." for the options that came from a variable, so errors can name the item.
 ORIGIN = "MEMTIDE_ALLOC_CONF_ITEMS"
-#: A problem strip_environ found; raised by torch_autoload and by `import memtide`.
+#: A problem strip_environ found; raised when torch (or memtide, torch being loaded) applies the items.
 ERROR = "MEMTIDE_ALLOC_CONF_ERROR"
 
 
 class AllocConfError(ValueError):
     """A memtide item in PYTORCH_CUDA_ALLOC_CONF that cannot be used."""
+
+
+def env_name(option: str) -> str:
+    """The variable memtide's options table reads `option` from: max_bytes -> MEMTIDE_MAX_BYTES."""
+    return "MEMTIDE_" + option.upper()
 
 
 def is_memtide_item(item: str) -> bool:
@@ -93,11 +98,11 @@ def strip_environ(environ: MutableMapping[str, str] = os.environ) -> None:
         try:
             kept, selected, opts = split(var, text)
             for option, (value, item) in opts.items():
-                env = "MEMTIDE_" + option.upper()
+                env = env_name(option)
                 if environ.get(env, value) != value:
                     raise AllocConfError(f"{var} item {item!r} disagrees with {env}={environ[env]!r}; set one of them")
             for option, (value, item) in opts.items():
-                environ["MEMTIDE_" + option.upper()] = value
+                environ[env_name(option)] = value
                 origin.append(f"{option}={var} item {item}")
             if selected:
                 environ[SELECTED] = "1"
@@ -133,7 +138,6 @@ def torch_autoload() -> None:
     """torch.backends entry point: validate memtide's items and install memtide if asked."""
     if not (os.environ.get(ERROR) or os.environ.get(SELECTED) or os.environ.get(ORIGIN)):
         return  # the common case: memtide is installed but not named; do not load it
-    check()
     import memtide
 
     memtide.apply_alloc_conf()

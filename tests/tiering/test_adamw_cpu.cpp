@@ -26,15 +26,6 @@ std::vector<CpuIsa> available_isas() {
   return out;
 }
 
-const char* dtype_name(DType d) {
-  switch (d) {
-    case DType::fp32: return "fp32";
-    case DType::fp16: return "fp16";
-    case DType::bf16: return "bf16";
-    default: return "none";
-  }
-}
-
 // One optimizer subgroup with `pad` leading elements, so data can start misaligned.
 struct State {
   std::vector<float> p, m, v, g32;

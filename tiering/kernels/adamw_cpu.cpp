@@ -147,6 +147,15 @@ const char* cpu_isa_name(CpuIsa isa) noexcept {
   }
 }
 
+const char* dtype_name(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::fp32: return "fp32";
+    case DType::fp16: return "fp16";
+    case DType::bf16: return "bf16";
+    default: return "none";
+  }
+}
+
 CpuIsa resolve_cpu_isa(CpuIsa isa) {
   if (isa == CpuIsa::automatic) {
     const std::string& wanted = options().cpu_isa;

@@ -15,15 +15,6 @@
 namespace memtide::tiering {
 namespace {
 
-const char* dtype_name(DType d) {
-  switch (d) {
-    case DType::fp32: return "fp32";
-    case DType::fp16: return "fp16";
-    case DType::bf16: return "bf16";
-    default: return "none";
-  }
-}
-
 #if !MEMTIDE_HAVE_CUDA_KERNELS
 [[noreturn]] void no_kernels(const Device& device, const char* op) {
   throw Error(std::string(op) + ": CUDA optimizer kernels are not in this build (device \"" +

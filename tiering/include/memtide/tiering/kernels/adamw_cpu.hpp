@@ -80,6 +80,8 @@ CpuIsa resolve_cpu_isa(CpuIsa isa = CpuIsa::automatic);
 bool cpu_isa_supported(CpuIsa isa) noexcept;
 /// "scalar", "avx2", "avx512" or "auto".
 const char* cpu_isa_name(CpuIsa isa) noexcept;
+/// "fp32", "fp16", "bf16" or "none".
+const char* dtype_name(DType dtype) noexcept;
 /// The name of the path adamw_step uses by default here.
 const char* adamw_isa();
 
