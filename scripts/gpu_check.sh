@@ -16,8 +16,7 @@
 # Without a GPU every GPU step is skipped with the reason, and it exits 0. With a GPU it exits 1
 # when any step failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-root=$PWD
+here=$(cd "$(dirname "$0")/.." && pwd)
 
 mode=quick
 outdir=""
@@ -33,7 +32,8 @@ for a in "$@"; do
 done
 outdir=${outdir:-${OUT:-gpu-check-$(date +%Y%m%d-%H%M%S)}}
 mkdir -p "$outdir" || { echo "gpu_check.sh: cannot create $outdir" >&2; exit 2; }
-outdir=$(cd "$outdir" && pwd)
+outdir=$(cd "$outdir" && pwd)  # relative to where it was called from
+cd "$here"
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 

@@ -94,3 +94,9 @@ def test_an_unwritable_output_folder_is_an_error(tmp_path):
     p = run_check(tmp_path, str(blocker / "sub"))
     assert p.returncode == 2
     assert "cannot create" in p.stderr
+
+
+def test_a_relative_output_folder_is_taken_from_the_callers_directory(tmp_path):
+    p = run_check(tmp_path, "relative")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "relative" / "summary.md").is_file()
