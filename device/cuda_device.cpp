@@ -124,11 +124,22 @@ void CudaDevice::do_memset_async(void* ptr, int value, std::size_t bytes, Stream
   check(cudaMemsetAsync(ptr, value, bytes, raw(stream)), "cudaMemsetAsync");
 }
 
+void CudaDevice::do_enqueue_kernel(Stream stream, const DeviceKernel& kernel) {
+  activate();  // a launch goes to the current device; the null stream means its default stream
+  kernel.launch(stream);  // checks its own launch
+}
+
+bool CudaDevice::do_can_run(const DeviceKernel& kernel) const { return static_cast<bool>(kernel.launch); }
+
 void CudaDevice::do_host_register(void* ptr, std::size_t bytes) {
+  activate();  // registration maps the range into the current device's context first
   check(cudaHostRegister(ptr, bytes, cudaHostRegisterDefault), "cudaHostRegister");
 }
 
-void CudaDevice::do_host_unregister(void* ptr) { check(cudaHostUnregister(ptr), "cudaHostUnregister"); }
+void CudaDevice::do_host_unregister(void* ptr) {
+  activate();
+  check(cudaHostUnregister(ptr), "cudaHostUnregister");
+}
 
 MemInfo CudaDevice::do_mem_info() {
   activate();

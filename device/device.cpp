@@ -1,5 +1,8 @@
 #include "memtide/device/device.hpp"
 
+#include <chrono>
+#include <string>
+
 #include "memtide/core/error.hpp"
 
 namespace memtide {
@@ -69,6 +72,41 @@ void Device::host_unregister(void* ptr) {
 }
 
 MemInfo Device::mem_info() { return do_mem_info(); }
+
+void Device::enqueue_kernel(Stream stream, const DeviceKernel& kernel) {
+  if (!(kernel.hbm_bytes >= 0) || !(kernel.params >= 0)) {
+    throw InvalidArgument("Device::enqueue_kernel: hbm_bytes and params must be >= 0, got " +
+                          std::to_string(kernel.hbm_bytes) + " and " + std::to_string(kernel.params));
+  }
+  if (!do_can_run(kernel)) {
+    throw Error("Device::enqueue_kernel: device \"" + props_.name + "\" cannot run this kernel: " +
+                (props_.backend == "cuda" ? "this build has no CUDA kernel for it" : "it has no host form"));
+  }
+  do_enqueue_kernel(stream, kernel);
+}
+
+bool Device::can_run(const DeviceKernel& kernel) const { return do_can_run(kernel); }
+
+double Device::host_now_ns() { return do_host_now_ns(); }
+
+double Device::run_host_work(const HostWork& work, const std::function<void()>& body) {
+  if (!(work.dram_bytes >= 0) || !(work.params >= 0)) {
+    throw InvalidArgument("Device::run_host_work: dram_bytes and params must be >= 0, got " +
+                          std::to_string(work.dram_bytes) + " and " + std::to_string(work.params));
+  }
+  return do_run_host_work(work, body);
+}
+
+double Device::do_host_now_ns() {
+  return static_cast<double>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+double Device::do_run_host_work(const HostWork& /*work*/, const std::function<void()>& body) {
+  const double t0 = do_host_now_ns();
+  if (body) body();
+  return do_host_now_ns() - t0;
+}
 
 Backend parse_backend(const std::string& name) {
   if (name == "auto") return Backend::automatic;

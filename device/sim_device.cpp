@@ -72,6 +72,7 @@ SimDevice::SimDevice(SimConfig config) : config_(config), dram_(config.host_dram
   props_.index = config.index;
   props_.total_memory = config.capacity;
   props_.copy_engines = 2;
+  props_.stores_data = !config.phantom;
   next_phantom_ = kPhantomBase;
 }
 
@@ -123,6 +124,30 @@ double SimDevice::enqueue_compute(Stream stream, double hbm_bytes, const std::fu
   // Outside the lock: the simulated kernel may be long, and it touches only memory it was given.
   if (!config_.phantom && body) body();
   return end;
+}
+
+void SimDevice::do_enqueue_kernel(Stream stream, const DeviceKernel& kernel) {
+  const double rate = config_.gpu_update_params_per_s;
+  const double min_ns = kernel.params > 0 && rate > 0 ? kernel.params / rate * 1e9 : 0.0;
+  enqueue_compute(stream, kernel.hbm_bytes, kernel.host, min_ns);
+}
+
+bool SimDevice::do_can_run(const DeviceKernel& kernel) const { return static_cast<bool>(kernel.host); }
+
+double SimDevice::do_host_now_ns() { return now_ns(); }
+
+double SimDevice::do_run_host_work(const HostWork& work, const std::function<void()>& body) {
+  if (!config_.phantom && body) body();
+  if (work.params > 0) {
+    // A CPU optimizer step: at most cpu_update_params_per_s, and no faster than DRAM allows.
+    const double per_param = work.dram_bytes / work.params;
+    if (per_param > 0) return host_work(work.dram_bytes, config_.cpu_update_params_per_s * per_param);
+    const double ns = work.params / config_.cpu_update_params_per_s * 1e9;
+    advance_host(ns);
+    return ns;
+  }
+  if (work.dram_bytes > 0) return host_work(work.dram_bytes, config_.host_dram_bytes_per_s);
+  return 0;
 }
 
 double SimDevice::stream_ready_ns(Stream stream) {

@@ -125,3 +125,47 @@ TEST(DeviceFactory, SimHasExactlyOneDevice) {
   EXPECT_EQ(device_count(Backend::sim), 1);
   EXPECT_THROW(open_device(Backend::sim, 1), InvalidArgument);
 }
+
+// A kernel runs in the form the device can run, ordered on its stream; the one it cannot run is
+// refused with the device named, not silently dropped.
+TYPED_TEST(DeviceContract, KernelsRunInTheFormTheDeviceHas) {
+  Device& d = this->device();
+  const Stream s = d.create_stream();
+  int ran = 0;
+  DeviceKernel k;
+  k.hbm_bytes = 1 << 20;
+  k.host = [&] { ran = 1; };
+  k.launch = [&](Stream) { ran = 2; };  // stands in for a launch: it runs on the host at enqueue
+  ASSERT_TRUE(d.can_run(k));
+  d.enqueue_kernel(s, k);
+  d.stream_synchronize(s);
+  EXPECT_EQ(ran, this->sim() != nullptr ? 1 : 2);
+
+  DeviceKernel none;  // neither form
+  EXPECT_FALSE(d.can_run(none));
+  try {
+    d.enqueue_kernel(s, none);
+    FAIL() << "a kernel the device cannot run was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(d.properties().name), std::string::npos) << e.what();
+  }
+  k.hbm_bytes = -1;
+  EXPECT_THROW(d.enqueue_kernel(s, k), InvalidArgument);
+  d.destroy_stream(s);
+}
+
+// Host work runs its body (the device stores data) and takes time on the device's host clock.
+TYPED_TEST(DeviceContract, HostWorkRunsOnTheHostClock) {
+  Device& d = this->device();
+  bool ran = false;
+  const double t0 = d.host_now_ns();
+  const double ns = d.run_host_work(HostWork{64e6, 2e6}, [&] { ran = true; });
+  EXPECT_TRUE(ran);
+  EXPECT_GE(ns, 0);
+  EXPECT_GE(d.host_now_ns() - t0, ns * 0.999);
+  if (this->sim() != nullptr) {
+    // 2M params at the simulated CPU step rate: the virtual clock moved by exactly that much or more.
+    EXPECT_GE(ns, 2e6 / this->sim()->config().cpu_update_params_per_s * 1e9 * 0.999);
+  }
+  EXPECT_THROW(d.run_host_work(HostWork{-1, 0}, [] {}), InvalidArgument);
+}

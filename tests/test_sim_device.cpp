@@ -155,3 +155,24 @@ TEST(SimDevice, FinishedTransfersLeaveNoDramReserved) {
   d.destroy_stream(up);
   d.destroy_stream(down);
 }
+
+TEST(SimDevicePhantom, StoresNoDataAndRunsNoBodies) {
+  SimConfig config;
+  config.phantom = true;
+  SimDevice d(config);
+  EXPECT_FALSE(d.properties().stores_data);
+  bool ran = false;
+  const double ns = d.run_host_work(HostWork{1e6, 0}, [&] { ran = true; });
+  EXPECT_FALSE(ran);
+  EXPECT_GT(ns, 0);  // the time is still charged
+  DeviceKernel k;
+  k.host = [&] { ran = true; };
+  k.params = 1e6;
+  const Stream s = d.create_stream();
+  d.enqueue_kernel(s, k);
+  d.stream_synchronize(s);
+  EXPECT_FALSE(ran);
+  EXPECT_GE(d.stream_ready_ns(s), 1e6 / config.gpu_update_params_per_s * 1e9 * 0.999);
+  d.destroy_stream(s);
+  EXPECT_TRUE(SimDevice(SimConfig{}).properties().stores_data);
+}

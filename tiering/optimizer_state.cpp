@@ -9,7 +9,6 @@
 
 #include "memtide/core/error.hpp"
 #include "memtide/core/options.hpp"
-#include "memtide/device/sim_device.hpp"
 
 namespace memtide::tiering {
 namespace {
@@ -54,10 +53,7 @@ Subgroup carve(std::uintptr_t base, std::size_t offset, std::size_t n) {
 
 }  // namespace
 
-bool is_phantom(Device& device) noexcept {
-  auto* sim = dynamic_cast<SimDevice*>(&device);
-  return sim != nullptr && sim->config().phantom;
-}
+bool is_phantom(Device& device) noexcept { return !device.properties().stores_data; }
 
 void* reserve_phantom_host(std::size_t bytes) {
   const std::uintptr_t at = g_next_phantom.fetch_add(round_up(std::max<std::size_t>(bytes, 1), 4096));
@@ -109,11 +105,12 @@ std::unique_ptr<OptimizerState> OptimizerState::external(Device& device, const s
   return s;
 }
 
-std::unique_ptr<OptimizerState> OptimizerState::phantom(SimDevice& device, std::size_t total_params,
+std::unique_ptr<OptimizerState> OptimizerState::phantom(Device& device, std::size_t total_params,
                                                         std::size_t subgroup_size) {
   check_total(total_params, "OptimizerState::phantom");
-  if (!device.config().phantom) {
-    throw InvalidArgument("OptimizerState::phantom: the SimDevice is in data mode; phantom state needs sim_phantom=true");
+  if (!is_phantom(device)) {
+    throw InvalidArgument("OptimizerState::phantom: device \"" + device.properties().name +
+                          "\" stores data; phantom state needs a phantom SimDevice (sim_phantom=true)");
   }
   const std::size_t per = resolve_subgroup_size(subgroup_size);
   std::unique_ptr<OptimizerState> s(new OptimizerState(device, StateMemory::phantom));

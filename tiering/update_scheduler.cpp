@@ -1,12 +1,10 @@
 #include "memtide/tiering/update_scheduler.hpp"
 
 #include <algorithm>
-#include <chrono>
 #include <string>
 #include <utility>
 
 #include "memtide/core/error.hpp"
-#include "memtide/device/sim_device.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
 
 namespace memtide::tiering {
@@ -100,11 +98,7 @@ UpdateScheduler::~UpdateScheduler() {
   }
 }
 
-double UpdateScheduler::host_now_ns() {
-  if (auto* sim = dynamic_cast<SimDevice*>(&device_)) return sim->now_ns();
-  return static_cast<double>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
-}
+double UpdateScheduler::host_now_ns() { return device_.host_now_ns(); }
 
 Event UpdateScheduler::take_event() {
   // begin_phase sized the pool for the whole phase: running out is a bug, not a reason to allocate.
@@ -249,7 +243,6 @@ StepReport UpdateScheduler::run(const Plan& plan, const StepParams& params) {
 // A NaN or Inf anywhere skips the whole step, on every device alike (dynamic loss scaling).
 bool UpdateScheduler::check_gradients(const StepParams& params) {
   if (params.grads_finite) return *params.grads_finite;
-  auto* sim = dynamic_cast<SimDevice*>(&device_);
   bool finite = true;
   bool on_device = false;
   for (std::size_t i = 0; i < state_.size() && finite; ++i) {
@@ -264,8 +257,9 @@ bool UpdateScheduler::check_gradients(const StepParams& params) {
       count_nonfinite_async(device_, compute_, g.device_grad, DType::fp32, g.n, params.grad_scale, params.clip,
                             device_counter_);
     } else {
-      if (!phantom_) finite = grads_finite(g.grad, DType::fp32, g.n, params.grad_scale, params.clip, pool_, config_.isa);
-      if (sim != nullptr) sim->host_work(static_cast<double>(g.n) * 4, sim->config().host_dram_bytes_per_s);
+      device_.run_host_work(HostWork{static_cast<double>(g.n) * 4, 0}, [&] {
+        finite = grads_finite(g.grad, DType::fp32, g.n, params.grad_scale, params.clip, pool_, config_.isa);
+      });
     }
   }
   if (on_device) {
@@ -406,13 +400,9 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
   a.grad = g.grad;
   if (a.param_out != nullptr) a.param_out = staging_[b].data();
 
-  const double t0 = host_now_ns();
-  if (!phantom_) adamw_step(a, pool_, config_.isa);
-  if (auto* sim = dynamic_cast<SimDevice*>(&device_)) {
-    const double per_param = adamw_bytes_per_param(DType::fp32, a.param_out_dtype);
-    sim->host_work(static_cast<double>(g.n) * per_param, sim->config().cpu_update_params_per_s * per_param);
-  }
-  cpu_busy_ns_ += host_now_ns() - t0;
+  const double n = static_cast<double>(g.n);
+  cpu_busy_ns_ += device_.run_host_work(HostWork{n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype), n},
+                                        [&] { adamw_step(a, pool_, config_.isa); });
   cpu_params_ += static_cast<double>(g.n);
   ++cpu_ops_;
   params_[static_cast<int>(Placement::cpu)] += g.n;

@@ -1,4 +1,5 @@
-// Device-side ops: one dispatch point between the CUDA kernels and SimDevice's simulated ones.
+// Device-side ops: each is one DeviceKernel, its CUDA launch and its host form; the Device runs the
+// form it can (a GPU the launch, a simulated device the host form on its clock).
 
 #include "memtide/tiering/kernels/device_ops.hpp"
 
@@ -6,7 +7,6 @@
 #include <string>
 
 #include "memtide/core/error.hpp"
-#include "memtide/device/sim_device.hpp"
 
 #if MEMTIDE_HAVE_CUDA_KERNELS
 #include "memtide/tiering/kernels/cuda_kernels.hpp"
@@ -14,13 +14,6 @@
 
 namespace memtide::tiering {
 namespace {
-
-#if !MEMTIDE_HAVE_CUDA_KERNELS
-[[noreturn]] void no_kernels(const Device& device, const char* op) {
-  throw Error(std::string(op) + ": CUDA optimizer kernels are not in this build (device \"" +
-              device.properties().name + "\"); rebuild with the kernels or use the CPU path");
-}
-#endif
 
 float to_float(const void* src, DType dtype, std::size_t i) {
   switch (dtype) {
@@ -63,19 +56,14 @@ void adamw_step_async(Device& device, Stream stream, const AdamwArgs& args) {
     throw InvalidArgument("adamw_step_async: param, exp_avg, exp_avg_sq and grad must be non-null for n = " +
                           std::to_string(args.n));
   }
-  if (auto* sim = dynamic_cast<SimDevice*>(&device)) {
-    const double n = static_cast<double>(args.n);
-    const double rate = sim->config().gpu_update_params_per_s;
-    AdamwArgs copy = args;
-    sim->enqueue_compute(stream, n * adamw_bytes_per_param(args.grad_dtype, args.param_out_dtype),
-                         [copy] { adamw_step(copy, nullptr); }, rate > 0 ? n / rate * 1e9 : 0.0);
-    return;
-  }
+  DeviceKernel k;
+  k.hbm_bytes = static_cast<double>(args.n) * adamw_bytes_per_param(args.grad_dtype, args.param_out_dtype);
+  k.params = static_cast<double>(args.n);
+  k.host = [args] { adamw_step(args, nullptr); };
 #if MEMTIDE_HAVE_CUDA_KERNELS
-  cuda::adamw_step(stream.handle, args);
-#else
-  no_kernels(device, "adamw_step_async");
+  k.launch = [args](Stream s) { cuda::adamw_step(s.handle, args); };
 #endif
+  device.enqueue_kernel(stream, k);
 }
 
 void convert_async(Device& device, Stream stream, void* dst, DType dst_dtype, const void* src, DType src_dtype,
@@ -88,44 +76,40 @@ void convert_async(Device& device, Stream stream, void* dst, DType dst_dtype, co
   }
   if (n == 0) return;
   if (dst == nullptr || src == nullptr) throw InvalidArgument("convert_async: null pointer for n = " + std::to_string(n));
-  if (auto* sim = dynamic_cast<SimDevice*>(&device)) {
-    const double bytes = static_cast<double>(n * (dtype_size(dst_dtype) + dtype_size(src_dtype)));
-    sim->enqueue_compute(stream, bytes, [=] {
-      for (std::size_t i = 0; i < n; ++i) from_float(dst, dst_dtype, i, to_float(src, src_dtype, i) * scale);
-    });
-    return;
-  }
+  DeviceKernel k;
+  k.hbm_bytes = static_cast<double>(n * (dtype_size(dst_dtype) + dtype_size(src_dtype)));
+  k.host = [=] {
+    for (std::size_t i = 0; i < n; ++i) from_float(dst, dst_dtype, i, to_float(src, src_dtype, i) * scale);
+  };
 #if MEMTIDE_HAVE_CUDA_KERNELS
-  cuda::convert(stream.handle, dst, dst_dtype, src, src_dtype, n, scale);
-#else
-  no_kernels(device, "convert_async");
+  k.launch = [=](Stream s) { cuda::convert(s.handle, dst, dst_dtype, src, src_dtype, n, scale); };
 #endif
+  device.enqueue_kernel(stream, k);
 }
 
 void count_nonfinite_async(Device& device, Stream stream, const void* src, DType dtype, std::size_t n, double scale,
                            double clip, unsigned int* count) {
   if (count == nullptr) throw InvalidArgument("count_nonfinite_async: count must be a device pointer, got null");
   if (n == 0) return;
-  if (auto* sim = dynamic_cast<SimDevice*>(&device)) {
-    sim->enqueue_compute(stream, static_cast<double>(n * dtype_size(dtype)), [=] {
-      if (!grads_finite(src, dtype, n, scale, clip)) *count = 1;
-    });
-    return;
-  }
+  DeviceKernel k;
+  k.hbm_bytes = static_cast<double>(n * dtype_size(dtype));
+  k.host = [=] {
+    if (!grads_finite(src, dtype, n, scale, clip)) *count = 1;
+  };
 #if MEMTIDE_HAVE_CUDA_KERNELS
-  cuda::grads_nonfinite(stream.handle, src, dtype, n, scale, clip, count);
-#else
-  no_kernels(device, "count_nonfinite_async");
+  k.launch = [=](Stream s) { cuda::grads_nonfinite(s.handle, src, dtype, n, scale, clip, count); };
 #endif
+  device.enqueue_kernel(stream, k);
 }
 
 bool device_ops_available(Device& device) noexcept {
-  if (dynamic_cast<SimDevice*>(&device) != nullptr) return true;
+  // The kernels of this build come in both forms or only the host one: ask with a probe.
+  DeviceKernel probe;
+  probe.host = [] {};
 #if MEMTIDE_HAVE_CUDA_KERNELS
-  return true;
-#else
-  return false;
+  probe.launch = [](Stream) {};
 #endif
+  return device.can_run(probe);
 }
 
 }  // namespace memtide::tiering

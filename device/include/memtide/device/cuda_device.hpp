@@ -32,6 +32,8 @@ class CudaDevice final : public Device {
   void do_host_register(void* ptr, std::size_t bytes) override;
   void do_host_unregister(void* ptr) override;
   MemInfo do_mem_info() override;
+  void do_enqueue_kernel(Stream stream, const DeviceKernel& kernel) override;
+  [[nodiscard]] bool do_can_run(const DeviceKernel& kernel) const override;
 
   /// Makes this device current on the calling thread (CUDA's current device is per thread).
   void activate() const;

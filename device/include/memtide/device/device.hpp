@@ -40,6 +40,28 @@ struct DeviceProperties {
   std::size_t total_memory = 0;
   int copy_engines = 2;        ///< asynchronous copy engines (2 = full-duplex H2D and D2H)
   std::string pci_bus_id;      ///< "0000:1b:00.0"; empty when unknown
+  /// False for a device whose memory holds no bytes (a phantom SimDevice: timing only). Nothing
+  /// in its memory, nor in host memory registered as phantom, may be dereferenced.
+  bool stores_data = true;
+};
+
+/// One kernel in the two forms the device layer can run: the CUDA launch, and the same
+/// computation on the host over memory the host can reach (a simulated device's memory). The
+/// device picks the form it runs and charges its cost to the stream.
+struct DeviceKernel {
+  /// Enqueues the CUDA kernel on the stream; the device is current when it is called. Null where
+  /// the build has no CUDA kernels.
+  std::function<void(Stream)> launch;
+  /// The same result computed on the calling thread (a simulated device runs it, in data mode).
+  std::function<void()> host;
+  double hbm_bytes = 0;  ///< bytes the kernel moves through device memory
+  double params = 0;     ///< optimizer parameters it steps (0: not an optimizer step)
+};
+
+/// Work the host does for the device's pipeline, whose time the device's host clock counts.
+struct HostWork {
+  double dram_bytes = 0;  ///< host DRAM traffic (shared with DMA on a simulated device)
+  double params = 0;      ///< optimizer parameters stepped on the CPU (0: a bandwidth-bound scan)
 };
 
 /// Free and total device memory, as cudaMemGetInfo reports them.
@@ -90,6 +112,21 @@ class Device {
   void host_register(void* ptr, std::size_t bytes);
   void host_unregister(void* ptr);
 
+  /// Enqueues `kernel` on `stream`, this device current. Throws Error when this device cannot run
+  /// it (see can_run), InvalidArgument for negative costs.
+  void enqueue_kernel(Stream stream, const DeviceKernel& kernel);
+  /// True when enqueue_kernel can run `kernel` here: a GPU needs its launch, a simulated device
+  /// its host form.
+  [[nodiscard]] bool can_run(const DeviceKernel& kernel) const;
+
+  /// The host's clock in ns, the one the device's events are compared with: wall time on a real
+  /// device, the virtual host clock on a simulated one.
+  double host_now_ns();
+  /// Runs `body` on the calling thread as host work for this device's pipeline and returns its
+  /// duration on host_now_ns()'s clock. A simulated device charges `work` to its virtual clock
+  /// (and runs `body` only when it stores data); a real one runs and times `body`.
+  double run_host_work(const HostWork& work, const std::function<void()>& body);
+
   [[nodiscard]] const DeviceProperties& properties() const noexcept { return props_; }
   [[nodiscard]] MemInfo mem_info();
 
@@ -115,6 +152,12 @@ class Device {
   virtual void do_host_register(void* ptr, std::size_t bytes) = 0;
   virtual void do_host_unregister(void* ptr) = 0;
   virtual MemInfo do_mem_info() = 0;
+  virtual void do_enqueue_kernel(Stream stream, const DeviceKernel& kernel) = 0;
+  [[nodiscard]] virtual bool do_can_run(const DeviceKernel& kernel) const = 0;
+  /// Wall clock (steady_clock) unless overridden.
+  virtual double do_host_now_ns();
+  /// Runs and times `body` on the wall clock unless overridden.
+  virtual double do_run_host_work(const HostWork& work, const std::function<void()>& body);
 };
 
 /// Which backend `open_device` picks.

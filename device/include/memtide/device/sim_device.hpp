@@ -128,6 +128,14 @@ class SimDevice final : public Device {
   void do_host_register(void* ptr, std::size_t bytes) override;
   void do_host_unregister(void* ptr) override;
   MemInfo do_mem_info() override;
+  /// Runs the kernel's host form at its simulated time: HBM-bound, or bound by the simulated
+  /// GPU's optimizer rate for a step.
+  void do_enqueue_kernel(Stream stream, const DeviceKernel& kernel) override;
+  [[nodiscard]] bool do_can_run(const DeviceKernel& kernel) const override;
+  double do_host_now_ns() override;
+  /// Charges the work to the virtual host clock (DRAM shared with DMA; a CPU step is also bound
+  /// by cpu_update_params_per_s) and runs `body` in data mode.
+  double do_run_host_work(const HostWork& work, const std::function<void()>& body) override;
 
   SimStream& stream_locked(Stream stream);
   SimEvent& event_locked(Event event);

@@ -20,10 +20,6 @@
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
 #include "memtide/tiering/placement.hpp"
 
-namespace memtide {
-class SimDevice;
-}
-
 namespace memtide::tiering {
 
 /// One subgroup's host arrays and where its gradient and low-precision params are on the device.
@@ -59,8 +55,9 @@ class OptimizerState {
                                                std::size_t subgroup_size = 0);
   /// External memory: one subgroup per entry, in order. Pointers must stay valid.
   static std::unique_ptr<OptimizerState> external(Device& device, const std::vector<ExternalSubgroup>& subgroups);
-  /// Phantom memory on a phantom SimDevice (throws InvalidArgument for any other device).
-  static std::unique_ptr<OptimizerState> phantom(SimDevice& device, std::size_t total_params,
+  /// Phantom memory on a device that stores no data (a phantom SimDevice); throws
+  /// InvalidArgument for any other device.
+  static std::unique_ptr<OptimizerState> phantom(Device& device, std::size_t total_params,
                                                  std::size_t subgroup_size = 0);
 
   ~OptimizerState();
@@ -126,7 +123,7 @@ class PinnedBuffer {
   bool heap_ = false;
 };
 
-/// True when `device` is a SimDevice in phantom mode (nothing may be dereferenced).
+/// True when `device` stores no data (a phantom SimDevice: nothing may be dereferenced).
 bool is_phantom(Device& device) noexcept;
 /// A fresh range of `bytes` phantom host addresses (never dereferenceable; 64-byte aligned).
 void* reserve_phantom_host(std::size_t bytes);
