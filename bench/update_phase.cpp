@@ -168,20 +168,12 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-// Streamed slots and static residents that fit in `headroom` (0: the device's free memory less a
-// margin), as the engine sizes them: one slot holds p, m, v and g of the largest subgroup.
-std::uint64_t size_gpu_limits(Workload& w, Device& device, std::size_t largest, std::uint64_t headroom) {
-  constexpr std::size_t kAlign = 512;
+// Device memory the plans may use: `headroom`, or the device's free memory less a margin.
+std::uint64_t plan_room(Device& device, std::uint64_t headroom) {
   constexpr std::uint64_t kMargin = 1ULL << 30;
   const std::uint64_t free = device.mem_info().free;
-  std::uint64_t room = free > kMargin ? free - kMargin : 0;
-  if (headroom > 0) room = std::min(room, headroom);
-  const std::uint64_t slot = 4 * ((largest * sizeof(float) + kAlign - 1) / kAlign * kAlign);
-  const std::size_t n = w.subgroup_params.size();
-  w.gpu_slot_limit = static_cast<std::size_t>(std::min<std::uint64_t>(room / slot, n));
-  const std::uint64_t slots = std::min<std::uint64_t>(w.gpu_slot_limit, 3) * slot;
-  w.gpu_static_limit = room > slots ? static_cast<std::size_t>(std::min<std::uint64_t>((room - slots) / slot, n)) : 0;
-  return room;
+  const std::uint64_t room = free > kMargin ? free - kMargin : 0;
+  return headroom > 0 ? std::min(room, headroom) : room;
 }
 
 // The resource bound of the workload: over the placements the planner can express (any number
@@ -252,7 +244,8 @@ int main(int argc, char** argv) {
     for (std::size_t i = 0; i < state->size(); ++i) w.subgroup_params.push_back((*state)[i].n);
     w.low_precision_bytes = 2;
     w.grads_on_host = true;
-    const std::uint64_t room = size_gpu_limits(w, device, state->largest_subgroup(), args.headroom);
+    const std::uint64_t room = plan_room(device, args.headroom);
+    fit_gpu_budget(w, GpuBudget{room, room});
     const std::size_t n = state->size();
     std::fprintf(stderr, "  device memory fits %zu streamed slots, %zu static residents\n", w.gpu_slot_limit,
                  w.gpu_static_limit);
@@ -280,7 +273,7 @@ int main(int argc, char** argv) {
       const Measurements cpu_m = run(all_cpu).measurements();
       Plan all_gpu;
       all_gpu.placement = interleave(n, 1, 0);
-      all_gpu.gpu_slots = std::min<std::size_t>(w.gpu_slot_limit, 3);
+      all_gpu.gpu_slots = std::min(w.gpu_slot_limit, kUsefulSlots);
       Measurements gpu_m{};
       if (all_gpu.gpu_slots > 0) {
         run(all_gpu);
@@ -323,7 +316,9 @@ int main(int argc, char** argv) {
       for (Policy policy : args.policies) {
         PolicyRow row;
         row.policy = policy;
-        row.plan = perf.plan(w, rates, policy, args.static_fraction, args.k);
+        // auto searches unless told a stride; the fixed policies take the command's knobs.
+        row.plan = policy == Policy::automatic ? perf.plan(w, rates, policy)
+                                               : perf.plan(w, rates, policy, args.static_fraction, args.k);
         std::fprintf(stderr, "policy %-11s [%s] ...\n", policy_name(policy), placement_letters(row.plan.placement).c_str());
         run(row.plan);  // moves static residents in (a one-time cost, not part of the phase)
         std::vector<double> times;

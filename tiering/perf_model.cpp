@@ -17,8 +17,6 @@ namespace {
 constexpr double kStateBytesPerParam = 12;  // fp32 param, exp_avg, exp_avg_sq
 constexpr double kGradBytesPerParam = 4;    // fp32 gradient
 constexpr double kInf = std::numeric_limits<double>::infinity();
-// The walk never hands out more slots than this: a fourth buffer has nothing left to overlap.
-constexpr std::size_t kUsefulSlots = 3;
 
 std::string show(double v) {
   char buf[40];
@@ -444,37 +442,41 @@ Prediction PerfModel::predict(const Workload& work, const Rates& rates, const st
 }
 
 Plan PerfModel::plan(const Workload& work, const Rates& rates, Policy policy, double static_fraction,
-                     double k) const {
+                     std::optional<double> k) const {
   validate(work, rates);
   if (!(static_fraction >= 0 && static_fraction <= 1)) {
     throw InvalidArgument("PerfModel: static_fraction = " + show(static_fraction) +
                           " is not accepted: expected a number in [0, 1]");
   }
-  if (!(k >= 0) || !std::isfinite(k)) {
-    throw InvalidArgument("PerfModel: k = " + show(k) +
-                          " is not accepted: expected a finite stride >= 0 (0 = nothing streamed)");
+  if (k && !(*k >= 1 && std::isfinite(*k))) {
+    throw InvalidArgument("PerfModel: k = " + show(*k) +
+                          " is not accepted: expected a finite stride >= 1 (one in every k subgroups on the GPU)");
   }
   const std::size_t n = work.subgroup_params.size();
   const bool can_stream = work.gpu_slot_limit > 0;
   const std::size_t max_statics = std::min(work.gpu_static_limit, n);
+  const auto wanted_statics = std::min(
+      static_cast<std::size_t>(std::llround(static_fraction * static_cast<double>(n))), max_statics);
+  constexpr double kDefaultStride = 2;
 
   auto cpu = [&] { return make_plan(work, rates, Policy::cpu, 0, 0); };
-  auto static_split = [&] {
-    const auto wanted = static_cast<std::size_t>(std::llround(static_fraction * static_cast<double>(n)));
-    return make_plan(work, rates, Policy::static_split, 0, std::min(wanted, max_statics));
+  auto static_split = [&] { return make_plan(work, rates, Policy::static_split, 0, wanted_statics); };
+  auto interleaved = [&](Policy as) {
+    return make_plan(work, rates, as, can_stream ? k.value_or(kDefaultStride) : 0, wanted_statics);
   };
-  auto interleaved = [&] { return make_plan(work, rates, Policy::interleaved, can_stream ? k : 0, 0); };
 
   switch (policy) {
     case Policy::cpu: return cpu();
     case Policy::static_split: return static_split();
-    case Policy::interleaved: return interleaved();
-    case Policy::automatic: break;
+    case Policy::interleaved: return interleaved(Policy::interleaved);
+    case Policy::automatic:
+      if (k) return interleaved(Policy::automatic);
+      break;
   }
 
   // The other policies' plans go first: they are candidates too, and their totals let the
   // search skip the walk of every placement whose bound is already worse (most of them).
-  Plan baselines[] = {cpu(), static_split(), interleaved()};
+  Plan baselines[] = {cpu(), static_split(), interleaved(Policy::interleaved)};
   double incumbent = kInf;
   for (const Plan& p : baselines) incumbent = std::min(incumbent, p.prediction.total_ns);
   // Plans whose bound is this much above the best total are not walked: far enough above that
@@ -525,6 +527,29 @@ Plan PerfModel::plan(const Workload& work, const Rates& rates, Policy policy, do
     }
   }
   return best;
+}
+
+std::uint64_t gpu_slot_bytes(std::size_t largest, bool with_grad) {
+  constexpr std::uint64_t kAlign = 512;  // the scheduler's device array alignment
+  const std::uint64_t array = (static_cast<std::uint64_t>(largest) * sizeof(float) + kAlign - 1) / kAlign * kAlign;
+  return (with_grad ? 4 : 3) * array;
+}
+
+void fit_gpu_budget(Workload& work, const GpuBudget& budget) {
+  std::size_t largest = 0;
+  for (std::size_t n : work.subgroup_params) largest = std::max(largest, n);
+  const std::uint64_t n = work.subgroup_params.size();
+  if (largest == 0) {
+    work.gpu_slot_limit = work.gpu_static_limit = 0;
+    return;
+  }
+  const std::uint64_t slot = gpu_slot_bytes(largest, work.grads_on_host);
+  work.gpu_slot_limit = static_cast<std::size_t>(std::min(budget.update_bytes / slot, n));
+  const std::uint64_t slots = std::min<std::uint64_t>(work.gpu_slot_limit, kUsefulSlots) * slot;
+  const std::uint64_t left = budget.update_bytes > slots ? budget.update_bytes - slots : 0;
+  // A resident keeps a gradient array whatever the gradient path (the scheduler allocates it).
+  work.gpu_static_limit =
+      static_cast<std::size_t>(std::min(std::min(left, budget.resident_bytes) / gpu_slot_bytes(largest, true), n));
 }
 
 Rates sim_rates(const SimConfig& c) {

@@ -289,8 +289,8 @@ TEST(PerfModel, AutomaticNeverWorseThanOtherPolicies) {
       w.subgroup_params.back() = 37'000'000;  // a partial last subgroup
       w.gpu_static_limit = statics;
       for (double f : {0.0, 0.5}) {
-        for (double k : {0.0, 1.5, 2.0, 3.0, 7.0}) {
-          const Plan best = model.plan(w, r, Policy::automatic, f, k);
+        for (double k : {1.0, 1.5, 2.0, 3.0, 7.0}) {
+          const Plan best = model.plan(w, r, Policy::automatic, f);
           for (Policy other : {Policy::cpu, Policy::static_split, Policy::interleaved}) {
             const Plan p = model.plan(w, r, other, f, k);
             EXPECT_LE(best.prediction.total_ns, p.prediction.total_ns * (1 + 1e-9))
@@ -352,7 +352,7 @@ TEST(PerfModel, AutomaticSearchesLargeWorkloads) {
   const PerfModel model;
   Workload w = uniform(1500, 10'000'000);
   w.gpu_static_limit = 100;
-  const Plan best = model.plan(w, Rates{}, Policy::automatic, 0.05, 2);
+  const Plan best = model.plan(w, Rates{}, Policy::automatic, 0.05);
   for (Policy other : {Policy::cpu, Policy::static_split, Policy::interleaved}) {
     EXPECT_LE(best.prediction.total_ns, model.plan(w, Rates{}, other, 0.05, 2).prediction.total_ns * (1 + 1e-9));
   }
@@ -446,3 +446,45 @@ TEST(PerfModel, RejectsBadInputs) {
 }
 
 }  // namespace
+
+// One meaning of k: a stride for every policy that streams, auto with a fixed k included, and
+// the static residents a fraction asks for apply to interleaved as to static.
+TEST(PerfModel, OnePlacementFunctionForEveryPolicy) {
+  const PerfModel model;
+  Workload w = uniform(20);
+  w.gpu_static_limit = 5;
+  const Plan inter = model.plan(w, Rates{}, Policy::interleaved, 0.2, 2);
+  EXPECT_EQ(inter.placement, interleave(20, 2, 4));
+  EXPECT_EQ(inter.static_residents, 4U);
+  const Plan fixed = model.plan(w, Rates{}, Policy::automatic, 0.2, 2);
+  EXPECT_EQ(fixed.placement, inter.placement);
+  EXPECT_EQ(fixed.policy, Policy::automatic);
+  EXPECT_EQ(model.plan(w, Rates{}, Policy::interleaved, 0.5, 1).placement, interleave(20, 1, 5));  // capped
+  EXPECT_EQ(model.plan(w, Rates{}, Policy::interleaved).placement, interleave(20, 2, 0));  // default stride 2
+  expect_invalid([&] { (void)model.plan(w, Rates{}, Policy::interleaved, 0, 0.5); }, "k = 0.5");
+  expect_invalid([&] { (void)model.plan(w, Rates{}, Policy::static_split, 0.1, 0.0); }, "k = 0");
+  // Knobs a policy does not use change nothing.
+  EXPECT_EQ(model.plan(w, Rates{}, Policy::cpu, 0.5, 2).placement, interleave(20, 0, 0));
+  EXPECT_EQ(model.plan(w, Rates{}, Policy::static_split, 0.2, 2).placement, interleave(20, 0, 4));
+}
+
+TEST(PerfModel, FitGpuBudgetIsTheOneHomeOfSlotSizing) {
+  Workload w = uniform(10, 1'000'000);  // 4 MB arrays: 16 MB a slot with the gradient
+  const std::uint64_t slot = gpu_slot_bytes(1'000'000);
+  EXPECT_EQ(slot, 4 * ((4'000'000 + 511) / 512 * 512));
+  EXPECT_EQ(gpu_slot_bytes(1'000'000, false), 3 * slot / 4);
+  fit_gpu_budget(w, GpuBudget{8 * slot, 8 * slot});
+  EXPECT_EQ(w.gpu_slot_limit, 8U);
+  EXPECT_EQ(w.gpu_static_limit, 5U);  // 3 useful slots leave 5
+  fit_gpu_budget(w, GpuBudget{8 * slot, 2 * slot + slot / 2});
+  EXPECT_EQ(w.gpu_static_limit, 2U);  // residents stay through the iteration: its budget caps them
+  fit_gpu_budget(w, GpuBudget{100 * slot, 100 * slot});
+  EXPECT_EQ(w.gpu_slot_limit, 10U);
+  EXPECT_EQ(w.gpu_static_limit, 10U);  // never more than the subgroups
+  fit_gpu_budget(w, GpuBudget{slot - 1, 0});
+  EXPECT_EQ(w.gpu_slot_limit, 0U);
+  EXPECT_EQ(w.gpu_static_limit, 0U);
+  w.grads_on_host = false;  // gradients kept on the GPU: slots need no gradient array
+  fit_gpu_budget(w, GpuBudget{3 * (slot / 4) * 4, 0});
+  EXPECT_EQ(w.gpu_slot_limit, 4U);
+}

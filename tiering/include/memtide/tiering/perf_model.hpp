@@ -27,6 +27,8 @@
 /// Cost: O(n) time and memory per `predict`; deterministic (no clocks, no randomness).
 
 #include <cstddef>
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,6 +66,26 @@ struct Workload {
   std::size_t gpu_static_limit = 0;          ///< subgroups that may stay resident on the GPU
 };
 
+/// Streamed subgroups in flight at once: with three, one is being prefetched, one updated and one
+/// flushed, so both PCIe directions and the GPU are busy; more buys nothing but memory.
+inline constexpr std::size_t kUsefulSlots = 3;
+
+/// Device memory a plan may use.
+struct GpuBudget {
+  std::uint64_t update_bytes = 0;    ///< free during the update phase only: streamed slots
+  std::uint64_t resident_bytes = 0;  ///< free through the whole iteration: static residents
+};
+
+/// Bytes one GPU slot (or static resident) takes for subgroups of up to `largest` params: the
+/// p, m, v arrays and, when it comes from the host, the gradient, each 512-byte aligned.
+std::uint64_t gpu_slot_bytes(std::size_t largest, bool with_grad = true);
+
+/// The one place that turns device memory into what a plan may hold: sets
+/// `work.gpu_slot_limit` (slots that fit `budget.update_bytes`) and `work.gpu_static_limit`
+/// (residents, with their gradient, that fit `budget.resident_bytes` and what the useful slots
+/// leave of the update budget). Both at most the number of subgroups.
+void fit_gpu_budget(Workload& work, const GpuBudget& budget);
+
 /// Predicted busy time per resource and the resulting update time.
 struct Prediction {
   double total_ns = 0;  ///< predicted update-phase time
@@ -94,26 +116,28 @@ class PerfModel {
   /// `work.gpu_slot_limit` is 0.
   [[nodiscard]] Prediction predict(const Workload& work, const Rates& rates,
                                    const std::vector<Placement>& placement) const;
-  /// The plan `policy` gives. `static_fraction` is the GPU-resident share for static_split;
-  /// `k` is the stride for interleaved.
+  /// The one place where a policy becomes a placement: the plan `policy` gives for `work`.
+  /// `k` is the stride of Algorithm 1 everywhere: one in every k streamable subgroups goes to the
+  /// GPU (k = 1 all, k = 2 every other one; fractional k allowed, see interleave). The static
+  /// residents, round(static_fraction * n) capped by `work.gpu_static_limit`, come last.
   ///
-  /// - cpu: every subgroup on the CPU.
-  /// - static_split: round(static_fraction * n) static residents (last), capped by
-  ///   `work.gpu_static_limit`; the rest on the CPU.
-  /// - interleaved: `interleave(n, k, 0)`; with `work.gpu_slot_limit` 0 nothing can be streamed,
-  ///   so the plan degrades to all-CPU (k = 0).
-  /// - automatic: the lowest predicted total over every stride that gives a distinct GPU count
-  ///   (k = s / n_gpu for n_gpu = 0..s, s = subgroups not static) and every static count up to
-  ///   `work.gpu_static_limit`, plus the plans the other policies give for the same arguments,
-  ///   so it is never predicted worse than them. Ties go to fewer GPU subgroups. Per static
-  ///   count the search starts at the GPU count with the lowest bound and walks outwards only
-  ///   while a placement's bound is below the best total so far (few walks per plan); over 32
-  ///   static counts are searched coarse to fine.
-  /// `gpu_slots` is min(gpu_slot_limit, 3) when anything is streamed, else 0.
-  /// Throws InvalidArgument as `predict` does, and for static_fraction outside [0, 1] or a
-  /// negative or NaN k.
-  [[nodiscard]] Plan plan(const Workload& work, const Rates& rates, Policy policy,
-                          double static_fraction = 0.2, double k = 2) const;
+  /// - cpu: every subgroup on the CPU (`k` and `static_fraction` are not used).
+  /// - static_split: the static residents; the rest on the CPU (`k` is not used).
+  /// - interleaved: the static residents, and stride `k` (default 2) among the others; with
+  ///   `work.gpu_slot_limit` 0 nothing can be streamed, so none is.
+  /// - automatic with `k`: as interleaved (the caller fixed the stride).
+  /// - automatic without `k`: the lowest predicted total over every stride that gives a distinct
+  ///   GPU count (k = s / n_gpu for n_gpu = 0..s, s = subgroups not static) and every static count
+  ///   up to `work.gpu_static_limit`, plus the plans the other policies give for the same
+  ///   arguments, so it is never predicted worse than them. Ties go to fewer GPU subgroups. Per
+  ///   static count the search starts at the GPU count with the lowest bound and walks outwards
+  ///   only while a placement's bound is below the best total so far (few walks per plan); over
+  ///   32 static counts are searched coarse to fine.
+  /// `gpu_slots` is min(gpu_slot_limit, kUsefulSlots) when anything is streamed, else 0.
+  /// Throws InvalidArgument as `predict` does, and for static_fraction outside [0, 1] or a k
+  /// below 1 or not finite.
+  [[nodiscard]] Plan plan(const Workload& work, const Rates& rates, Policy policy, double static_fraction = 0,
+                          std::optional<double> k = std::nullopt) const;
 };
 
 }  // namespace memtide::tiering
