@@ -153,6 +153,14 @@ AdamwArgs UpdateScheduler::args_for(const StepParams& p, std::size_t i) const {
 
 bool UpdateScheduler::is_resident(std::size_t subgroup) const { return residents_.at(subgroup).block != nullptr; }
 
+std::uint64_t UpdateScheduler::held_bytes() const {
+  std::uint64_t total = allocator_.allocation_size(device_counter_).value_or(0);
+  for (std::size_t i = 0; i < residents_.size(); ++i) {
+    if (residents_[i].block != nullptr) total += 4 * round_up(state_[i].n * sizeof(float), kDeviceAlign);
+  }
+  return total;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Static residents: moved in when a plan first makes a subgroup gpu_static, out when one stops.
 
@@ -307,6 +315,7 @@ void UpdateScheduler::begin_phase(const Plan& plan) {
     slots_.push_back(carve(allocator_.allocate(slot_bytes, config_.main_stream), largest, grads_from_host));
   }
   slot_free_.assign(slots, Event{});
+  last_slot_bytes_ = slots * slot_bytes;
   std::fill(staging_free_.begin(), staging_free_.end(), Event{});
   setup_stats_ = allocator_.stats();
   setup_allocations_ = setup_stats_.allocation[0].allocated - before.allocation[0].allocated;

@@ -85,6 +85,8 @@ class CachingAllocator final : public DeviceMemoryResource {
   /// (default: the configured headroom margin) free.
   [[nodiscard]] Headroom headroom(Phase until, std::optional<std::uint64_t> margin = std::nullopt) const;
   [[nodiscard]] PhaseReport phase_report() const;
+  /// Bytes a headroom answer keeps free (AllocatorConfig::headroom_margin).
+  [[nodiscard]] std::uint64_t headroom_margin() const noexcept { return config_.headroom_margin; }
 
   /// Segments, blocks and (when recording) the trace, in memory_viz's model.
   [[nodiscard]] Snapshot snapshot() const;

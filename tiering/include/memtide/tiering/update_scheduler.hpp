@@ -112,6 +112,10 @@ class UpdateScheduler {
   /// The next run moves the residents in again from the host.
   void discard_residents();
   [[nodiscard]] bool is_resident(std::size_t subgroup) const;
+  /// Device bytes the scheduler holds between phases: its static residents and its counter.
+  [[nodiscard]] std::uint64_t held_bytes() const;
+  /// Device bytes the streamed slots of the last phase took (0 before the first).
+  [[nodiscard]] std::uint64_t last_slot_bytes() const noexcept { return last_slot_bytes_; }
 
  private:
   enum class OpKind : std::uint8_t { h2d, d2h, gpu };
@@ -180,6 +184,7 @@ class UpdateScheduler {
   double cpu_params_ = 0;
   std::uint64_t cpu_ops_ = 0;
   std::size_t params_[3] = {0, 0, 0};
+  std::uint64_t last_slot_bytes_ = 0;
 };
 
 }  // namespace memtide::tiering

@@ -1,0 +1,155 @@
+#pragma once
+/// @file
+/// UpdateEngine: the optimizer's tiering engine on one device. It owns the host state, plans
+/// each update phase with the PerfModel from the device memory the phase tracker says is free,
+/// runs the UpdateScheduler and feeds what it measured back into the Calibration.
+///
+/// The host state is four flat fp32 arrays (master params, exp_avg, exp_avg_sq, gradients) of
+/// exact size in the device's HostArena (NUMA-bound, registered slabs), cut into subgroups by
+/// the caller. A front end (TieredAdamW) reads and writes them directly; the engine only steps
+/// them. Every step leaves its results in these arrays: static residents stay on the device
+/// between steps but are copied back before step() returns, and when the arrays change outside
+/// step() (a checkpoint load), host_changed() drops the residents' device copies.
+///
+/// Device memory for a plan (GpuBudget): streamed slots may use what the update phase leaves
+/// until the next forward; static residents stay through forward and backward, so they must fit
+/// the lowest free memory of the whole iteration. Both leave out memory the engine itself holds
+/// (its residents, and its slots in the update phase), so its own loans do not shrink the next
+/// plan. Changing the resident set costs its copies; a plan that changes it must win by more
+/// than that cost over `resident_hold_steps` steps (hysteresis).
+///
+/// Not thread-safe: one caller at a time (the Python binding serializes).
+
+#include <cstddef>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "memtide/allocator/caching_allocator.hpp"
+#include "memtide/allocator/host_arena.hpp"
+#include "memtide/core/thread_pool.hpp"
+#include "memtide/tiering/calibration.hpp"
+#include "memtide/tiering/perf_model.hpp"
+#include "memtide/tiering/update_scheduler.hpp"
+
+namespace memtide::tiering {
+
+/// A range [start, end) of the flat arrays, inside subgroup `subgroup`, stepped with `params`.
+struct Segment {
+  std::size_t subgroup = 0;
+  std::size_t start = 0;
+  std::size_t end = 0;
+  StepParams params;
+};
+
+/// The device memory a plan was made with and what it took.
+struct EngineBudget {
+  GpuBudget budget;                 ///< what the plan could use (engine's own loans included)
+  std::string source;               ///< "phase tracker (N iterations)" or "device free memory"
+  std::uint64_t slot_bytes = 0;     ///< one streamed slot / static resident
+  std::uint64_t slots_taken = 0;    ///< bytes of the plan's streamed slots
+  std::uint64_t residents_taken = 0;  ///< bytes of the plan's static residents
+  /// Lowest free memory seen per phase over the remembered iterations (forward, backward,
+  /// update, other; engine loans added back), 0 where a phase was not seen.
+  std::uint64_t phase_min_free[kPhaseCount] = {};
+  bool phase_seen[kPhaseCount] = {};
+};
+
+struct EnginePlan {
+  Plan plan;
+  EngineBudget budget;
+  std::string reason;  ///< why the plan differs from what the policy asked for; empty if it does not
+};
+
+/// What one step did.
+struct EngineStep {
+  bool nonfinite = false;  ///< a gradient was NaN or Inf (after scale and clip)
+  bool skipped = false;    ///< nonfinite with skip_if_nonfinite: nothing was changed
+  std::size_t runs = 0;    ///< scheduler phases (one per distinct set of hyper-parameters)
+  StepReport total;        ///< summed over the runs
+  double predicted_ns = 0;
+};
+
+struct EngineConfig {
+  std::size_t low_precision_bytes = 2;  ///< the model's copy: 2 (fp16/bf16) or 4 (fp32)
+  /// Steps over which a change of the resident set must pay for its copies.
+  std::size_t resident_hold_steps = 20;
+  CalibrationConfig calibration = CalibrationConfig::from_options();
+  Rates defaults{};  ///< rates before anything is measured
+};
+
+class UpdateEngine {
+ public:
+  /// Host state for `n` params from `arena` (zeroed), cut into `subgroups` ([start, end),
+  /// consecutive, covering [0, n)). `pool`: the CPU step's threads (null: the caller only).
+  /// Throws InvalidArgument naming the bad subgroup or value, and for a device that stores no data.
+  UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::size_t n,
+               std::vector<std::pair<std::size_t, std::size_t>> subgroups, ThreadPool* pool, EngineConfig config = {});
+  /// Drops device copies, gives the host arrays back to the arena.
+  ~UpdateEngine();
+  UpdateEngine(const UpdateEngine&) = delete;
+  UpdateEngine& operator=(const UpdateEngine&) = delete;
+
+  [[nodiscard]] std::size_t size() const noexcept { return n_; }
+  [[nodiscard]] float* param() const noexcept { return arrays_[0]; }
+  [[nodiscard]] float* exp_avg() const noexcept { return arrays_[1]; }
+  [[nodiscard]] float* exp_avg_sq() const noexcept { return arrays_[2]; }
+  [[nodiscard]] float* grad() const noexcept { return arrays_[3]; }
+  [[nodiscard]] const std::vector<std::pair<std::size_t, std::size_t>>& subgroups() const noexcept {
+    return subgroups_;
+  }
+  [[nodiscard]] Device& device() noexcept { return device_; }
+  /// Pinned host bytes the arrays take in the arena (what was asked for, rounded to its alignment).
+  [[nodiscard]] std::uint64_t host_bytes() const;
+
+  /// The plan for the next step under `policy` (see PerfModel::plan for `static_fraction` and
+  /// the stride `k`), sized to the device memory available now (see the file comment).
+  EnginePlan plan(Policy policy, double static_fraction = 0, std::optional<double> k = std::nullopt);
+
+  /// Steps `segments` (each inside its subgroup; any order) under `placement` (one entry per
+  /// subgroup) with `gpu_slots` streamed slots. The gradients are checked first (grad_scale and
+  /// clip applied): a non-finite one sets `nonfinite`, and with `skip_if_nonfinite` nothing is
+  /// stepped. Segments sharing hyper-parameters run in one scheduler phase. Measurements feed
+  /// the Calibration; `predicted_ns` > 0 is compared with the measured phase.
+  EngineStep step(const std::vector<Placement>& placement, std::size_t gpu_slots, const std::vector<Segment>& segments,
+                  double grad_scale, double clip, bool l2, bool skip_if_nonfinite, double predicted_ns = 0);
+
+  /// The host arrays were changed outside step(): device copies of residents are stale.
+  void host_changed();
+
+  [[nodiscard]] Rates rates() const { return calibration_.rates(); }
+  [[nodiscard]] PredictionErrors prediction_errors() const { return calibration_.error_summary(); }
+  /// Bytes of device memory the engine holds between steps (static residents, small buffers).
+  [[nodiscard]] std::uint64_t resident_bytes() const;
+
+ private:
+  struct Entry {  // a scheduler over exactly `ranges` of the flat arrays
+    std::vector<std::pair<std::size_t, std::size_t>> ranges;
+    std::unique_ptr<OptimizerState> state;
+    std::unique_ptr<UpdateScheduler> scheduler;
+  };
+
+  UpdateScheduler& scheduler_for(const std::vector<std::pair<std::size_t, std::size_t>>& ranges);
+  EngineBudget measure_budget(const Workload& work) const;
+  void observe(const StepReport& r, double predicted_ns);
+
+  CachingAllocator& allocator_;
+  Device& device_;
+  HostArena& arena_;
+  ThreadPool* pool_;
+  EngineConfig config_;
+  std::size_t n_;
+  std::vector<std::pair<std::size_t, std::size_t>> subgroups_;
+  float* arrays_[4] = {};
+  PerfModel model_;
+  Calibration calibration_;
+  std::list<Entry> cache_;  // most recently used first
+  std::uint64_t last_slot_bytes_ = 0;  // slots the last phase took
+  std::size_t current_statics_ = 0;    // static residents of the last plan
+};
+
+}  // namespace memtide::tiering

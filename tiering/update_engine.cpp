@@ -1,0 +1,361 @@
+#include "memtide/tiering/update_engine.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "memtide/core/error.hpp"
+#include "memtide/core/format.hpp"
+#include "memtide/core/log.hpp"
+#include "memtide/tiering/kernels/device_ops.hpp"
+
+namespace memtide::tiering {
+namespace {
+
+constexpr std::size_t kCacheEntries = 4;
+
+// Segments stepped with the same hyper-parameters share one scheduler phase (StepParams holds one
+// set): a step with several param groups, or params at different step counts, is one phase each.
+using HyperKey = std::tuple<double, double, double, double, double, std::int64_t>;
+HyperKey key_of(const StepParams& p) { return {p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, p.step}; }
+
+void add_use(ResourceUse& into, const ResourceUse& from) {
+  into.busy_ns += from.busy_ns;
+  into.bytes += from.bytes;
+  into.params += from.params;
+  into.ops += from.ops;
+}
+
+std::uint64_t sat_sub(std::uint64_t a, std::uint64_t b) { return a > b ? a - b : 0; }
+
+std::string count_words(std::size_t n, const char* what) {
+  return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
+}
+
+}  // namespace
+
+UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::size_t n,
+                           std::vector<std::pair<std::size_t, std::size_t>> subgroups, ThreadPool* pool,
+                           EngineConfig config)
+    : allocator_(allocator), device_(allocator.device()), arena_(arena), pool_(pool), config_(config), n_(n),
+      subgroups_(std::move(subgroups)), calibration_(config.defaults, config.calibration) {
+  if (!device_.properties().stores_data) {
+    throw InvalidArgument("UpdateEngine: device \"" + device_.properties().name +
+                          "\" stores no data (phantom SimDevice, MEMTIDE_SIM_PHANTOM=true); the optimizer needs "
+                          "data mode (MEMTIDE_SIM_PHANTOM=false)");
+  }
+  if (config_.low_precision_bytes != 2 && config_.low_precision_bytes != 4) {
+    throw InvalidArgument("UpdateEngine: low_precision_bytes must be 2 (fp16/bf16 model) or 4 (fp32 model), got " +
+                          std::to_string(config_.low_precision_bytes));
+  }
+  if (n_ == 0) throw InvalidArgument("UpdateEngine: n must be > 0");
+  if (subgroups_.empty()) throw InvalidArgument("UpdateEngine: subgroups is empty; at least one [start, end) is needed");
+  std::size_t expect = 0;
+  for (auto [s, e] : subgroups_) {
+    if (s != expect || e <= s || e > n_) {
+      throw InvalidArgument("UpdateEngine: subgroup [" + std::to_string(s) + ", " + std::to_string(e) +
+                            ") is not the next non-empty range of the " + std::to_string(n_) +
+                            " params (expected to start at " + std::to_string(expect) + ")");
+    }
+    expect = e;
+  }
+  if (expect != n_) {
+    throw InvalidArgument("UpdateEngine: the subgroups end at " + std::to_string(expect) + ", not at n = " +
+                          std::to_string(n_));
+  }
+  if (n_ > std::numeric_limits<std::size_t>::max() / sizeof(float)) {
+    throw InvalidArgument("UpdateEngine: n = " + std::to_string(n_) + " params do not fit in memory");
+  }
+  std::size_t made = 0;
+  try {
+    for (; made < 4; ++made) {
+      arrays_[made] = static_cast<float*>(arena_.allocate(n_ * sizeof(float)));
+      std::memset(arrays_[made], 0, n_ * sizeof(float));  // a reused arena block is not zero
+    }
+  } catch (...) {
+    for (std::size_t i = 0; i < made; ++i) arena_.deallocate(arrays_[i]);
+    throw;
+  }
+}
+
+UpdateEngine::~UpdateEngine() {
+  try {
+    // The host arrays hold every step's result (and maybe later changes): drop the residents'
+    // device copies first, so the schedulers' destructors do not copy stale ones back.
+    for (Entry& e : cache_) e.scheduler->discard_residents();
+    cache_.clear();
+    for (float* a : arrays_) arena_.deallocate(a);
+  } catch (const Error& e) {
+    // Destructors never throw; the runtime may be shutting down.
+    MEMTIDE_LOG(warn, std::string("UpdateEngine: ") + e.what());
+  }
+}
+
+std::uint64_t UpdateEngine::host_bytes() const {
+  std::uint64_t total = 0;
+  for (float* a : arrays_) total += arena_.allocation_size(a);
+  return total;
+}
+
+std::uint64_t UpdateEngine::resident_bytes() const {
+  std::uint64_t total = 0;
+  for (const Entry& e : cache_) total += e.scheduler->held_bytes();
+  return total;
+}
+
+// ---- planning -------------------------------------------------------------------------------
+
+EngineBudget UpdateEngine::measure_budget(const Workload& work) const {
+  EngineBudget b;
+  std::size_t largest = 0;
+  for (std::size_t n : work.subgroup_params) largest = std::max(largest, n);
+  b.slot_bytes = gpu_slot_bytes(largest, true);
+
+  // The engine's own loans were counted as used when the tracker saw them: add them back.
+  const std::uint64_t own_residents = resident_bytes();
+  std::uint64_t own_slots = 0;
+  for (const Entry& e : cache_) own_slots = std::max(own_slots, e.scheduler->last_slot_bytes());
+  const std::uint64_t margin = allocator_.headroom_margin();
+  const auto allocated_now = static_cast<std::uint64_t>(allocator_.stats().allocated_bytes[0].current);
+  // Memory outside this allocator (torch's own, when torch does not use memtide) shows only in
+  // the device's free memory; this allocator's cached free blocks are free to it.
+  const AllocatorStats stats = allocator_.stats();
+  const auto reserved_now = static_cast<std::uint64_t>(stats.reserved_bytes[0].current);
+  const std::uint64_t free_now = std::min(sat_sub(allocator_.limit(), allocated_now),
+                                          device_.mem_info().free + sat_sub(reserved_now, allocated_now)) +
+                                 own_residents;
+
+  // The remembered iterations and the running one (whose forward and backward have been seen
+  // by the time its update phase plans).
+  const PhaseReport report = allocator_.phase_report();
+  std::vector<const IterationRecord*> iterations;
+  for (const IterationRecord& it : report.history) iterations.push_back(&it);
+  iterations.push_back(&report.running);
+  bool any_seen = false;
+  for (const IterationRecord* itp : iterations) {
+    const IterationRecord& it = *itp;
+    for (int p = 0; p < kPhaseCount; ++p) {
+      const PhaseWatermark& w = it.phases[p];
+      if (!w.seen) continue;
+      const std::uint64_t loans = own_residents + (p == static_cast<int>(Phase::update) ? own_slots : 0);
+      const std::uint64_t free = w.min_free + loans;
+      b.phase_min_free[p] = b.phase_seen[p] ? std::min(b.phase_min_free[p], free) : free;
+      b.phase_seen[p] = true;
+      any_seen = any_seen || p != static_cast<int>(Phase::other);
+    }
+  }
+  if (!any_seen) {
+    // No phase marks seen: only the present is known (residents may then not fit the next
+    // forward; attaching the optimizer to the model gives the phase marks that fix this).
+    b.budget.update_bytes = b.budget.resident_bytes = sat_sub(free_now, margin);
+    b.source = "device free memory (no phase marks seen)";
+    return b;
+  }
+  std::uint64_t update_cap = free_now;
+  std::uint64_t iteration_cap = free_now;
+  for (int p = 0; p < kPhaseCount; ++p) {
+    if (!b.phase_seen[p]) continue;
+    iteration_cap = std::min(iteration_cap, b.phase_min_free[p]);
+    // Slots live from the update phase until the next forward begins.
+    if (p == static_cast<int>(Phase::update) || p == static_cast<int>(Phase::other)) {
+      update_cap = std::min(update_cap, b.phase_min_free[p]);
+    }
+  }
+  b.budget.update_bytes = sat_sub(update_cap, margin);
+  b.budget.resident_bytes = sat_sub(iteration_cap, margin);
+  b.source = "phase tracker (" + count_words(report.history.size(), "finished iteration") + " and the running one)";
+  return b;
+}
+
+EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::optional<double> k) {
+  EnginePlan out;
+  Workload w;
+  for (auto [s, e] : subgroups_) w.subgroup_params.push_back(e - s);
+  w.low_precision_bytes = config_.low_precision_bytes;
+  w.grads_on_host = true;
+  out.budget = measure_budget(w);
+  fit_gpu_budget(w, out.budget.budget);
+  if (!device_ops_available(device_)) {
+    // A GPU placement would throw half-way through a step: plan none.
+    w.gpu_slot_limit = 0;
+    w.gpu_static_limit = 0;
+    out.reason = "this build has no CUDA optimizer kernels: every subgroup on the CPU";
+  }
+  const Rates rates = calibration_.rates();
+  const std::size_t n = subgroups_.size();
+  out.plan = model_.plan(w, rates, policy, static_fraction, k);
+
+  if (out.reason.empty() && policy != Policy::cpu && !(policy == Policy::automatic && !k)) {
+    const auto wanted = static_cast<std::size_t>(std::llround(static_fraction * static_cast<double>(n)));
+    if (out.plan.static_residents < wanted) {
+      out.reason = "device memory through the iteration fits " + count_words(w.gpu_static_limit, "static resident") +
+                   ", the policy asked for " + std::to_string(wanted);
+    }
+    if (policy != Policy::static_split && w.gpu_slot_limit == 0) {
+      out.reason += (out.reason.empty() ? "" : "; ") + std::string("the update phase's memory fits no GPU slot: nothing streamed");
+    }
+  }
+
+  // Hysteresis: moving residents in or out costs their state's copies (12 B/param each way).
+  // Keep the current count while the new plan does not win that back within resident_hold_steps.
+  if (policy == Policy::automatic && !k && out.plan.static_residents != current_statics_ &&
+      current_statics_ <= w.gpu_static_limit && current_statics_ <= n) {
+    std::vector<Placement> keep = interleave(n, out.plan.gpu_streamed > 0 ? out.plan.k : 0, current_statics_);
+    if (std::count(keep.begin(), keep.end(), Placement::gpu) > 0 && w.gpu_slot_limit == 0) {
+      keep = interleave(n, 0, current_statics_);
+    }
+    const Prediction kept = model_.predict(w, rates, keep);
+    const std::size_t lo = std::min(current_statics_, out.plan.static_residents);
+    const std::size_t hi = std::max(current_statics_, out.plan.static_residents);
+    double moved = 0;
+    for (std::size_t i = n - hi; i < n - lo; ++i) moved += static_cast<double>(w.subgroup_params[i]) * 12;
+    const double rate = out.plan.static_residents > current_statics_ ? rates.h2d_bytes_per_s : rates.d2h_bytes_per_s;
+    const double change_ns = moved / rate * 1e9 / static_cast<double>(std::max<std::size_t>(config_.resident_hold_steps, 1));
+    if (out.plan.prediction.total_ns + change_ns >= kept.total_ns) {
+      Plan held;
+      held.policy = Policy::automatic;
+      held.placement = keep;
+      held.static_residents = current_statics_;
+      held.gpu_streamed = static_cast<std::size_t>(std::count(keep.begin(), keep.end(), Placement::gpu));
+      held.k = held.gpu_streamed > 0 ? out.plan.k : 0;
+      held.gpu_slots = held.gpu_streamed > 0 ? std::min(w.gpu_slot_limit, kUsefulSlots) : 0;
+      held.prediction = kept;
+      out.reason = "kept " + count_words(current_statics_, "static resident") + ": moving to " +
+                   std::to_string(out.plan.static_residents) + " would save less than its copies cost over " +
+                   std::to_string(config_.resident_hold_steps) + " steps";
+      out.plan = std::move(held);
+    }
+  }
+  const std::size_t largest = *std::max_element(w.subgroup_params.begin(), w.subgroup_params.end());
+  out.budget.slots_taken = out.plan.gpu_slots * gpu_slot_bytes(largest, w.grads_on_host);
+  out.budget.residents_taken = out.plan.static_residents * out.budget.slot_bytes;
+  return out;
+}
+
+// ---- stepping -------------------------------------------------------------------------------
+
+UpdateScheduler& UpdateEngine::scheduler_for(const std::vector<std::pair<std::size_t, std::size_t>>& ranges) {
+  for (auto it = cache_.begin(); it != cache_.end(); ++it) {
+    if (it->ranges == ranges) {
+      if (it != cache_.begin()) cache_.splice(cache_.begin(), cache_, it);
+      return *cache_.front().scheduler;
+    }
+  }
+  std::vector<ExternalSubgroup> ext;
+  ext.reserve(ranges.size());
+  for (auto [s, e] : ranges) {
+    ext.push_back(ExternalSubgroup{param() + s, exp_avg() + s, exp_avg_sq() + s, grad() + s, e - s});
+  }
+  Entry entry;
+  entry.ranges = ranges;
+  entry.state = OptimizerState::external(device_, ext);
+  entry.scheduler = std::make_unique<UpdateScheduler>(*entry.state, allocator_, pool_);
+  cache_.push_front(std::move(entry));
+  return *cache_.front().scheduler;
+}
+
+EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size_t gpu_slots,
+                              const std::vector<Segment>& segments, double grad_scale, double clip, bool l2,
+                              bool skip_if_nonfinite, double predicted_ns) {
+  if (placement.size() != subgroups_.size()) {
+    throw InvalidArgument("UpdateEngine::step: placement has " + std::to_string(placement.size()) +
+                          " entries, there are " + std::to_string(subgroups_.size()) + " subgroups");
+  }
+  for (const Segment& s : segments) {
+    if (s.subgroup >= subgroups_.size() || s.start < subgroups_[s.subgroup].first ||
+        s.end > subgroups_[s.subgroup].second || s.end <= s.start) {
+      throw InvalidArgument("UpdateEngine::step: segment [" + std::to_string(s.start) + ", " + std::to_string(s.end) +
+                            ") is empty or not inside subgroup " + std::to_string(s.subgroup));
+    }
+  }
+  EngineStep out;
+  out.predicted_ns = predicted_ns;
+  // One check of every gradient, on the host arrays, before anything is stepped.
+  for (const Segment& s : segments) {
+    device_.run_host_work(HostWork{static_cast<double>(s.end - s.start) * 4, 0}, [&] {
+      out.nonfinite = out.nonfinite || !grads_finite(grad() + s.start, DType::fp32, s.end - s.start, grad_scale, clip, pool_);
+    });
+    if (out.nonfinite) break;
+  }
+  out.skipped = out.nonfinite && skip_if_nonfinite;
+  if (out.skipped || segments.empty()) return out;
+
+  std::map<HyperKey, std::vector<const Segment*>> by_key;
+  for (const Segment& s : segments) by_key[key_of(s.params)].push_back(&s);
+  std::vector<UpdateScheduler*> used;
+  for (auto& [key, list] : by_key) {
+    std::vector<std::pair<std::size_t, std::size_t>> ranges;
+    Plan plan;
+    plan.gpu_slots = gpu_slots;
+    for (const Segment* s : list) {
+      ranges.emplace_back(s->start, s->end);
+      plan.placement.push_back(placement[s->subgroup]);
+    }
+    UpdateScheduler& scheduler = scheduler_for(ranges);
+    StepParams params = list.front()->params;
+    params.grad_scale = grad_scale;
+    params.clip = clip;
+    params.l2 = l2;
+    params.grads_finite = true;  // checked above, once for the whole step
+    const StepReport r = scheduler.run(plan, params);
+    used.push_back(&scheduler);
+    ++out.runs;
+    StepReport& t = out.total;
+    t.phase_ns += r.phase_ns;
+    add_use(t.cpu, r.cpu);
+    add_use(t.gpu, r.gpu);
+    add_use(t.h2d, r.h2d);
+    add_use(t.d2h, r.d2h);
+    t.h2d_d2h_overlap_ns += r.h2d_d2h_overlap_ns;
+    t.params_cpu += r.params_cpu;
+    t.params_gpu += r.params_gpu;
+    t.params_gpu_static += r.params_gpu_static;
+    t.setup_allocations += r.setup_allocations;
+    t.loop_allocations += r.loop_allocations;
+    t.loop_device_allocs += r.loop_device_allocs;
+  }
+  // Into the host arrays, which the front end reads. A scheduler not used in this step holds
+  // residents older than the host arrays now: they go.
+  std::size_t statics = 0;
+  for (Entry& e : cache_) {
+    if (std::find(used.begin(), used.end(), e.scheduler.get()) != used.end()) {
+      e.scheduler->sync_to_host();
+    } else {
+      e.scheduler->discard_residents();
+    }
+  }
+  for (Placement p : placement) statics += p == Placement::gpu_static;
+  current_statics_ = statics;
+  // This step's schedulers are at the front (most recently used); older ones make room.
+  while (cache_.size() > std::max(kCacheEntries, used.size())) cache_.pop_back();
+  observe(out.total, predicted_ns);
+  return out;
+}
+
+void UpdateEngine::host_changed() {
+  for (Entry& e : cache_) e.scheduler->discard_residents();
+}
+
+void UpdateEngine::observe(const StepReport& r, double predicted_ns) {
+  if (r.cpu.busy_ns > 0 && r.cpu.params > 0) {
+    calibration_.observe_cpu_update(static_cast<std::size_t>(r.cpu.params), r.cpu.busy_ns);
+  }
+  if (r.gpu.busy_ns > 0 && r.gpu.params > 0) {
+    calibration_.observe_gpu_update(static_cast<std::size_t>(r.gpu.params), r.gpu.busy_ns);
+  }
+  if (r.h2d.busy_ns > 0 && r.h2d.bytes > 0) {
+    calibration_.observe_copy(CopyKind::host_to_device, static_cast<std::size_t>(r.h2d.bytes), r.h2d.busy_ns);
+  }
+  if (r.d2h.busy_ns > 0 && r.d2h.bytes > 0) {
+    calibration_.observe_copy(CopyKind::device_to_host, static_cast<std::size_t>(r.d2h.bytes), r.d2h.busy_ns);
+  }
+  if (predicted_ns > 0 && r.phase_ns > 0 && std::isfinite(predicted_ns)) {
+    calibration_.observe_update_phase(predicted_ns, r.phase_ns);
+  }
+}
+
+}  // namespace memtide::tiering
