@@ -140,9 +140,12 @@ EngineBudget UpdateEngine::measure_budget(const Workload& work) const {
     const IterationRecord& it = *itp;
     for (int p = 0; p < kPhaseCount; ++p) {
       const PhaseWatermark& w = it.phases[p];
-      if (!w.seen) continue;
+      // A phase entered but with no allocation observed keeps min_free at its "none yet" maximum.
+      if (!w.seen || w.min_free == std::numeric_limits<std::uint64_t>::max()) continue;
       const std::uint64_t loans = own_residents + (p == static_cast<int>(Phase::update) ? own_slots : 0);
-      const std::uint64_t free = w.min_free + loans;
+      const std::uint64_t free = w.min_free > std::numeric_limits<std::uint64_t>::max() - loans
+                                     ? std::numeric_limits<std::uint64_t>::max()
+                                     : w.min_free + loans;
       b.phase_min_free[p] = b.phase_seen[p] ? std::min(b.phase_min_free[p], free) : free;
       b.phase_seen[p] = true;
       any_seen = any_seen || p != static_cast<int>(Phase::other);

@@ -323,8 +323,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 _HOST_STATE_BYTES = 16
 # Model memory that stays on the GPU all iteration: 16-bit params and 16-bit grads.
 _GPU_PERSISTENT_BYTES = 4
-# One GPU slot (or static resident) holds a subgroup's fp32 params, exp_avg, exp_avg_sq and grads.
-_SLOT_BYTES_PER_PARAM = 16
 # The model never uses more than three streaming slots (prefetch, update, flush).
 _USEFUL_SLOTS = 3
 
@@ -421,7 +419,8 @@ def _fraction(text: str) -> float:
 
 
 def _stride(text: str) -> float:
-    return _float(text, 0.0, inclusive=True)
+    """k, the stride of the interleaved update: one in every k subgroups on the GPU."""
+    return _float(text, 1.0, inclusive=True)
 
 
 class PlanError(Exception):
@@ -465,16 +464,17 @@ def _plan(args: argparse.Namespace) -> Dict[str, Any]:
             f"margin ({format_bytes(args.margin)}) do not fit in --gpu-mem {format_bytes(args.gpu_mem)}: "
             f"the model needs a layer window (parameters offloaded too), which this planner does not cover")
     headroom = args.gpu_mem - persistent - args.margin
-    slot_bytes = _SLOT_BYTES_PER_PARAM * args.subgroup_size
-    slots = headroom // slot_bytes
-    used_by_slots = min(slots, _USEFUL_SLOTS) * slot_bytes
-    static_limit = min((headroom - used_by_slots) // slot_bytes, n)
+    # No iteration is measured here: slots and residents share the update headroom.
+    fit = memtide.fit_gpu_budget(sizes, headroom, headroom)
+    slot_bytes, slots, static_limit = fit["slot_bytes"], fit["gpu_slot_limit"], fit["gpu_static_limit"]
 
     policies = {}
     for name in _POLICIES:
+        # Each policy with its own knob: the static share for static, the stride for interleaved;
+        # auto searches both.
         plan = memtide.plan_update(
-            sizes, policy=name, rates=rates, static_fraction=args.static_fraction, k=args.k,
-            gpu_slot_limit=slots, gpu_static_limit=static_limit)
+            sizes, policy=name, rates=rates, static_fraction=args.static_fraction if name == "static" else 0.0,
+            k=args.k if name == "interleaved" else None, gpu_slot_limit=slots, gpu_static_limit=static_limit)
         pred = plan["prediction"]
         seconds = pred["total_ns"] / 1e9
         policies[name] = {
@@ -603,7 +603,16 @@ def _print_train(r: Dict[str, Any]) -> None:
     lowp = f" + {o['low_precision']} param copy" if o["low_precision"] else ""
     print(f"optimizer {_format_count(o['numel'])} params in {o['subgroups']} subgroups of "
           f"{_format_count(o['subgroup_size'])}: fp32 params, exp_avg, exp_avg_sq, grads{lowp} = "
-          f"{format_bytes(o['state_bytes'])} host, {where}")
+          f"{format_bytes(o['state_bytes'])} host")
+    arena = o.get("host_arena")
+    if arena:
+        node = "not NUMA-bound" if arena["numa_node"] < 0 else f"NUMA node {arena['numa_node']}"
+        print(f"          fp32 state in memtide's HostArena: {format_bytes(arena['requested_bytes'])} requested, "
+              f"{format_bytes(arena['state_bytes'])} allocated; the arena reserves "
+              f"{format_bytes(arena['reserved_bytes'])} in {arena['slabs']} slab(s), {arena['registered_slabs']} "
+              f"registered with {arena['device']}, {node}")
+    else:
+        print(f"          fp32 state in torch tensors, {where}")
     print(f"plan      {r['plan']['summary']}")
     print(f"update    engine {o['engine']} ({o['cpu_isa']}, {o['cpu_threads']} threads): "
           f"{_format_count(u['params_per_step'])} params in {_format_duration(u['engine_seconds_median'] * 1e9)} "
@@ -802,8 +811,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="TieredAdamW update policy for training (default: auto)")
     run.add_argument("--subgroup-size", type=_positive_int, default=train_job.SUBGROUP_DEFAULT, metavar="N",
                      help=f"TieredAdamW subgroup size in parameters (default: {train_job.SUBGROUP_DEFAULT})")
-    run.add_argument("--k", type=_positive_int, default=None, metavar="N",
-                     help="CPU subgroups per GPU subgroup (interleaved, auto)")
+    run.add_argument("--k", type=_stride, default=None, metavar="K",
+                     help="stride: one in every K subgroups updated on the GPU (interleaved, default 2; auto: "
+                     "fixes it instead of the performance model)")
     run.add_argument("--gpu-static-fraction", type=_fraction, default=0.0, metavar="F",
                      help="share of subgroups kept on the GPU (static, interleaved, auto; default 0)")
     run.add_argument("--device", choices=("auto", "cuda", "sim"), default=None,

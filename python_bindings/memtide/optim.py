@@ -1,15 +1,20 @@
 """TieredAdamW: AdamW whose state lives in flat host buffers split into subgroups.
 
 The optimizer keeps fp32 master params, exp_avg, exp_avg_sq and fp32 gradients in four flat,
-contiguous host buffers (pinned when CUDA is available), cut into subgroups of ``subgroup_size``
+contiguous, pinned host buffers owned by its engine, cut into subgroups of ``subgroup_size``
 elements; subgroup boundaries ignore tensor boundaries. The model keeps its own params (fp32,
 fp16 or bf16, on its own device); after each update the new values are written back to them.
 
-Every numerical update goes through one seam, :class:`SubgroupEngine`: it gets the update plan
-(which subgroup runs where) and the step's arguments, and returns whether a non-finite gradient
-was seen. The engine here runs every subgroup through memtide's fused CPU AdamW kernel
-(``memtide.adamw_step_cpu``); a GPU-capable engine takes the same flat buffers. Placement never
-changes the arithmetic, so every policy gives bit-identical results.
+Every numerical update goes through one seam, an engine: it owns the flat buffers, gets the
+update plan (which subgroup runs where) and the step's arguments, and returns whether a
+non-finite gradient was seen. :class:`SchedulerEngine` is memtide's C++ engine
+(``tiering::UpdateEngine``): the buffers live in the device's pinned, NUMA-bound HostArena, and it
+plans and runs every step on the UpdateScheduler. :class:`SubgroupEngine`, the fallback where the
+runtime cannot run it, steps everything with the fused CPU kernel over torch tensors. Placement
+never changes the arithmetic, so every policy gives bit-identical results.
+
+``k`` has one meaning everywhere in memtide: the stride of the paper's Algorithm 1, one in every
+k subgroups updated on the GPU (k = 1 all, k = 2 every other one, k = 1.5 two in three).
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ __all__ = [
     "SubgroupEngine",
     "TieredAdamW",
     "UpdatePlan",
-    "policy_placement",
 ]
 
 POLICIES = ("cpu", "static", "interleaved", "auto")
@@ -132,29 +136,19 @@ def _make_scaler(loss_scale: Union[None, str, float, LossScaler]) -> Optional[Lo
 # ---- plan and engine ----------------------------------------------------------------------------
 
 
-def policy_placement(policy: str, subgroups: int, k: Optional[int] = None,
-                     gpu_static_fraction: float = 0.0) -> Optional[Tuple[str, ...]]:
-    """Where `policy` asks each subgroup to be updated ("cpu" or "gpu").
-
-    static: the last ``round(gpu_static_fraction * subgroups)`` subgroups stay on the GPU (placed
-    at the end, as in the Deep Optimizer States paper). interleaved: the same static residents,
-    and among the others every (k+1)-th goes to the GPU (k CPU : 1 GPU; k defaults to 1).
-    auto: chosen by a performance model; None when no model is available (and k not given).
-    """
-    static = int(round(gpu_static_fraction * subgroups))
-    place = ["cpu"] * subgroups
-    if policy == "cpu":
-        return tuple(place)
+def _requested(policy: str, subgroups: Tuple[Tuple[int, int], ...], k: Optional[float],
+               gpu_static_fraction: float) -> Optional[Tuple[str, ...]]:
+    """What `policy` asks for when memory is no object ("cpu" or "gpu" per subgroup), from the one
+    placement function (the PerfModel's plan); None for auto without k (the model decides)."""
     if policy == "auto" and k is None:
         return None
-    for i in range(subgroups - static, subgroups):
-        place[i] = "gpu"
-    if policy in ("interleaved", "auto"):
-        stride = (k or 1) + 1
-        for i in range(subgroups - static):
-            if i % stride == stride - 1:
-                place[i] = "gpu"
-    return tuple(place)
+    sizes = [e - s for s, e in subgroups]
+    if not sizes:
+        return ()
+    plan = _memtide.plan_update(sizes, policy=policy, static_fraction=gpu_static_fraction,
+                                k=None if policy in ("cpu", "static") else k,
+                                gpu_slot_limit=len(sizes), gpu_static_limit=len(sizes))
+    return tuple("cpu" if c == "c" else "gpu" for c in plan["placement"])
 
 
 @dataclass(frozen=True)
@@ -166,7 +160,7 @@ class UpdatePlan:
     """
 
     policy: str
-    k: Optional[int]
+    k: Optional[float]
     gpu_static_fraction: float
     subgroups: Tuple[Tuple[int, int], ...]  # [start, end) in the flat buffers
     requested: Optional[Tuple[str, ...]]
@@ -190,7 +184,7 @@ class UpdatePlan:
             where = f"{c['cpu']} on CPU, {c['gpu']} on GPU"
         knobs = []
         if self.k is not None:
-            knobs.append(f"k={self.k}")
+            knobs.append(f"k={self.k:g}")
         if self.gpu_static_fraction:
             knobs.append(f"gpu_static_fraction={self.gpu_static_fraction:g}")
         head = f"policy {self.policy}" + (f" ({', '.join(knobs)})" if knobs else "")
@@ -206,7 +200,24 @@ class UpdatePlan:
                 text += f" [{ep['placement']}]"
         if self.reason:
             text += f" ({self.reason})"
+        budget = (self.engine_plan or {}).get("budget")
+        if budget:
+            text += "; " + _budget_words(budget)
         return text
+
+
+def _budget_words(budget: Dict[str, Any]) -> str:
+    """How much device memory each phase left and what the plan took from it."""
+    from .cli import format_bytes
+
+    left = ", ".join(f"{phase} {format_bytes(free)}" for phase, free in budget["phase_min_free"].items()
+                     if free is not None and phase != "other")
+    text = (f"device memory: update phase {format_bytes(budget['update_bytes'])} for slots (took "
+            f"{format_bytes(budget['slots_taken'])}), whole iteration {format_bytes(budget['resident_bytes'])} for "
+            f"residents (took {format_bytes(budget['residents_taken'])}), from {budget['source']}")
+    if left:
+        text += f"; lowest free per phase: {left}"
+    return text
 
 
 @dataclass
@@ -253,16 +264,32 @@ class FlatBuffers:
 
 
 class SubgroupEngine:
-    """Runs the update of every subgroup of a plan over the flat buffers.
+    """Owns the flat buffers (torch tensors, pinned where CUDA is) and runs the update of every
+    subgroup of a plan over them with the fused CPU kernel.
 
-    This engine has no GPU update path: every subgroup, whatever the policy, runs through the
-    fused CPU kernel. ``plan`` turns a policy into the placement it will actually execute.
+    The fallback engine: it has no GPU update path, so every subgroup, whatever the policy, is
+    stepped on the CPU. ``plan`` turns a policy into the placement it will actually execute.
     """
 
     name = "cpu-fused"
 
-    def __init__(self, buffers: FlatBuffers) -> None:
-        self.buffers = buffers
+    def __init__(self, numel: int, lowp_dtype: Optional[torch.dtype], subgroups: Tuple[Tuple[int, int], ...],
+                 device: int = 0) -> None:
+        pinned = torch.cuda.is_available()
+
+        def flat(dtype: torch.dtype) -> torch.Tensor:
+            # At least one element: a zero-size pinned allocation is refused on some builds.
+            return torch.zeros(max(numel, 1), dtype=dtype, pin_memory=pinned)
+
+        self.buffers = FlatBuffers(params=flat(torch.float32), exp_avg=flat(torch.float32),
+                                   exp_avg_sq=flat(torch.float32), grads=flat(torch.float32),
+                                   lowp=flat(lowp_dtype) if lowp_dtype is not None else None, pinned=pinned)
+        self.subgroups = subgroups
+        self.device = device
+
+    @staticmethod
+    def available(numel: int) -> str:
+        return ""
 
     def gpu_update_unavailable(self) -> str:
         """Why subgroups cannot be updated on a GPU here ("" if they can)."""
@@ -270,9 +297,9 @@ class SubgroupEngine:
             return f"no GPU: {_device_words()}"
         return "this engine updates on CPU only"
 
-    def plan(self, policy: str, subgroups: Tuple[Tuple[int, int], ...], k: Optional[int],
-             gpu_static_fraction: float) -> UpdatePlan:
-        requested = policy_placement(policy, len(subgroups), k, gpu_static_fraction)
+    def plan(self, policy: str, k: Optional[float], gpu_static_fraction: float) -> UpdatePlan:
+        subgroups = self.subgroups
+        requested = _requested(policy, subgroups, k, gpu_static_fraction)
         placement = tuple("cpu" for _ in subgroups)
         reason = ""
         if requested is None or "gpu" in requested:
@@ -282,6 +309,9 @@ class SubgroupEngine:
     def predict_seconds(self, plan: UpdatePlan) -> Optional[float]:
         """Predicted update time of `plan`, when a performance model is available."""
         return None
+
+    def host_changed(self) -> None:
+        """The flat buffers were changed outside step() (nothing is cached elsewhere here)."""
 
     def step(self, plan: UpdatePlan, args: StepArgs) -> bool:
         """Updates every segment; True if a non-finite gradient was seen.
@@ -306,29 +336,40 @@ class SubgroupEngine:
 
 
 class SchedulerEngine(SubgroupEngine):
-    """Runs every update through memtide's UpdateScheduler (``_memtide.UpdateEngine``).
+    """memtide's C++ engine (``_memtide.UpdateEngine``, ``tiering::UpdateEngine``) on the
+    optimizer's device: the GPU with CUDA, else a data-mode SimDevice whose "GPU" updates really
+    run (on the host) while its clocks are virtual.
 
-    The scheduler places subgroups on the CPU, streams them through GPU slots or keeps them
-    GPU-static, on the runtime's device: the GPU with CUDA, else a data-mode SimDevice whose
-    "GPU" updates really run (on the host) while its clocks are virtual. The PerfModel plans the
-    placement on the rates a Calibration learns from every step; ``auto`` re-plans each step.
-    The state stays in the flat host buffers (external memory), so every policy gives
-    bit-identical results, as with the CPU engine.
+    The fp32 state lives in the device's HostArena (exact sizes, pinned, on the GPU's NUMA node)
+    and the tensors of :attr:`buffers` are views of it. Each plan is sized from the phase
+    tracker (slots from the update phase's memory, static residents from the whole iteration's)
+    on the rates a Calibration learns from every step; ``auto`` re-plans each step.
     """
 
     name = "scheduler"
 
-    def __init__(self, buffers: FlatBuffers) -> None:
-        super().__init__(buffers)
-        self.native: Optional[Any] = None
-        self._subgroups: Tuple[Tuple[int, int], ...] = ()
+    def __init__(self, numel: int, lowp_dtype: Optional[torch.dtype], subgroups: Tuple[Tuple[int, int], ...],
+                 device: int = 0) -> None:
+        lowp_bytes = 4 if lowp_dtype is None else torch.empty(0, dtype=lowp_dtype).element_size()
+        self.native = _memtide.UpdateEngine(numel, list(subgroups), low_precision_bytes=lowp_bytes, device=device)
+        params, exp_avg, exp_avg_sq, grads = (torch.from_dlpack(a) for a in self.native.arrays())
+        pinned = torch.cuda.is_available() and not self.native.simulated
+        lowp = None
+        if lowp_dtype is not None:
+            lowp = torch.zeros(numel, dtype=lowp_dtype, pin_memory=pinned)
+        self.buffers = FlatBuffers(params=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grads=grads, lowp=lowp,
+                                   pinned=pinned)
+        self.subgroups = subgroups
+        self.device = device
         self.last_report: Optional[Dict[str, Any]] = None
         #: Every step's measured update phase in ns, on ``clock`` (skipped steps excluded).
         self.measured_ns: List[float] = []
 
     @staticmethod
-    def available() -> str:
-        """Why the runtime's device cannot run the scheduler here ("" if it can)."""
+    def available(numel: int) -> str:
+        """Why the runtime's device cannot run the engine here ("" if it can)."""
+        if numel == 0:
+            return "no params to update"
         try:
             backend = _memtide.backend()
             if backend == "sim" and _memtide.options().get("sim_phantom") == "true":
@@ -342,23 +383,11 @@ class SchedulerEngine(SubgroupEngine):
     def gpu_update_unavailable(self) -> str:
         return ""
 
-    def _native_for(self, subgroups: Tuple[Tuple[int, int], ...]) -> Any:
-        if self.native is None or subgroups != self._subgroups:
-            b = self.buffers
-            lowp_bytes = 4 if b.lowp is None else b.lowp.element_size()
-            self.native = _memtide.UpdateEngine(b.params, b.exp_avg, b.exp_avg_sq, b.grads, list(subgroups),
-                                                low_precision_bytes=lowp_bytes)
-            self._subgroups = subgroups
-        return self.native
-
-    def plan(self, policy: str, subgroups: Tuple[Tuple[int, int], ...], k: Optional[int],
-             gpu_static_fraction: float) -> UpdatePlan:
-        if not subgroups:  # nothing to update (every param is empty)
-            return super().plan(policy, subgroups, k, gpu_static_fraction)
-        requested = policy_placement(policy, len(subgroups), k, gpu_static_fraction)
-        ep = self._native_for(subgroups).plan(policy, None if k is None else float(k), float(gpu_static_fraction))
+    def plan(self, policy: str, k: Optional[float], gpu_static_fraction: float) -> UpdatePlan:
+        requested = _requested(policy, self.subgroups, k, gpu_static_fraction)
+        ep = self.native.plan(policy, k=None if k is None else float(k), static_fraction=float(gpu_static_fraction))
         placement = tuple("cpu" if c == "c" else "gpu" for c in ep["placement"])
-        return UpdatePlan(policy, k, gpu_static_fraction, subgroups, requested, placement, ep["reason"], ep)
+        return UpdatePlan(policy, k, gpu_static_fraction, self.subgroups, requested, placement, ep["reason"], ep)
 
     def predict_seconds(self, plan: UpdatePlan) -> Optional[float]:
         if plan.engine_plan is None:
@@ -367,20 +396,19 @@ class SchedulerEngine(SubgroupEngine):
 
     def host_changed(self) -> None:
         """The flat buffers were changed outside step(): GPU-static copies are stale."""
-        if self.native is not None:
-            self.native.host_changed()
+        self.native.host_changed()
 
     @property
     def clock(self) -> str:
         """"simulated" on a SimDevice (virtual clocks), "wall" on a real device."""
-        return "simulated" if self.native is not None and self.native.simulated else "wall"
+        return "simulated" if self.native.simulated else "wall"
 
     def step(self, plan: UpdatePlan, args: StepArgs) -> bool:
         if not args.segments:
             return False
         ep = plan.engine_plan
-        if ep is None or plan.subgroups != self._subgroups:
-            plan = self.plan(plan.policy, plan.subgroups, plan.k, plan.gpu_static_fraction)
+        if ep is None or plan.subgroups != self.subgroups:
+            plan = self.plan(plan.policy, plan.k, plan.gpu_static_fraction)
             ep = plan.engine_plan
         segments = [(s.subgroup, s.start, s.end, s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step)
                     for s in args.segments]
@@ -398,6 +426,15 @@ class SchedulerEngine(SubgroupEngine):
                 if s.lowp:
                     b.lowp[s.start:s.end].copy_(b.params[s.start:s.end])
         return bool(report["nonfinite"])
+
+
+def _device_of(params: Sequence[torch.Tensor]) -> int:
+    """The CUDA device the params live on (0 when all are on the CPU); one per optimizer."""
+    devices = sorted({p.device.index or 0 for p in params if p.is_cuda})
+    if len(devices) > 1:
+        raise ValueError(f"TieredAdamW: params live on cuda:{devices[0]} and cuda:{devices[1]}; one device per "
+                         "optimizer is supported (make one TieredAdamW per device)")
+    return devices[0] if devices else 0
 
 
 def _device_words() -> str:
@@ -447,8 +484,12 @@ class TieredAdamW(torch.optim.Optimizer):
         policy: where subgroups are updated: "cpu", "static", "interleaved" or "auto". Placement
             never changes the result.
         subgroup_size: elements per subgroup (the last one may be smaller).
-        gpu_static_fraction: share of subgroups kept on the GPU (static, interleaved, auto).
-        k: CPU subgroups per GPU subgroup (interleaved; auto: overrides the performance model).
+        gpu_static_fraction: share of subgroups kept on the GPU through the whole iteration
+            (static, interleaved, and auto with k), placed last; capped by the device memory the
+            whole iteration leaves.
+        k: the stride of the interleaved update: one in every k (>= 1, may be fractional)
+            subgroups is updated on the GPU (interleaved, default 2; auto: fixes the stride
+            instead of letting the performance model choose).
         loss_scale: None, "dynamic" (GradScaler's defaults), a number (static scale) or a
             :class:`LossScaler`. Scale the loss with :meth:`scale_loss`; step() unscales, and a
             non-finite gradient skips the step, leaving params and state untouched.
@@ -460,13 +501,14 @@ class TieredAdamW(torch.optim.Optimizer):
     their update costs no copy; params on a GPU are copied back after each step.
     """
 
-    #: The engine class: built over the flat buffers, it plans and runs every update. None (the
-    #: default): SchedulerEngine when the memtide runtime's device can run it, else SubgroupEngine.
+    #: The engine class: built with (numel, low-precision dtype, subgroups, CUDA device), it owns
+    #: the flat buffers and plans and runs every update. None (the default): SchedulerEngine when
+    #: the memtide runtime's device can run it, else SubgroupEngine.
     engine_class: Optional[type] = None
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, policy: str = "auto",
-                 subgroup_size: int = 100_000_000, gpu_static_fraction: float = 0.0, k: Optional[int] = None,
+                 subgroup_size: int = 100_000_000, gpu_static_fraction: float = 0.0, k: Optional[float] = None,
                  loss_scale: Union[None, str, float, LossScaler] = None,
                  max_grad_norm: Optional[float] = None) -> None:
         if policy not in POLICIES:
@@ -476,8 +518,10 @@ class TieredAdamW(torch.optim.Optimizer):
         if not (isinstance(gpu_static_fraction, (int, float)) and not isinstance(gpu_static_fraction, bool)
                 and 0.0 <= gpu_static_fraction <= 1.0):
             raise ValueError(f"TieredAdamW: gpu_static_fraction must be in [0, 1], got {gpu_static_fraction!r}")
-        if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k > 0):
-            raise ValueError(f"TieredAdamW: k must be None or an integer > 0, got {k!r}")
+        if k is not None and not (isinstance(k, (int, float)) and not isinstance(k, bool) and math.isfinite(k)
+                                  and k >= 1):
+            raise ValueError(f"TieredAdamW: k must be None or a stride >= 1 (one in every k subgroups on the GPU), "
+                             f"got {k!r}")
         if policy == "cpu" and (gpu_static_fraction or k is not None):
             raise ValueError("TieredAdamW: policy 'cpu' updates everything on the CPU; "
                              f"gpu_static_fraction={gpu_static_fraction!r} and k={k!r} would be ignored")
@@ -492,7 +536,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self.policy = policy
         self.subgroup_size = subgroup_size
         self.gpu_static_fraction = float(gpu_static_fraction)
-        self.k = k
+        self.k = None if k is None else float(k)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.scaler = _make_scaler(loss_scale)
         self.stats = UpdateStats()
@@ -546,16 +590,9 @@ class TieredAdamW(torch.optim.Optimizer):
                 ranges.append((offset, offset + p.numel()))
                 offset += p.numel()
         numel = offset
-
-        pinned = torch.cuda.is_available()
-
-        def flat(dtype: torch.dtype) -> torch.Tensor:
-            # At least one element: a zero-size pinned allocation is refused on some builds.
-            return torch.zeros(max(numel, 1), dtype=dtype, pin_memory=pinned)
-
-        buffers = FlatBuffers(params=flat(torch.float32), exp_avg=flat(torch.float32),
-                              exp_avg_sq=flat(torch.float32), grads=flat(torch.float32),
-                              lowp=flat(lowp_dtype) if lowp_dtype is not None else None, pinned=pinned)
+        bounds = tuple((s, min(s + self.subgroup_size, numel)) for s in range(0, numel, self.subgroup_size))
+        engine = self._engine_class(numel)(numel, lowp_dtype, bounds, _device_of(params))
+        buffers = engine.buffers
         steps = [0] * len(params)
         lowp_of = [p.dtype in _LOWP for p in params]
         aliased = [False] * len(params)
@@ -578,7 +615,6 @@ class TieredAdamW(torch.optim.Optimizer):
                     p.data = source[lo:hi].view(p.shape)
                     aliased[i] = True
 
-        bounds = tuple((s, min(s + self.subgroup_size, numel)) for s in range(0, numel, self.subgroup_size))
         pieces: List[List[Tuple[int, int, int]]] = [[] for _ in bounds]
         for i, (lo, hi) in enumerate(ranges):
             if hi == lo:
@@ -590,9 +626,9 @@ class TieredAdamW(torch.optim.Optimizer):
         self._layout = _Layout(params, group_of, ranges, lowp_of, aliased, pieces, bounds, numel)
         self.buffers = buffers
         self._steps = steps
-        self.engine = self._engine_class()(buffers)
+        self.engine = engine
         self._host_versions = None
-        self.plan = self.engine.plan(self.policy, bounds, self.k, self.gpu_static_fraction)
+        self.plan = self.engine.plan(self.policy, self.k, self.gpu_static_fraction)
         self.state.clear()
         for i in range(len(params)):
             if steps[i] > 0:
@@ -606,15 +642,13 @@ class TieredAdamW(torch.optim.Optimizer):
                 *(p._version for p, a in zip(layout.params, layout.aliased) if a))
 
     def _host_changed(self) -> None:
-        changed = getattr(self.engine, "host_changed", None)
-        if changed is not None:
-            changed()
+        self.engine.host_changed()
         self._host_versions = None
 
-    def _engine_class(self) -> type:
+    def _engine_class(self, numel: int) -> type:
         if self.engine_class is not None:
             return self.engine_class
-        return SchedulerEngine if not SchedulerEngine.available() else SubgroupEngine
+        return SchedulerEngine if not SchedulerEngine.available(numel) else SubgroupEngine
 
     def _expose_state(self, i: int) -> None:
         """torch.optim's view of param i's state: views of the flat buffers, and the step."""
@@ -691,7 +725,7 @@ class TieredAdamW(torch.optim.Optimizer):
                 self._host_changed()
             if self.policy == "auto" and self.k is None and isinstance(self.engine, SchedulerEngine):
                 # The PerfModel's plan follows the calibrated rates and the headroom: every step.
-                self.plan = self.engine.plan(self.policy, layout.subgroups, self.k, self.gpu_static_fraction)
+                self.plan = self.engine.plan(self.policy, self.k, self.gpu_static_fraction)
             t1 = time.perf_counter()
             nonfinite = self.engine.step(self.plan, args)
             engine_seconds = time.perf_counter() - t1

@@ -196,6 +196,7 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
             "subgroups": len(opt.plan.subgroups),
             "state_bytes": b.nbytes(),
             "pinned": b.pinned,
+            "host_arena": _host_arena_report(opt),
             "low_precision": None if b.lowp is None else str(b.lowp.dtype).replace("torch.", ""),
             "engine": opt.engine.name,
             "cpu_isa": memtide.cpu_isa(),
@@ -217,3 +218,15 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
         "policies": policies,
         "policies_identical": len({p["digest"] for p in policies}) == 1,
     }
+
+
+def _host_arena_report(opt) -> Optional[Dict[str, Any]]:
+    """Where the engine's fp32 state lives: bytes asked for against what the arena reserved."""
+    native = getattr(opt.engine, "native", None)
+    if native is None:
+        return None
+    stats = memtide.host.stats(device=native.device)
+    return {"requested_bytes": 16 * opt.buffers.params.numel(), "state_bytes": native.host_bytes,
+            "reserved_bytes": stats["reserved_bytes"], "slabs": stats["slabs"],
+            "registered_slabs": stats["registered_slabs"], "numa_node": stats["numa_node"],
+            "device": native.device_name}

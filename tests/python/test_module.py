@@ -255,11 +255,11 @@ def test_cli_run_trains_by_default_json(cli):
 
 def test_cli_run_trains_by_default_text(cli):
     pytest.importorskip("torch")
-    p = cli("run", *TRAIN_FLAGS, "--policy", "interleaved", "--k", "1", "--device", "sim")
+    p = cli("run", *TRAIN_FLAGS, "--policy", "interleaved", "--k", "2", "--device", "sim")
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert out.startswith("training a 1-layer GPT-style model")
-    for needle in ("step   1/4", "per phase", "plan      policy interleaved (k=1):", "params/s",
+    for needle in ("step   1/4", "per phase", "plan      policy interleaved (k=2):", "params/s",
                    "identical results under every policy: yes", "on CPU (fp32"):
         assert needle in out, needle
     if "engine scheduler" in out:

@@ -12,8 +12,7 @@ torch = pytest.importorskip("torch")
 
 import memtide  # noqa: E402
 from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
-from memtide.optim import (POLICIES, LossScaler, SchedulerEngine, SubgroupEngine, TieredAdamW,  # noqa: E402
-                           policy_placement)
+from memtide.optim import POLICIES, LossScaler, SchedulerEngine, SubgroupEngine, TieredAdamW  # noqa: E402
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -135,10 +134,9 @@ def test_every_policy_gives_identical_bits():
 
 def test_plan_says_what_ran():
     model = make_model()
-    opt = TieredAdamW(model.parameters(), policy="interleaved", k=1, subgroup_size=SUBGROUP)
+    opt = TieredAdamW(model.parameters(), policy="interleaved", k=2, subgroup_size=SUBGROUP)
     plan = opt.plan
-    assert plan.requested == policy_placement("interleaved", 12, k=1)
-    assert plan.requested.count("gpu") == 6
+    assert plan.requested == ("cpu", "gpu") * 6  # stride 2: every other subgroup on the GPU
     if isinstance(opt.engine, SchedulerEngine):
         # The scheduler runs GPU placements (on a data-mode SimDevice without a GPU).
         assert plan.placement == plan.requested and plan.reason == ""
@@ -146,7 +144,7 @@ def test_plan_says_what_ran():
     elif not torch.cuda.is_available():
         assert plan.placement == ("cpu",) * 12
         assert "no GPU" in plan.reason and "all on CPU" in plan.summary()
-    assert plan.summary().startswith("policy interleaved (k=1): 12 subgroups")
+    assert plan.summary().startswith("policy interleaved (k=2): 12 subgroups")
 
 
 # ---- the UpdateScheduler engine -----------------------------------------------------------------
@@ -159,8 +157,8 @@ class CpuEngineAdamW(TieredAdamW):
 
 
 def test_default_engine_is_the_scheduler():
-    if SchedulerEngine.available():
-        pytest.skip(f"the runtime's device cannot run the scheduler: {SchedulerEngine.available()}")
+    if SchedulerEngine.available(1):
+        pytest.skip(f"the runtime's device cannot run the scheduler: {SchedulerEngine.available(1)}")
     opt = TieredAdamW(make_model().parameters(), subgroup_size=SUBGROUP)
     assert isinstance(opt.engine, SchedulerEngine)
     assert opt.engine.name == "scheduler"
@@ -173,12 +171,13 @@ def subgroup_sizes(opt, letter):
 @pytest.mark.parametrize("policy,kw,letters", [
     ("cpu", {}, "c" * 12),
     ("static", dict(gpu_static_fraction=0.5), "c" * 6 + "s" * 6),
-    ("interleaved", dict(k=2), "ccg" * 4),
-    ("interleaved", dict(k=1, gpu_static_fraction=0.25), "cg" * 4 + "c" + "s" * 3),
+    ("interleaved", dict(k=3), "ccg" * 4),
+    ("interleaved", dict(k=2, gpu_static_fraction=0.25), "cg" * 4 + "c" + "s" * 3),
+    ("interleaved", dict(k=1.5), "cgg" * 4),
 ])
 def test_scheduler_places_subgroups_and_matches_the_cpu_engine(policy, kw, letters):
-    if SchedulerEngine.available():
-        pytest.skip(SchedulerEngine.available())
+    if SchedulerEngine.available(1):
+        pytest.skip(SchedulerEngine.available(1))
     model, ref_model = make_model(), make_model()
     opt = TieredAdamW(model.parameters(), policy=policy, subgroup_size=SUBGROUP, **HYPER, **kw)
     ref = CpuEngineAdamW(ref_model.parameters(), policy=policy, subgroup_size=SUBGROUP, **HYPER, **kw)
@@ -201,8 +200,8 @@ def test_scheduler_places_subgroups_and_matches_the_cpu_engine(policy, kw, lette
 
 
 def test_auto_plans_with_the_perf_model():
-    if SchedulerEngine.available():
-        pytest.skip(SchedulerEngine.available())
+    if SchedulerEngine.available(1):
+        pytest.skip(SchedulerEngine.available(1))
     model = make_model()
     opt = TieredAdamW(model.parameters(), policy="auto", subgroup_size=SUBGROUP, **HYPER)
     ep = opt.plan.engine_plan
@@ -218,14 +217,14 @@ def test_auto_plans_with_the_perf_model():
 
 
 def test_scheduler_with_param_groups_and_low_precision():
-    if SchedulerEngine.available():
-        pytest.skip(SchedulerEngine.available())
+    if SchedulerEngine.available(1):
+        pytest.skip(SchedulerEngine.available(1))
     results = []
     for cls in (TieredAdamW, CpuEngineAdamW):
         model = make_model(dtype=torch.bfloat16)
         params = list(model.parameters())
         groups = [dict(params=params[::2], lr=2e-3), dict(params=params[1::2], weight_decay=0.0)]
-        opt = cls(groups, policy="interleaved", k=1, gpu_static_fraction=0.25, subgroup_size=SUBGROUP,
+        opt = cls(groups, policy="interleaved", k=2, gpu_static_fraction=0.25, subgroup_size=SUBGROUP,
                   loss_scale="dynamic", **HYPER)
         train(model, opt, DATA[:4])
         results.append((flat_state(opt), [p.detach().clone() for p in params]))
@@ -238,12 +237,21 @@ def test_scheduler_with_param_groups_and_low_precision():
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
 
-def test_policy_placement():
-    assert policy_placement("cpu", 4) == ("cpu",) * 4
-    assert policy_placement("static", 4, gpu_static_fraction=0.5) == ("cpu", "cpu", "gpu", "gpu")
-    assert policy_placement("interleaved", 6, k=2) == ("cpu", "cpu", "gpu", "cpu", "cpu", "gpu")
-    assert policy_placement("interleaved", 5, k=1, gpu_static_fraction=0.4) == ("cpu", "gpu", "cpu", "gpu", "gpu")
-    assert policy_placement("auto", 5) is None  # left to the performance model
+@pytest.mark.parametrize("policy,kw", [("cpu", {}), ("static", dict(gpu_static_fraction=0.5)),
+                                       ("interleaved", dict(k=1.5, gpu_static_fraction=0.25)),
+                                       ("auto", dict(k=3)), ("auto", {})])
+def test_one_placement_function_and_one_meaning_of_k(policy, kw):
+    """What TieredAdamW asks for is the PerfModel's plan for the same knobs (k: the stride)."""
+    opt = TieredAdamW(make_model().parameters(), policy=policy, subgroup_size=SUBGROUP, **kw)
+    sizes = [e - s for s, e in opt.plan.subgroups]
+    if policy == "auto" and "k" not in kw:
+        assert opt.plan.requested is None  # left to the performance model
+        return
+    ref = memtide.plan_update(sizes, policy=policy, static_fraction=kw.get("gpu_static_fraction", 0.0),
+                              k=kw.get("k"), gpu_slot_limit=len(sizes), gpu_static_limit=len(sizes))
+    assert opt.plan.requested == tuple("cpu" if c == "c" else "gpu" for c in ref["placement"])
+    if isinstance(opt.engine, SchedulerEngine):
+        assert opt.plan.engine_plan["placement"] == ref["placement"]  # the memory fits it here
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
@@ -561,8 +569,8 @@ def test_bad_params_and_state():
 def test_scheduler_sees_model_changes_between_steps():
     """GPU-static residents stay on the device between steps; a model checkpoint loaded into the
     (CPU, aliased) params between steps must still win over those device copies."""
-    if SchedulerEngine.available():
-        pytest.skip(SchedulerEngine.available())
+    if SchedulerEngine.available(1):
+        pytest.skip(SchedulerEngine.available(1))
     checkpoint = make_model(seed=3).state_dict()
     finals = []
     for cls in (TieredAdamW, CpuEngineAdamW):

@@ -270,5 +270,33 @@ TEST(UpdateEngineResidency, ResidentsAndActivationsNeverExceedTheDevice) {
       << "the update-phase sizing would have fit too: the test cannot tell the two apart";
 }
 
+// A phase entered with no allocation seen has no low water yet: it must not read as "no memory"
+// (its "none yet" maximum plus the engine's loans once wrapped around to almost nothing).
+TEST(UpdateEngineResidency, APhaseWithNothingObservedDoesNotZeroTheBudget) {
+  SimDevice dev(SimConfig{});
+  CachingAllocator alloc(dev, small_margin());
+  HostArena arena(arena_for(dev));
+  UpdateEngine engine(alloc, arena, 40'000, cut(40'000, 10'000), nullptr);
+  std::vector<Segment> segs;
+  for (std::size_t g = 0; g < 4; ++g) {
+    Segment s;
+    s.subgroup = g;
+    s.start = g * 10'000;
+    s.end = s.start + 10'000;
+    segs.push_back(s);
+  }
+  // The first iteration starts in "other" with nothing allocated: its low water stays unknown.
+  alloc.mark_phase(Phase::forward);
+  alloc.mark_phase(Phase::backward);
+  alloc.mark_phase(Phase::update);
+  EnginePlan p = engine.plan(Policy::static_split, 0.5);
+  (void)engine.step(p.plan.placement, p.plan.gpu_slots, segs, 1, 1, false, false);  // loans held now
+  alloc.mark_phase(Phase::forward);  // closes the iteration: "other" unknown is in the history
+  ASSERT_EQ(alloc.phase_report().history.size(), 1U);
+  p = engine.plan(Policy::static_split, 0.5);
+  EXPECT_GT(p.budget.budget.update_bytes, 1ULL << 30) << p.budget.source;
+  EXPECT_EQ(p.plan.static_residents, 2U);
+}
+
 }  // namespace
 }  // namespace memtide::tiering

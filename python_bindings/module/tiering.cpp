@@ -1,0 +1,413 @@
+// memtide._memtide: the update-phase PerfModel (plans, predictions, fitting device memory) and the
+// UpdateEngine that TieredAdamW drives.
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "memtide/allocator/host_arena.hpp"
+#include "memtide/core/thread_pool.hpp"
+#include "memtide/tiering/calibration.hpp"
+#include "memtide/tiering/perf_model.hpp"
+#include "memtide/tiering/update_engine.hpp"
+#include "common.hpp"
+
+namespace memtide::bindings {
+namespace {
+
+// ---- update-phase PerfModel ------------------------------------------------------------------
+
+
+struct RateField {
+  const char* key;
+  double tiering::Rates::*member;
+};
+constexpr RateField kRateFields[] = {
+    {"h2d_bytes_per_s", &tiering::Rates::h2d_bytes_per_s},
+    {"d2h_bytes_per_s", &tiering::Rates::d2h_bytes_per_s},
+    {"cpu_update_params_per_s", &tiering::Rates::cpu_update_params_per_s},
+    {"gpu_update_params_per_s", &tiering::Rates::gpu_update_params_per_s},
+    {"cpu_downscale_params_per_s", &tiering::Rates::cpu_downscale_params_per_s},
+    {"host_dram_bytes_per_s", &tiering::Rates::host_dram_bytes_per_s},
+    {"cpu_dram_bytes_per_param", &tiering::Rates::cpu_dram_bytes_per_param},
+};
+
+nb::dict rates_dict(const tiering::Rates& r) {
+  nb::dict d;
+  for (const RateField& f : kRateFields) d[f.key] = r.*f.member;
+  return d;
+}
+
+// Starts from the C++ defaults; `overrides` may set any subset of the fields.
+tiering::Rates rates_arg(const std::optional<nb::dict>& overrides) {
+  tiering::Rates r;
+  if (!overrides) return r;
+  for (auto [key, value] : *overrides) {
+    const std::string name = nb::cast<std::string>(key);
+    bool known = false;
+    for (const RateField& f : kRateFields) {
+      if (name == f.key) {
+        r.*f.member = nb::cast<double>(value);
+        known = true;
+      }
+    }
+    if (!known) {
+      std::string keys;
+      for (const RateField& f : kRateFields) keys += std::string(keys.empty() ? "" : ", ") + f.key;
+      value_error("rates: unknown key \"" + name + "\"; known keys: " + keys);
+    }
+  }
+  return r;
+}
+
+std::size_t count_arg(const char* name, std::int64_t value) {
+  if (value < 0) value_error(std::string(name) + " must be >= 0, got " + std::to_string(value));
+  return static_cast<std::size_t>(value);
+}
+
+tiering::Workload workload_arg(const std::vector<std::int64_t>& subgroup_params, std::int64_t low_precision_bytes,
+                               bool grads_on_host, std::int64_t gpu_slot_limit, std::int64_t gpu_static_limit) {
+  tiering::Workload w;
+  w.subgroup_params.reserve(subgroup_params.size());
+  for (std::int64_t p : subgroup_params) w.subgroup_params.push_back(count_arg("subgroup_params", p));
+  w.low_precision_bytes = count_arg("low_precision_bytes", low_precision_bytes);
+  w.grads_on_host = grads_on_host;
+  w.gpu_slot_limit = count_arg("gpu_slot_limit", gpu_slot_limit);
+  w.gpu_static_limit = count_arg("gpu_static_limit", gpu_static_limit);
+  return w;
+}
+
+const char* policy_key(tiering::Policy p) {
+  switch (p) {
+    case tiering::Policy::cpu: return "cpu";
+    case tiering::Policy::static_split: return "static";
+    case tiering::Policy::interleaved: return "interleaved";
+    case tiering::Policy::automatic: return "auto";
+  }
+  return "auto";
+}
+
+tiering::Policy policy_arg(const std::string& name) {
+  for (auto p : {tiering::Policy::cpu, tiering::Policy::static_split, tiering::Policy::interleaved,
+                 tiering::Policy::automatic}) {
+    if (name == policy_key(p)) return p;
+  }
+  // The C++ enumerators' spellings are accepted too.
+  if (name == "static_split") return tiering::Policy::static_split;
+  if (name == "automatic") return tiering::Policy::automatic;
+  value_error("policy: \"" + name + "\" is not a policy; expected cpu, static, interleaved or auto");
+}
+
+// One letter per subgroup: c (CPU), g (streamed through the GPU), s (GPU-static).
+std::string placement_string(const std::vector<tiering::Placement>& placement) {
+  std::string out;
+  out.reserve(placement.size());
+  for (tiering::Placement p : placement) {
+    out += p == tiering::Placement::cpu ? 'c' : p == tiering::Placement::gpu ? 'g' : 's';
+  }
+  return out;
+}
+
+std::vector<tiering::Placement> placement_arg(const std::string& text) {
+  std::vector<tiering::Placement> out;
+  out.reserve(text.size());
+  for (char c : text) {
+    if (c == 'c') out.push_back(tiering::Placement::cpu);
+    else if (c == 'g') out.push_back(tiering::Placement::gpu);
+    else if (c == 's') out.push_back(tiering::Placement::gpu_static);
+    else value_error(std::string("placement: '") + c + "' is not a placement; expected c (CPU), g (streamed GPU) or s (GPU-static)");
+  }
+  return out;
+}
+
+nb::dict prediction_dict(const tiering::Prediction& p) {
+  nb::dict d;
+  d["total_ns"] = p.total_ns;
+  d["bound_ns"] = p.bound_ns;
+  d["cpu_ns"] = p.cpu_ns;
+  d["gpu_ns"] = p.gpu_ns;
+  d["h2d_ns"] = p.h2d_ns;
+  d["d2h_ns"] = p.d2h_ns;
+  d["dram_ns"] = p.dram_ns;
+  d["busiest"] = p.busiest;
+  d["h2d_bytes"] = p.h2d_bytes;
+  d["d2h_bytes"] = p.d2h_bytes;
+  d["dram_bytes"] = p.dram_bytes;
+  return d;
+}
+
+nb::dict plan_dict(const tiering::Plan& p) {
+  nb::dict d;
+  d["policy"] = policy_key(p.policy);
+  d["placement"] = placement_string(p.placement);
+  d["k"] = p.k;
+  d["gpu_slots"] = p.gpu_slots;
+  d["gpu_streamed"] = p.gpu_streamed;
+  d["static_residents"] = p.static_residents;
+  d["prediction"] = prediction_dict(p.prediction);
+  return d;
+}
+
+nb::dict plan_update(const std::vector<std::int64_t>& subgroup_params, const std::string& policy,
+                     const std::optional<nb::dict>& rates, double static_fraction, std::optional<double> k,
+                     std::int64_t low_precision_bytes, bool grads_on_host, std::int64_t gpu_slot_limit,
+                     std::int64_t gpu_static_limit) {
+  const tiering::Workload w =
+      workload_arg(subgroup_params, low_precision_bytes, grads_on_host, gpu_slot_limit, gpu_static_limit);
+  const tiering::Rates r = rates_arg(rates);
+  const tiering::Policy pol = policy_arg(policy);
+  tiering::Plan plan;
+  {
+    nb::gil_scoped_release nogil;
+    plan = tiering::PerfModel{}.plan(w, r, pol, static_fraction, k);
+  }
+  return plan_dict(plan);
+}
+
+nb::dict predict_update(const std::vector<std::int64_t>& subgroup_params, const std::string& placement,
+                        const std::optional<nb::dict>& rates, std::int64_t low_precision_bytes, bool grads_on_host,
+                        std::int64_t gpu_slot_limit) {
+  const tiering::Workload w = workload_arg(subgroup_params, low_precision_bytes, grads_on_host, gpu_slot_limit, 0);
+  const tiering::Rates r = rates_arg(rates);
+  const std::vector<tiering::Placement> pl = placement_arg(placement);
+  tiering::Prediction p;
+  {
+    nb::gil_scoped_release nogil;
+    p = tiering::PerfModel{}.predict(w, r, pl);
+  }
+  return prediction_dict(p);
+}
+
+// ---- fitting device memory -------------------------------------------------------------------
+
+nb::dict fit_gpu_budget(const std::vector<std::int64_t>& subgroup_params, std::int64_t update_bytes,
+                        std::int64_t resident_bytes, bool grads_on_host) {
+  tiering::Workload w = workload_arg(subgroup_params, 2, grads_on_host, 0, 0);
+  tiering::fit_gpu_budget(w, tiering::GpuBudget{count_arg("update_bytes", update_bytes),
+                                                count_arg("resident_bytes", resident_bytes)});
+  std::size_t largest = 0;
+  for (std::size_t n : w.subgroup_params) largest = std::max(largest, n);
+  nb::dict d;
+  d["gpu_slot_limit"] = w.gpu_slot_limit;
+  d["gpu_static_limit"] = w.gpu_static_limit;
+  d["slot_bytes"] = tiering::gpu_slot_bytes(largest, grads_on_host);
+  d["resident_bytes"] = tiering::gpu_slot_bytes(largest, true);
+  return d;
+}
+
+// ---- UpdateEngine: conversion only; the engine is tiering::UpdateEngine -------------------------
+
+nb::dict use_dict(const tiering::ResourceUse& u) {
+  nb::dict d;
+  d["busy_ns"] = u.busy_ns;
+  d["bytes"] = u.bytes;
+  d["params"] = u.params;
+  d["ops"] = u.ops;
+  return d;
+}
+
+nb::dict budget_dict(const tiering::EngineBudget& b) {
+  nb::dict d;
+  d["update_bytes"] = b.budget.update_bytes;
+  d["resident_bytes"] = b.budget.resident_bytes;
+  d["source"] = b.source;
+  d["slot_bytes"] = b.slot_bytes;
+  d["slots_taken"] = b.slots_taken;
+  d["residents_taken"] = b.residents_taken;
+  nb::dict phases;
+  for (int p = 0; p < kPhaseCount; ++p) {
+    phases[phase_name(static_cast<Phase>(p))] = b.phase_seen[p] ? nb::cast(b.phase_min_free[p]) : nb::none();
+  }
+  d["phase_min_free"] = phases;
+  return d;
+}
+
+using FloatArray = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+/// The Python face of tiering::UpdateEngine on one of the runtime's devices. One call at a time
+/// reaches the engine (it is not thread-safe); the GIL is released while it works.
+class PyUpdateEngine {
+ public:
+  PyUpdateEngine(std::int64_t n, const std::vector<std::pair<std::int64_t, std::int64_t>>& subgroups,
+                 std::int64_t low_precision_bytes, int device) {
+    std::vector<std::pair<std::size_t, std::size_t>> ranges;
+    for (auto [s, e] : subgroups) {
+      if (s < 0 || e < 0) {
+        value_error("UpdateEngine: subgroup [" + std::to_string(s) + ", " + std::to_string(e) + ") is negative");
+      }
+      ranges.emplace_back(static_cast<std::size_t>(s), static_cast<std::size_t>(e));
+    }
+    tiering::EngineConfig config;
+    config.low_precision_bytes = count_arg("low_precision_bytes", low_precision_bytes);
+    const std::size_t count = count_arg("n", n);
+    Runtime& rt = Runtime::get();
+    CachingAllocator& a = rt.allocator(device);
+    HostArena& arena = rt.host_arena(device);
+    nb::gil_scoped_release nogil;  // the arena may map, touch and register a slab: milliseconds
+    engine_ = std::make_unique<tiering::UpdateEngine>(a, arena, count, std::move(ranges), &default_pool(), config);
+    device_ = device;
+  }
+
+  // The four host arrays as zero-copy arrays that keep this engine alive.
+  nb::tuple arrays(nb::handle self) {
+    const std::size_t shape[1] = {engine_->size()};
+    auto view = [&](float* p) { return FloatArray(p, 1, shape, self); };
+    return nb::make_tuple(view(engine_->param()), view(engine_->exp_avg()), view(engine_->exp_avg_sq()),
+                          view(engine_->grad()));
+  }
+
+  nb::dict plan(const std::string& policy, std::optional<double> k, double static_fraction) {
+    const tiering::Policy pol = policy_arg(policy);
+    tiering::EnginePlan p;
+    {
+      nb::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mutex_);
+      p = engine_->plan(pol, static_fraction, k);
+    }
+    nb::dict d = plan_dict(p.plan);
+    d["reason"] = p.reason;
+    d["budget"] = budget_dict(p.budget);
+    d["headroom_bytes"] = p.budget.budget.update_bytes;
+    d["headroom_from"] = p.budget.source;
+    return d;
+  }
+
+  nb::dict step(const std::string& placement, std::int64_t gpu_slots, double predicted_ns, const nb::list& segments,
+                double grad_scale, double clip, bool l2, bool skip_if_nonfinite) {
+    const std::vector<tiering::Placement> place = placement_arg(placement);
+    const std::size_t slots = count_arg("gpu_slots", gpu_slots);
+    std::vector<tiering::Segment> segs;
+    segs.reserve(segments.size());
+    for (nb::handle h : segments) {
+      // (subgroup, start, end, lr, beta1, beta2, eps, weight_decay, step)
+      nb::tuple t = nb::cast<nb::tuple>(h);
+      if (t.size() != 9) value_error("UpdateEngine.step: a segment is (subgroup, start, end, lr, beta1, beta2, eps, weight_decay, step)");
+      tiering::Segment s;
+      s.subgroup = nb::cast<std::size_t>(t[0]);
+      s.start = nb::cast<std::size_t>(t[1]);
+      s.end = nb::cast<std::size_t>(t[2]);
+      s.params.lr = nb::cast<double>(t[3]);
+      s.params.beta1 = nb::cast<double>(t[4]);
+      s.params.beta2 = nb::cast<double>(t[5]);
+      s.params.eps = nb::cast<double>(t[6]);
+      s.params.weight_decay = nb::cast<double>(t[7]);
+      s.params.step = nb::cast<std::int64_t>(t[8]);
+      segs.push_back(s);
+    }
+    tiering::EngineStep r;
+    {
+      nb::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mutex_);
+      r = engine_->step(place, slots, segs, grad_scale, clip, l2, skip_if_nonfinite, predicted_ns);
+    }
+    nb::dict d;
+    d["nonfinite"] = r.nonfinite;
+    d["skipped"] = r.skipped;
+    d["runs"] = r.runs;
+    d["measured_ns"] = r.total.phase_ns;
+    d["clock"] = simulated() ? "simulated" : "wall";
+    d["predicted_ns"] = predicted_ns;
+    d["cpu"] = use_dict(r.total.cpu);
+    d["gpu"] = use_dict(r.total.gpu);
+    d["h2d"] = use_dict(r.total.h2d);
+    d["d2h"] = use_dict(r.total.d2h);
+    d["h2d_d2h_overlap_ns"] = r.total.h2d_d2h_overlap_ns;
+    d["params_cpu"] = r.total.params_cpu;
+    d["params_gpu"] = r.total.params_gpu;
+    d["params_gpu_static"] = r.total.params_gpu_static;
+    d["loop_allocations"] = r.total.loop_allocations;
+    d["loop_device_allocs"] = r.total.loop_device_allocs;
+    return d;
+  }
+
+  void host_changed() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->host_changed();
+  }
+
+  nb::dict rates() const { return rates_dict(engine_->rates()); }
+  nb::dict errors() const {
+    const tiering::PredictionErrors e = engine_->prediction_errors();
+    nb::dict d;
+    d["count"] = e.count;
+    d["last"] = e.last;
+    d["mean_abs"] = e.mean_abs;
+    d["max_abs"] = e.max_abs;
+    return d;
+  }
+  std::uint64_t host_bytes() const { return engine_->host_bytes(); }
+  std::uint64_t resident_bytes() const { return engine_->resident_bytes(); }
+  std::string device_name() const { return engine_->device().properties().name; }
+  int device() const { return device_; }
+  // For reports: which clock the measurements are on.
+  bool simulated() const { return engine_->device().properties().backend != "cuda"; }
+
+ private:
+  std::unique_ptr<tiering::UpdateEngine> engine_;
+  std::mutex mutex_;
+  int device_ = 0;
+};
+
+}  // namespace
+
+void bind_tiering(nb::module_& m) {
+  m.def("default_rates", [] { return rates_dict(tiering::Rates{}); },
+        "The update-phase PerfModel's default rates (bytes/s, params/s, bytes/param), keyed by field.");
+  m.def("plan_update", &plan_update, "subgroup_params"_a, "policy"_a = "auto", "rates"_a = nb::none(),
+        "static_fraction"_a = 0.0, "k"_a = nb::none(), "low_precision_bytes"_a = 2, "grads_on_host"_a = true,
+        "gpu_slot_limit"_a = 3, "gpu_static_limit"_a = 0,
+        "The PerfModel's update-phase plan for `policy` (cpu, static, interleaved, auto): the one\n"
+        "placement function. `static_fraction`: the GPU-resident share (static, interleaved, auto with k);\n"
+        "`k`: the stride, one in every k subgroups on the GPU (interleaved: default 2; auto: None searches).\n\n"
+        "`rates` overrides any of default_rates(). Returns policy, placement (one letter per subgroup:\n"
+        "c CPU, g streamed GPU, s GPU-static), k, gpu_slots, gpu_streamed, static_residents and the\n"
+        "prediction (total_ns, bound_ns, per-resource busy ns, busiest, bytes moved).");
+  m.def("predict_update", &predict_update, "subgroup_params"_a, "placement"_a, "rates"_a = nb::none(),
+        "low_precision_bytes"_a = 2, "grads_on_host"_a = true, "gpu_slot_limit"_a = 3,
+        "The PerfModel's predicted update phase for `placement` (one letter per subgroup: c, g, s).");
+
+  m.def("fit_gpu_budget", &fit_gpu_budget, "subgroup_params"_a, "update_bytes"_a, "resident_bytes"_a,
+        "grads_on_host"_a = true,
+        "What a plan may hold: streamed slots in `update_bytes` (memory free during the update phase)\n"
+        "and static residents in `resident_bytes` (free through the whole iteration). Returns\n"
+        "gpu_slot_limit, gpu_static_limit, slot_bytes and resident_bytes (one resident).");
+
+  nb::class_<PyUpdateEngine>(m, "UpdateEngine",
+                             "The tiering engine of one device (tiering::UpdateEngine): it owns the host state (four\n"
+                             "flat float32 arrays in the device's pinned, NUMA-bound HostArena), plans each step with\n"
+                             "the PerfModel from the phase tracker's memory and the calibrated rates, and runs the\n"
+                             "UpdateScheduler (a data-mode SimDevice without a GPU).")
+      .def(nb::init<std::int64_t, const std::vector<std::pair<std::int64_t, std::int64_t>>&, std::int64_t, int>(),
+           "n"_a, "subgroups"_a, "low_precision_bytes"_a = 2, "device"_a = 0,
+           "Host state for `n` params (zeroed), cut into `subgroups`, consecutive [start, end) ranges covering it.")
+      .def("arrays", [](nb::handle self) { return nb::cast<PyUpdateEngine&>(self).arrays(self); },
+           "(param, exp_avg, exp_avg_sq, grad): zero-copy float32 arrays over the host state (DLPack;\n"
+           "torch.from_dlpack makes tensors of them). They keep the engine alive.")
+      .def("plan", &PyUpdateEngine::plan, "policy"_a, "k"_a = nb::none(), "static_fraction"_a = 0.0,
+           "The plan of `policy` (cpu, static, interleaved, auto) with stride `k` (one in every k subgroups on\n"
+           "the GPU; None under auto: the PerfModel searches) and GPU-resident share `static_fraction`, sized\n"
+           "from the phase tracker. Returns placement (c/g/s per subgroup), k, gpu_slots, gpu_streamed,\n"
+           "static_residents, prediction, reason, and budget (update_bytes, resident_bytes, source,\n"
+           "slot_bytes, slots_taken, residents_taken, phase_min_free per phase).")
+      .def("step", &PyUpdateEngine::step, "placement"_a, "gpu_slots"_a, "predicted_ns"_a, "segments"_a,
+           "grad_scale"_a = 1.0, "clip"_a = 1.0, "l2"_a = false, "skip_if_nonfinite"_a = false,
+           "One update phase. segments: (subgroup, start, end, lr, beta1, beta2, eps, weight_decay, step)\n"
+           "tuples; segments with the same hyperparameters share one scheduler run. Returns nonfinite,\n"
+           "skipped, measured_ns (clock: simulated on a SimDevice, else wall), predicted_ns, per-resource\n"
+           "use and params updated per placement. The Calibration learns from every step.")
+      .def("host_changed", &PyUpdateEngine::host_changed,
+           "The host arrays were changed outside step(): GPU-static residents are dropped and moved in\n"
+           "again from the host on the next step.")
+      .def("rates", &PyUpdateEngine::rates, "The Calibration's current rates.")
+      .def("prediction_errors", &PyUpdateEngine::errors, "Recent (measured - predicted) / predicted of whole phases.")
+      .def_prop_ro("host_bytes", &PyUpdateEngine::host_bytes, "Pinned host bytes the state takes in the arena.")
+      .def_prop_ro("resident_bytes", &PyUpdateEngine::resident_bytes, "Device bytes the engine holds between steps.")
+      .def_prop_ro("device", &PyUpdateEngine::device)
+      .def_prop_ro("device_name", &PyUpdateEngine::device_name)
+      .def_prop_ro("simulated", &PyUpdateEngine::simulated);
+}
+
+}  // namespace memtide::bindings
