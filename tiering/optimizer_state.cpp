@@ -81,9 +81,16 @@ std::unique_ptr<OptimizerState> OptimizerState::owned(Device& device, SlabSource
   return s;
 }
 
-std::unique_ptr<OptimizerState> OptimizerState::external(Device& device, const std::vector<ExternalSubgroup>& groups) {
+std::unique_ptr<OptimizerState> OptimizerState::external(Device& device, const std::vector<ExternalSubgroup>& groups,
+                                                         DType model_dtype) {
   if (groups.empty()) throw InvalidArgument("OptimizerState::external: no subgroups given");
+  const bool any_model = std::any_of(groups.begin(), groups.end(), [](const ExternalSubgroup& e) { return e.model_param != nullptr; });
+  if (any_model && model_dtype != DType::fp16 && model_dtype != DType::bf16) {
+    throw InvalidArgument(std::string("OptimizerState::external: model params are given, so model_dtype must be fp16 or bf16, got ") +
+                          dtype_name(model_dtype));
+  }
   std::unique_ptr<OptimizerState> s(new OptimizerState(device, StateMemory::external));
+  s->model_dtype_ = any_model ? model_dtype : DType::none;
   std::size_t offset = 0;
   for (std::size_t i = 0; i < groups.size(); ++i) {
     const ExternalSubgroup& e = groups[i];
@@ -98,6 +105,7 @@ std::unique_ptr<OptimizerState> OptimizerState::external(Device& device, const s
     g.exp_avg = e.exp_avg;
     g.exp_avg_sq = e.exp_avg_sq;
     g.grad = e.grad;
+    g.model_param = e.model_param;
     s->subgroups_.push_back(g);
     offset += e.n;
   }

@@ -88,6 +88,7 @@ UpdateEngine::~UpdateEngine() {
     // device copies first, so the schedulers' destructors do not copy stale ones back.
     for (Entry& e : cache_) e.scheduler->discard_residents();
     cache_.clear();
+    if (model_params_ != nullptr) allocator_.deallocate(model_params_, Stream{});
     for (float* a : arrays_) arena_.deallocate(a);
   } catch (const Error& e) {
     // Destructors never throw; the runtime may be shutting down.
@@ -105,6 +106,25 @@ std::uint64_t UpdateEngine::resident_bytes() const {
   std::uint64_t total = 0;
   for (const Entry& e : cache_) total += e.scheduler->held_bytes();
   return total;
+}
+
+void* UpdateEngine::model_params(DType dtype) {
+  if (dtype != DType::fp16 && dtype != DType::bf16) {
+    throw InvalidArgument(std::string("UpdateEngine::model_params: dtype must be fp16 or bf16, got ") + dtype_name(dtype));
+  }
+  if (model_params_ != nullptr) {
+    if (dtype != model_dtype_) {
+      throw InvalidArgument(std::string("UpdateEngine::model_params: the model's params are ") + dtype_name(model_dtype_) +
+                            ", not " + dtype_name(dtype));
+    }
+    return model_params_;
+  }
+  model_params_ = allocator_.allocate(n_ * dtype_size(dtype), Stream{});
+  model_dtype_ = dtype;
+  // Schedulers built before have no model params: rebuild them (the host arrays hold every result).
+  for (Entry& e : cache_) e.scheduler->discard_residents();
+  cache_.clear();
+  return model_params_;
 }
 
 // ---- planning -------------------------------------------------------------------------------
@@ -251,11 +271,13 @@ UpdateScheduler& UpdateEngine::scheduler_for(const std::vector<std::pair<std::si
   std::vector<ExternalSubgroup> ext;
   ext.reserve(ranges.size());
   for (auto [s, e] : ranges) {
-    ext.push_back(ExternalSubgroup{param() + s, exp_avg() + s, exp_avg_sq() + s, grad() + s, e - s});
+    void* model =
+        model_params_ == nullptr ? nullptr : static_cast<unsigned char*>(model_params_) + s * dtype_size(model_dtype_);
+    ext.push_back(ExternalSubgroup{param() + s, exp_avg() + s, exp_avg_sq() + s, grad() + s, e - s, model});
   }
   Entry entry;
   entry.ranges = ranges;
-  entry.state = OptimizerState::external(device_, ext);
+  entry.state = OptimizerState::external(device_, ext, model_dtype_);
   entry.scheduler = std::make_unique<UpdateScheduler>(*entry.state, allocator_, pool_);
   cache_.push_front(std::move(entry));
   return *cache_.front().scheduler;
@@ -299,6 +321,12 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
       plan.placement.push_back(placement[s->subgroup]);
     }
     UpdateScheduler& scheduler = scheduler_for(ranges);
+    // Residents of another scheduler may hold newer state than the host arrays this one reads.
+    for (Entry& e : cache_) {
+      if (e.scheduler.get() != &scheduler && std::find(used.begin(), used.end(), e.scheduler.get()) == used.end()) {
+        retire(e);
+      }
+    }
     StepParams params = list.front()->params;
     params.grad_scale = grad_scale;
     params.clip = clip;
@@ -321,26 +349,34 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     t.loop_allocations += r.loop_allocations;
     t.loop_device_allocs += r.loop_device_allocs;
   }
-  // Into the host arrays, which the front end reads. A scheduler not used in this step holds
-  // residents older than the host arrays now: they go.
+  // The residents of this step's schedulers now hold the newest state of their subgroups; the
+  // host arrays get it when someone reads them (sync_host), not on every step.
   std::size_t statics = 0;
-  for (Entry& e : cache_) {
-    if (std::find(used.begin(), used.end(), e.scheduler.get()) != used.end()) {
-      e.scheduler->sync_to_host();
-    } else {
-      e.scheduler->discard_residents();
-    }
-  }
   for (Placement p : placement) statics += p == Placement::gpu_static;
   current_statics_ = statics;
   // This step's schedulers are at the front (most recently used); older ones make room.
-  while (cache_.size() > std::max(kCacheEntries, used.size())) cache_.pop_back();
+  while (cache_.size() > std::max(kCacheEntries, used.size())) {
+    retire(cache_.back());
+    cache_.pop_back();
+  }
   observe(out.total, predicted_ns);
   return out;
 }
 
 void UpdateEngine::host_changed() {
   for (Entry& e : cache_) e.scheduler->discard_residents();
+}
+
+void UpdateEngine::sync_host() {
+  for (Entry& e : cache_) {
+    if (e.scheduler->resident_count() > 0) e.scheduler->sync_to_host();
+  }
+}
+
+void UpdateEngine::retire(Entry& e) {
+  if (e.scheduler->resident_count() == 0) return;
+  e.scheduler->sync_to_host();
+  e.scheduler->discard_residents();
 }
 
 void UpdateEngine::observe(const StepReport& r, double predicted_ns) {

@@ -153,6 +153,11 @@ AdamwArgs UpdateScheduler::args_for(const StepParams& p, std::size_t i) const {
 
 bool UpdateScheduler::is_resident(std::size_t subgroup) const { return residents_.at(subgroup).block != nullptr; }
 
+std::size_t UpdateScheduler::resident_count() const {
+  return static_cast<std::size_t>(
+      std::count_if(residents_.begin(), residents_.end(), [](const Arrays& r) { return r.block != nullptr; }));
+}
+
 std::uint64_t UpdateScheduler::held_bytes() const {
   std::uint64_t total = allocator_.allocation_size(device_counter_).value_or(0);
   for (std::size_t i = 0; i < residents_.size(); ++i) {

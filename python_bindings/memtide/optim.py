@@ -313,6 +313,15 @@ class SubgroupEngine:
     def host_changed(self) -> None:
         """The flat buffers were changed outside step() (nothing is cached elsewhere here)."""
 
+    def sync_host(self) -> None:
+        """Makes the flat buffers hold the newest state (they always do here)."""
+
+    def model_buffer(self, lowp_dtype: Optional[torch.dtype], lowp_params: Sequence[torch.Tensor]
+                     ) -> Optional[torch.Tensor]:
+        """A flat buffer for the model's low-precision params that step() writes itself, or None
+        (then the optimizer writes them back after each step)."""
+        return None
+
     def step(self, plan: UpdatePlan, args: StepArgs) -> bool:
         """Updates every segment; True if a non-finite gradient was seen.
 
@@ -361,6 +370,13 @@ class SchedulerEngine(SubgroupEngine):
                                    pinned=pinned)
         self.subgroups = subgroups
         self.device = device
+        #: The model's low-precision params are views of the engine's device buffer, which every
+        #: step writes inside the update phase (no copy pass, no write-back).
+        self.model_attached = False
+        #: Copy the newest state of GPU-static residents into the host buffers after each step:
+        #: set by the optimizer when something reads them every step (params that are views of
+        #: the fp32 masters, or are copied back from them).
+        self.sync_every_step = True
         self.last_report: Optional[Dict[str, Any]] = None
         #: Every step's measured update phase in ns, on ``clock`` (skipped steps excluded).
         self.measured_ns: List[float] = []
@@ -398,6 +414,24 @@ class SchedulerEngine(SubgroupEngine):
         """The flat buffers were changed outside step(): GPU-static copies are stale."""
         self.native.host_changed()
 
+    def sync_host(self) -> None:
+        """GPU-static residents hold the newest state of their subgroups: copy it to the host."""
+        self.native.sync_host()
+
+    def model_buffer(self, lowp_dtype: Optional[torch.dtype], lowp_params: Sequence[torch.Tensor]
+                     ) -> Optional[torch.Tensor]:
+        """The engine's device buffer for the model's fp16/bf16 params, when they live on the
+        engine's kind of device (CUDA params with a GPU, CPU params with the SimDevice)."""
+        if lowp_dtype is None or not lowp_params:
+            return None
+        on_gpu = not self.native.simulated
+        if any(p.is_cuda != on_gpu for p in lowp_params):
+            return None
+        buffer = torch.from_dlpack(self.native.model_params("bf16" if lowp_dtype == torch.bfloat16 else "fp16"))
+        self.model_attached = True
+        self.buffers.lowp = buffer
+        return buffer
+
     @property
     def clock(self) -> str:
         """"simulated" on a SimDevice (virtual clocks), "wall" on a real device."""
@@ -418,10 +452,12 @@ class SchedulerEngine(SubgroupEngine):
         self.last_report = report
         if not report["skipped"]:
             self.measured_ns.append(float(report["measured_ns"]))
+            if self.sync_every_step:
+                self.native.sync_host()
         b = self.buffers
-        if not report["skipped"] and b.lowp is not None:
-            # The scheduler steps the fp32 masters; the model's low-precision copy is rounded from
-            # them here (round to nearest even, as the fused kernel writes it).
+        if not report["skipped"] and b.lowp is not None and not self.model_attached:
+            # The model's low-precision copy is not the engine's: round it from the fp32 masters
+            # here (round to nearest even, as the fused kernel writes it).
             for s in args.segments:
                 if s.lowp:
                     b.lowp[s.start:s.end].copy_(b.params[s.start:s.end])
@@ -569,6 +605,8 @@ class TieredAdamW(torch.optim.Optimizer):
         old_buffers: Optional[FlatBuffers] = getattr(self, "buffers", None)
         old_index = {id(p): i for i, p in enumerate(old_layout.params)} if old_layout else {}
         old_steps = self._steps
+        if old_buffers is not None:
+            self.engine.sync_host()  # residents may hold newer state than the old host buffers
 
         params, group_of, ranges = [], [], []
         lowp_dtype: Optional[torch.dtype] = None
@@ -592,6 +630,7 @@ class TieredAdamW(torch.optim.Optimizer):
         numel = offset
         bounds = tuple((s, min(s + self.subgroup_size, numel)) for s in range(0, numel, self.subgroup_size))
         engine = self._engine_class(numel)(numel, lowp_dtype, bounds, _device_of(params))
+        engine.model_buffer(lowp_dtype, [p for p in params if p.dtype in _LOWP])
         buffers = engine.buffers
         steps = [0] * len(params)
         lowp_of = [p.dtype in _LOWP for p in params]
@@ -609,9 +648,9 @@ class TieredAdamW(torch.optim.Optimizer):
                     buffers.params[lo:hi].copy_(p.detach().reshape(-1))
                 if lowp_of[i]:
                     buffers.lowp[lo:hi].copy_(p.detach().reshape(-1))
-                if p.device.type == "cpu":
-                    # The param becomes a view of the buffer the kernel writes: no copy-back.
-                    source = buffers.lowp if lowp_of[i] else buffers.params
+                source = buffers.lowp if lowp_of[i] else buffers.params
+                if source.device == p.device:
+                    # The param becomes a view of the buffer the step writes: no copy-back.
                     p.data = source[lo:hi].view(p.shape)
                     aliased[i] = True
 
@@ -627,6 +666,11 @@ class TieredAdamW(torch.optim.Optimizer):
         self.buffers = buffers
         self._steps = steps
         self.engine = engine
+        # Only when every param is a view of the engine's model buffer does nothing read the fp32
+        # masters between steps (checkpoints sync them on demand).
+        model_only = getattr(engine, "model_attached", False) and all(l and a for l, a in zip(lowp_of, aliased))
+        if hasattr(engine, "sync_every_step"):
+            engine.sync_every_step = not model_only
         self._host_versions = None
         self.plan = self.engine.plan(self.policy, self.k, self.gpu_static_fraction)
         self.state.clear()
@@ -836,6 +880,16 @@ class TieredAdamW(torch.optim.Optimizer):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
+    def sync_state(self) -> None:
+        """Makes the host buffers (``buffers``, the tensors in ``state``) hold the newest state.
+
+        Subgroups kept on the GPU between steps hold theirs there; when every param is a view of
+        the engine's device buffer, nothing else reads the host copy, so it is refreshed only on
+        demand. state_dict() calls this itself.
+        """
+        self._wait_for_copies()
+        self.engine.sync_host()
+
     def state_dict(self) -> Dict[str, Any]:
         """torch.optim.AdamW's layout (per param: step, exp_avg, exp_avg_sq), plus the fp32
         master params of fp16/bf16 params under "master_param" and memtide's own state.
@@ -843,7 +897,7 @@ class TieredAdamW(torch.optim.Optimizer):
         Like torch's, the tensors are references to the live state (views of the flat buffers):
         copy or save the dict before the next step if it must not change.
         """
-        self._wait_for_copies()
+        self.sync_state()
         packed = super().state_dict()
         layout = self._layout
         index = {id(p): i for i, p in enumerate(layout.params)}

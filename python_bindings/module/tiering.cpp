@@ -328,6 +328,34 @@ class PyUpdateEngine {
     engine_->host_changed();
   }
 
+  void sync_host() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->sync_host();
+  }
+
+  // The model's 16-bit params in the engine's device memory: a CUDA array on a GPU, a CPU array
+  // over the simulated device's memory (which is host memory) on a SimDevice.
+  nb::ndarray<> model_params(nb::handle self, const std::string& dtype) {
+    tiering::DType dt = tiering::DType::none;
+    if (dtype == "bf16" || dtype == "bfloat16") dt = tiering::DType::bf16;
+    else if (dtype == "fp16" || dtype == "float16") dt = tiering::DType::fp16;
+    else value_error("UpdateEngine.model_params: dtype must be \"bf16\" or \"fp16\", got \"" + dtype + "\"");
+    void* p = nullptr;
+    {
+      nb::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mutex_);
+      p = engine_->model_params(dt);
+    }
+    const std::size_t shape[1] = {engine_->size()};
+    const auto code = static_cast<std::uint8_t>(dt == tiering::DType::bf16 ? nb::dlpack::dtype_code::Bfloat
+                                                                            : nb::dlpack::dtype_code::Float);
+    const nb::dlpack::dtype d{code, 16, 1};
+    const bool sim = simulated();
+    return nb::ndarray<>(p, 1, shape, self, nullptr, d, sim ? nb::device::cpu::value : nb::device::cuda::value,
+                         sim ? 0 : device_);
+  }
+
   nb::dict rates() const { return rates_dict(engine_->rates()); }
   nb::dict errors() const {
     const tiering::PredictionErrors e = engine_->prediction_errors();
@@ -401,6 +429,14 @@ void bind_tiering(nb::module_& m) {
       .def("host_changed", &PyUpdateEngine::host_changed,
            "The host arrays were changed outside step(): GPU-static residents are dropped and moved in\n"
            "again from the host on the next step.")
+      .def("sync_host", &PyUpdateEngine::sync_host,
+           "Copies the newest state of GPU-static residents into the host arrays (before reading them).")
+      .def("model_params", [](nb::handle self, const std::string& dtype) {
+             return nb::cast<PyUpdateEngine&>(self).model_params(self, dtype);
+           }, "dtype"_a,
+           "The model's 16-bit params (\"bf16\" or \"fp16\") for every element, in the engine's device memory,\n"
+           "allocated on first call: from then on each step writes them inside the update phase. A CUDA array\n"
+           "on a GPU, a CPU array over the SimDevice's memory otherwise; it keeps the engine alive.")
       .def("rates", &PyUpdateEngine::rates, "The Calibration's current rates.")
       .def("prediction_errors", &PyUpdateEngine::errors, "Recent (measured - predicted) / predicted of whole phases.")
       .def_prop_ro("host_bytes", &PyUpdateEngine::host_bytes, "Pinned host bytes the state takes in the arena.")

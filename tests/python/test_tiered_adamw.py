@@ -66,6 +66,8 @@ def train(model, opt, data):
 
 
 def flat_state(opt):
+    if hasattr(opt, "sync_state"):
+        opt.sync_state()
     b = opt.buffers
     return [t.clone() for t in (b.params, b.exp_avg, b.exp_avg_sq)] + ([b.lowp.clone()] if b.lowp is not None else [])
 
@@ -254,6 +256,32 @@ def test_one_placement_function_and_one_meaning_of_k(policy, kw):
         assert opt.plan.engine_plan["placement"] == ref["placement"]  # the memory fits it here
 
 
+def test_a_step_moves_the_plans_bytes_and_writes_the_models_params():
+    """The bf16 params are views of the engine's device buffer, written inside the update phase:
+    the bytes the step moves are the bytes its plan counts, with no write-back after it."""
+    if SchedulerEngine.available(1):
+        pytest.skip(SchedulerEngine.available(1))
+    model = make_model(dtype=torch.bfloat16)
+    opt = TieredAdamW(model.parameters(), policy="interleaved", k=2, gpu_static_fraction=0.25,
+                      subgroup_size=SUBGROUP, loss_scale="dynamic", **HYPER)
+    assert opt.engine.model_attached and not opt.engine.sync_every_step
+    buffer = opt.buffers.lowp
+    for p in model.parameters():  # every param lives in the engine's buffer
+        assert buffer.data_ptr() <= p.data_ptr() < buffer.data_ptr() + buffer.numel() * 2
+    placement = opt.plan.engine_plan["placement"]
+    assert set(placement) == set("cgs")
+    for step, (x, y) in enumerate(DATA[:3]):
+        backward(model, opt, x, y)
+        opt.step()
+        report, pred = opt.engine.last_report, opt.plan.engine_plan["prediction"]
+        if step > 0:  # the first step moves the residents in, once
+            assert report["h2d"]["bytes"] == pred["h2d_bytes"]
+            assert report["d2h"]["bytes"] == pred["d2h_bytes"]
+    opt.sync_state()
+    for p, (lo, hi) in zip(model.parameters(), opt._layout.ranges):
+        assert torch.equal(p.detach().reshape(-1), opt.buffers.params[lo:hi].to(torch.bfloat16))
+
+
 # ---- checkpoints --------------------------------------------------------------------------------
 
 
@@ -264,9 +292,10 @@ def save(model, opt):
     return buf
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_state_dict_round_trip_continues_bit_identically(dtype):
-    kw = dict(subgroup_size=SUBGROUP, **HYPER)
+def test_state_dict_round_trip_continues_bit_identically(dtype, policy):
+    kw = dict(subgroup_size=SUBGROUP, policy=policy, **POLICY_KW[policy], **HYPER)
     if dtype != torch.float32:
         kw["loss_scale"] = LossScaler(init_scale=2.0**8, growth_interval=7)
 
@@ -364,6 +393,7 @@ def test_low_precision_params_with_dynamic_loss_scaling(dtype):
                 expected_scale, good_run = expected_scale * 2.0, 0
         assert opt.loss_scale == expected_scale, step
     assert opt.stats.skipped == 2 and opt.stats.steps == 22
+    opt.sync_state()  # subgroups resident on the GPU hold their newest masters there
     b = opt.buffers
     for i, (p, r) in enumerate(zip(model.parameters(), ref)):
         lo = sum(q.numel() for q in list(model.parameters())[:i])

@@ -164,6 +164,7 @@ TYPED_TEST(UpdateEngineTest, EveryPolicyGivesTheCpuKernelsBits) {
       EXPECT_EQ(r.total.loop_allocations, 0);
       EXPECT_EQ(r.total.params_cpu + r.total.params_gpu + r.total.params_gpu_static, kN);
     }
+    e->sync_host();  // residents hold the newest state until someone asks for it
     EXPECT_EQ(std::memcmp(e->param(), ref->param(), kN * 4), 0) << "policy " << static_cast<int>(c.policy);
     EXPECT_EQ(std::memcmp(e->exp_avg(), ref->exp_avg(), kN * 4), 0);
     EXPECT_EQ(std::memcmp(e->exp_avg_sq(), ref->exp_avg_sq(), kN * 4), 0);
@@ -201,6 +202,44 @@ TYPED_TEST(UpdateEngineTest, SegmentsWithOtherHyperParametersRunSeparately) {
   bad.end = e->subgroups()[0].second + 1;  // crosses into subgroup 1
   EXPECT_THROW((void)e->step(p.plan.placement, 0, {bad}, 1.0, 1.0, false, false), InvalidArgument);
   EXPECT_THROW((void)e->step({Placement::cpu}, 0, segs, 1.0, 1.0, false, false), InvalidArgument);
+}
+
+// A step moves exactly the bytes its plan counts, the model's bf16 params written inside the
+// phase included: no upload or download outside it, nothing the PerfModel does not see.
+TEST(UpdateEngineBytes, TheDeviceMovesThePlansBytes) {
+  SimDevice dev(SimConfig{});
+  CachingAllocator alloc(dev, small_margin());
+  HostArena arena(arena_for(dev));
+  constexpr std::size_t n = 70'000, per = 10'000;
+  UpdateEngine e(alloc, arena, n, cut(n, per), nullptr);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  for (std::size_t i = 0; i < n; ++i) e.param()[i] = normal(rng), e.grad()[i] = normal(rng);
+  auto* model = static_cast<std::uint16_t*>(e.model_params(DType::bf16));
+  EXPECT_EQ(e.model_params(DType::bf16), model);  // one buffer
+  EXPECT_THROW((void)e.model_params(DType::fp16), InvalidArgument);
+  std::vector<Segment> segs;
+  for (std::size_t g = 0; g < n / per; ++g) {
+    Segment s;
+    s.subgroup = g;
+    s.start = g * per;
+    s.end = s.start + per;
+    segs.push_back(s);
+  }
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    for (auto& s : segs) s.params.step = step;
+    const EnginePlan p = e.plan(Policy::interleaved, 0.3, 2);  // c, g and s subgroups
+    ASSERT_GT(p.plan.static_residents, 0U);
+    ASSERT_GT(p.plan.gpu_streamed, 0U);
+    const SimEngineStats h2d0 = dev.h2d_stats(), d2h0 = dev.d2h_stats();
+    (void)e.step(p.plan.placement, p.plan.gpu_slots, segs, 1, 1, false, false, p.plan.prediction.total_ns);
+    if (step == 1) continue;  // the first step moves the residents in: a one-time cost
+    EXPECT_EQ(dev.h2d_stats().bytes - h2d0.bytes, p.plan.prediction.h2d_bytes) << "step " << step;
+    EXPECT_EQ(dev.d2h_stats().bytes - d2h0.bytes, p.plan.prediction.d2h_bytes) << "step " << step;
+  }
+  // The model's params are the masters rounded to bf16, however each subgroup was updated.
+  e.sync_host();
+  for (std::size_t i = 0; i < n; i += 101) ASSERT_EQ(model[i], fp32_to_bf16(e.param()[i])) << i;
 }
 
 // Plans repeat: the engine's own residents and slots do not shrink the memory the next plan sees.

@@ -43,6 +43,8 @@ struct ExternalSubgroup {
   float* exp_avg_sq = nullptr;
   float* grad = nullptr;
   std::size_t n = 0;
+  /// The model's low-precision params for these elements, in device memory; null = not written.
+  void* model_param = nullptr;
 };
 
 enum class StateMemory { owned, external, phantom };
@@ -53,8 +55,10 @@ class OptimizerState {
   /// MEMTIDE_SUBGROUP_SIZE option), one slab each from `slabs`; state zeroed.
   static std::unique_ptr<OptimizerState> owned(Device& device, SlabSource& slabs, std::size_t total_params,
                                                std::size_t subgroup_size = 0);
-  /// External memory: one subgroup per entry, in order. Pointers must stay valid.
-  static std::unique_ptr<OptimizerState> external(Device& device, const std::vector<ExternalSubgroup>& subgroups);
+  /// External memory: one subgroup per entry, in order. Pointers must stay valid. `model_dtype`
+  /// (fp16 or bf16) is the type of the entries' model_param; required when any is set.
+  static std::unique_ptr<OptimizerState> external(Device& device, const std::vector<ExternalSubgroup>& subgroups,
+                                                  DType model_dtype = DType::none);
   /// Phantom memory on a device that stores no data (a phantom SimDevice); throws
   /// InvalidArgument for any other device.
   static std::unique_ptr<OptimizerState> phantom(Device& device, std::size_t total_params,

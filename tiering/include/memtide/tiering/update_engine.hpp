@@ -7,9 +7,11 @@
 /// The host state is four flat fp32 arrays (master params, exp_avg, exp_avg_sq, gradients) of
 /// exact size in the device's HostArena (NUMA-bound, registered slabs), cut into subgroups by
 /// the caller. A front end (TieredAdamW) reads and writes them directly; the engine only steps
-/// them. Every step leaves its results in these arrays: static residents stay on the device
-/// between steps but are copied back before step() returns, and when the arrays change outside
-/// step() (a checkpoint load), host_changed() drops the residents' device copies.
+/// them. Static residents stay on the device between steps and hold the newest state of their
+/// subgroups: sync_host() copies it into the arrays before anyone reads them (a checkpoint, a
+/// model whose params are views of the masters), so a step moves only the bytes its plan counts.
+/// When the arrays change outside step() (a checkpoint load), host_changed() drops the residents'
+/// device copies.
 ///
 /// Device memory for a plan (GpuBudget): streamed slots may use what the update phase leaves
 /// until the next forward; static residents stay through forward and backward, so they must fit
@@ -118,8 +120,18 @@ class UpdateEngine {
   EngineStep step(const std::vector<Placement>& placement, std::size_t gpu_slots, const std::vector<Segment>& segments,
                   double grad_scale, double clip, bool l2, bool skip_if_nonfinite, double predicted_ns = 0);
 
+  /// The model's low-precision params (fp16 or bf16) for all n elements, in device memory the
+  /// engine allocates on first call (the same buffer after): from then on every step writes them
+  /// inside the update phase, the GPU-updated subgroups on the device and the CPU-updated ones
+  /// through pinned staging and an upload, as the PerfModel counts them. The front end makes the
+  /// model's params views of it. Throws InvalidArgument for another dtype, or a second dtype.
+  void* model_params(DType dtype);
+  [[nodiscard]] DType model_dtype() const noexcept { return model_dtype_; }
+
   /// The host arrays were changed outside step(): device copies of residents are stale.
   void host_changed();
+  /// Copies the newest state of static residents into the host arrays (they stay resident).
+  void sync_host();
 
   [[nodiscard]] Rates rates() const { return calibration_.rates(); }
   [[nodiscard]] PredictionErrors prediction_errors() const { return calibration_.error_summary(); }
@@ -134,6 +146,8 @@ class UpdateEngine {
   };
 
   UpdateScheduler& scheduler_for(const std::vector<std::pair<std::size_t, std::size_t>>& ranges);
+  /// Moves an entry's residents back into the host arrays and frees them.
+  void retire(Entry& e);
   EngineBudget measure_budget(const Workload& work) const;
   void observe(const StepReport& r, double predicted_ns);
 
@@ -149,6 +163,8 @@ class UpdateEngine {
   Calibration calibration_;
   std::list<Entry> cache_;  // most recently used first
   std::uint64_t last_slot_bytes_ = 0;  // slots the last phase took
+  void* model_params_ = nullptr;       // the model's low-precision params (device memory)
+  DType model_dtype_ = DType::none;
   std::size_t current_statics_ = 0;    // static residents of the last plan
 };
 

@@ -112,6 +112,8 @@ class UpdateScheduler {
   /// The next run moves the residents in again from the host.
   void discard_residents();
   [[nodiscard]] bool is_resident(std::size_t subgroup) const;
+  /// Subgroups resident on the GPU now.
+  [[nodiscard]] std::size_t resident_count() const;
   /// Device bytes the scheduler holds between phases: its static residents and its counter.
   [[nodiscard]] std::uint64_t held_bytes() const;
   /// Device bytes the streamed slots of the last phase took (0 before the first).
