@@ -32,6 +32,22 @@ std::vector<std::pair<std::size_t, std::size_t>> cut(std::size_t n, std::size_t 
   return out;
 }
 
+// One segment per subgroup, the whole state stepped with one set of hyper-parameters.
+std::vector<Segment> all_segments(const UpdateEngine& e, std::int64_t step = 1) {
+  std::vector<Segment> out;
+  for (std::size_t g = 0; g < e.subgroups().size(); ++g) {
+    Segment s;
+    s.subgroup = g;
+    s.start = e.subgroups()[g].first;
+    s.end = e.subgroups()[g].second;
+    s.params.lr = 1e-3;
+    s.params.weight_decay = 0.01;
+    s.params.step = step;
+    out.push_back(s);
+  }
+  return out;
+}
+
 AllocatorConfig small_margin() {
   AllocatorConfig c;
   c.headroom_margin = 1 << 20;
@@ -72,20 +88,7 @@ class UpdateEngineTest : public WithDevice<Backend> {
       e.grad()[i] = normal(rng);
     }
   }
-  static std::vector<Segment> whole(const UpdateEngine& e, std::int64_t step) {
-    std::vector<Segment> out;
-    for (std::size_t g = 0; g < e.subgroups().size(); ++g) {
-      Segment s;
-      s.subgroup = g;
-      s.start = e.subgroups()[g].first;
-      s.end = e.subgroups()[g].second;
-      s.params.lr = 1e-3;
-      s.params.weight_decay = 0.01;
-      s.params.step = step;
-      out.push_back(s);
-    }
-    return out;
-  }
+  static std::vector<Segment> whole(const UpdateEngine& e, std::int64_t step) { return all_segments(e, step); }
   std::unique_ptr<CachingAllocator> allocator_;
   std::unique_ptr<HostArena> arena_;
 };
@@ -218,16 +221,8 @@ TEST(UpdateEngineBytes, TheDeviceMovesThePlansBytes) {
   auto* model = static_cast<std::uint16_t*>(e.model_params(DType::bf16));
   EXPECT_EQ(e.model_params(DType::bf16), model);  // one buffer
   EXPECT_THROW((void)e.model_params(DType::fp16), InvalidArgument);
-  std::vector<Segment> segs;
-  for (std::size_t g = 0; g < n / per; ++g) {
-    Segment s;
-    s.subgroup = g;
-    s.start = g * per;
-    s.end = s.start + per;
-    segs.push_back(s);
-  }
   for (std::int64_t step = 1; step <= 3; ++step) {
-    for (auto& s : segs) s.params.step = step;
+    const std::vector<Segment> segs = all_segments(e, step);
     const EnginePlan p = e.plan(Policy::interleaved, 0.3, 2);  // c, g and s subgroups
     ASSERT_GT(p.plan.static_residents, 0U);
     ASSERT_GT(p.plan.gpu_streamed, 0U);
@@ -283,16 +278,7 @@ TEST(UpdateEngineResidency, ResidentsAndActivationsNeverExceedTheDevice) {
     for (auto it = acts.rbegin(); it != acts.rend(); ++it) alloc.deallocate(*it, Stream{});
     alloc.mark_phase(Phase::update);
     const EnginePlan p = engine.plan(Policy::static_split, 1.0);  // as many residents as fit
-    std::vector<Segment> segs;
-    for (std::size_t g = 0; g < engine.subgroups().size(); ++g) {
-      Segment s;
-      s.subgroup = g;
-      s.start = engine.subgroups()[g].first;
-      s.end = engine.subgroups()[g].second;
-      s.params.step = step;
-      segs.push_back(s);
-    }
-    (void)engine.step(p.plan.placement, p.plan.gpu_slots, segs, 1, 1, false, false);
+    (void)engine.step(p.plan.placement, p.plan.gpu_slots, all_segments(engine, step), 1, 1, false, false);
     return p;
   };
   std::size_t most = 0;
@@ -316,14 +302,7 @@ TEST(UpdateEngineResidency, APhaseWithNothingObservedDoesNotZeroTheBudget) {
   CachingAllocator alloc(dev, small_margin());
   HostArena arena(arena_for(dev));
   UpdateEngine engine(alloc, arena, 40'000, cut(40'000, 10'000), nullptr);
-  std::vector<Segment> segs;
-  for (std::size_t g = 0; g < 4; ++g) {
-    Segment s;
-    s.subgroup = g;
-    s.start = g * 10'000;
-    s.end = s.start + 10'000;
-    segs.push_back(s);
-  }
+  const std::vector<Segment> segs = all_segments(engine);
   // The first iteration starts in "other" with nothing allocated: its low water stays unknown.
   alloc.mark_phase(Phase::forward);
   alloc.mark_phase(Phase::backward);
