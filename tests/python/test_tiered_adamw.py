@@ -282,6 +282,27 @@ def test_a_step_moves_the_plans_bytes_and_writes_the_models_params():
         assert torch.equal(p.detach().reshape(-1), opt.buffers.params[lo:hi].to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_optimizer_that_is_gone_gives_its_memory_back(dtype):
+    """The engine's host arrays and its device buffer live exactly as long as something uses them."""
+    import gc
+
+    if SchedulerEngine.available(1):
+        pytest.skip(SchedulerEngine.available(1))
+    host0, dev0 = memtide.host.stats()["allocated_bytes"], memtide.stats()["allocated_bytes.all.current"]
+
+    def train_a_little():
+        model = make_model(dtype=dtype)
+        opt = TieredAdamW(model.parameters(), policy="static", gpu_static_fraction=0.5, subgroup_size=SUBGROUP)
+        train(model, opt, DATA[:2])
+        assert memtide.host.stats()["allocated_bytes"] > host0
+
+    train_a_little()
+    gc.collect()
+    assert memtide.host.stats()["allocated_bytes"] == host0
+    assert memtide.stats()["allocated_bytes.all.current"] == dev0
+
+
 # ---- checkpoints --------------------------------------------------------------------------------
 
 
