@@ -88,6 +88,7 @@ UpdateEngine::~UpdateEngine() {
     // device copies first, so the schedulers' destructors do not copy stale ones back.
     for (Entry& e : cache_) e.scheduler->discard_residents();
     cache_.clear();
+    sink_.reset();
     if (model_params_ != nullptr) allocator_.deallocate(model_params_, Stream{});
     for (float* a : arrays_) arena_.deallocate(a);
   } catch (const Error& e) {
@@ -285,7 +286,7 @@ UpdateScheduler& UpdateEngine::scheduler_for(const std::vector<std::pair<std::si
 
 EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size_t gpu_slots,
                               const std::vector<Segment>& segments, double grad_scale, double clip, bool l2,
-                              bool skip_if_nonfinite, double predicted_ns) {
+                              bool skip_if_nonfinite, double predicted_ns, std::optional<bool> path_verdict) {
   if (placement.size() != subgroups_.size()) {
     throw InvalidArgument("UpdateEngine::step: placement has " + std::to_string(placement.size()) +
                           " entries, there are " + std::to_string(subgroups_.size()) + " subgroups");
@@ -299,8 +300,12 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   }
   EngineStep out;
   out.predicted_ns = predicted_ns;
-  // One check of every gradient, on the host arrays, before anything is stepped.
+  // One check of every gradient before anything is stepped: the gradient path's verdict, or a
+  // scan of the host arrays.
+  const bool trust_path = path_verdict.has_value() && grad_scale * clip <= 1.0;
+  if (trust_path) out.nonfinite = !*path_verdict;
   for (const Segment& s : segments) {
+    if (trust_path) break;
     device_.run_host_work(HostWork{static_cast<double>(s.end - s.start) * 4, 0}, [&] {
       out.nonfinite = out.nonfinite || !grads_finite(grad() + s.start, DType::fp32, s.end - s.start, grad_scale, clip, pool_);
     });
@@ -361,6 +366,36 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   }
   observe(out.total, predicted_ns);
   return out;
+}
+
+void UpdateEngine::push_grad(std::size_t offset, const void* source, DType dtype, std::size_t n, Stream producer) {
+  if (offset > n_ || n > n_ - offset) {
+    throw InvalidArgument("UpdateEngine::push_grad: elements [" + std::to_string(offset) + ", " +
+                          std::to_string(offset + n) + ") are past the " + std::to_string(n_) + " params");
+  }
+  if (dtype != DType::fp32 && dtype != DType::fp16 && dtype != DType::bf16) {
+    throw InvalidArgument(std::string("UpdateEngine::push_grad: gradients must be fp32, fp16 or bf16, got ") + dtype_name(dtype));
+  }
+  if (n == 0) return;
+  if (!sink_) {
+    std::vector<ExternalSubgroup> ext;
+    for (auto [s, e] : subgroups_) ext.push_back(ExternalSubgroup{param() + s, exp_avg() + s, exp_avg_sq() + s, grad() + s, e - s});
+    grad_state_ = OptimizerState::external(device_, ext);
+    sink_ = std::make_unique<GradSink>(*grad_state_, allocator_);
+  }
+  if (!grads_open_) {
+    // Every gradient goes to the host array: the scheduler streams GPU subgroups' from there.
+    sink_->begin(std::vector<Placement>(subgroups_.size(), Placement::cpu), 0);
+    grads_open_ = true;
+  }
+  sink_->push(offset, source, dtype, n, producer);
+  device_.stream_wait_event(producer, sink_->consumed());
+}
+
+bool UpdateEngine::finish_grads() {
+  if (!grads_open_) return true;
+  grads_open_ = false;
+  return sink_->finish();
 }
 
 void UpdateEngine::host_changed() {

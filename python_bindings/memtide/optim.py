@@ -19,9 +19,11 @@ k subgroups updated on the GPU (k = 1 all, k = 2 every other one, k = 1.5 two in
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -243,6 +245,8 @@ class StepArgs:
     clip: float = 1.0  # multiplier from gradient-norm clipping
     # Check every segment first; a non-finite gradient then leaves everything untouched.
     skip_if_nonfinite: bool = False
+    # The gradient path's verdict when every gradient came through it (no host rescan needed).
+    grads_finite: Optional[bool] = None
 
 
 @dataclass
@@ -448,7 +452,7 @@ class SchedulerEngine(SubgroupEngine):
                     for s in args.segments]
         report = self.native.step(ep["placement"], ep["gpu_slots"], ep["prediction"]["total_ns"], segments,
                                   grad_scale=args.grad_scale, clip=args.clip, l2=False,
-                                  skip_if_nonfinite=args.skip_if_nonfinite)
+                                  skip_if_nonfinite=args.skip_if_nonfinite, grads_finite=args.grads_finite)
         self.last_report = report
         if not report["skipped"]:
             self.measured_ns.append(float(report["measured_ns"]))
@@ -462,6 +466,12 @@ class SchedulerEngine(SubgroupEngine):
                 if s.lowp:
                     b.lowp[s.start:s.end].copy_(b.params[s.start:s.end])
         return bool(report["nonfinite"])
+
+
+def _grad_hook(optimizer: "weakref.ref[TieredAdamW]", i: int, p: torch.Tensor) -> None:
+    opt = optimizer()
+    if opt is not None:
+        opt._grad_ready(i, p)
 
 
 def _device_of(params: Sequence[torch.Tensor]) -> int:
@@ -494,6 +504,16 @@ class _Layout:
     pieces: List[List[Tuple[int, int, int]]]  # per subgroup: (param index, start, end)
     subgroups: Tuple[Tuple[int, int], ...]
     numel: int
+
+
+@dataclass
+class _Flushed:
+    """A gradient the hook sent on its way: which tensor, at which in-place version, its norm."""
+
+    address: int
+    version: int
+    norm: Optional[torch.Tensor]
+    on_device: bool  # through the engine's gradient path (with its NaN/Inf verdict)
 
 
 @dataclass
@@ -663,6 +683,17 @@ class TieredAdamW(torch.optim.Optimizer):
                 pieces[sg].append((i, max(lo, s), min(hi, e)))
 
         self._layout = _Layout(params, group_of, ranges, lowp_of, aliased, pieces, bounds, numel)
+        # The gradient path: each gradient leaves for the host the moment backward finishes it.
+        for handle in getattr(self, "_grad_hooks", ()):
+            handle.remove()
+        # A weak reference: the params outlive the optimizer and must not keep it (and its pinned
+        # memory) alive through their hooks.
+        me = weakref.ref(self)
+        # Frozen params get none (step() gathers whatever gradient they have later).
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, me, i))
+                            for i, p in enumerate(params) if p.requires_grad and p.is_leaf]
+        self._flushed: List[Optional[_Flushed]] = [None] * len(params)
+        self._device_path = (isinstance(engine, SchedulerEngine) and not engine.native.simulated)
         self.buffers = buffers
         self._steps = steps
         self.engine = engine
@@ -737,32 +768,31 @@ class TieredAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group)
 
-        has_grad = self._gather_grads()
+        has_grad, path_verdict = self._gather_grads()
         self.last_step_skipped = False
         if not any(has_grad):
+            self._flushed = [None] * len(layout.params)
             return loss
 
         grad_scale = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
         clip = 1.0
         nonfinite = False
         if self.max_grad_norm is not None:
-            sq = 0.0
-            for i, (lo, hi) in enumerate(layout.ranges):
-                if has_grad[i] and hi > lo:
-                    sq += float(torch.linalg.vector_norm(b.grads[lo:hi])) ** 2
-            norm = math.sqrt(sq) * grad_scale
+            norm = math.sqrt(self._grad_norm_squares(has_grad)) * grad_scale
             self.last_grad_norm = norm
             if math.isfinite(norm):
                 clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
             else:
                 nonfinite = True
+        self._flushed = [None] * len(layout.params)  # the next backward sends its own
 
         segments = self._segments(has_grad)
         params_in_step = sum(s.end - s.start for s in segments)
         engine_seconds = 0.0
         engine_ran = False
         if not nonfinite:
-            args = StepArgs(segments, grad_scale=grad_scale, clip=clip, skip_if_nonfinite=self.scaler is not None)
+            args = StepArgs(segments, grad_scale=grad_scale, clip=clip, skip_if_nonfinite=self.scaler is not None,
+                            grads_finite=path_verdict)
             if self._host_versions is not None and self._host_versions != self._versions():
                 # The model's params or the state were changed in place since the last step
                 # (model.load_state_dict, an init): copies the engine keeps on a GPU are stale.
@@ -811,10 +841,43 @@ class TieredAdamW(torch.optim.Optimizer):
         s.history.append((params_in_step, engine_seconds, step_seconds))
         return loss
 
-    def _gather_grads(self) -> List[bool]:
-        """Copies every gradient into the flat fp32 gradient buffer (upcast)."""
+    @torch.no_grad()
+    def _grad_ready(self, i: int, p: torch.Tensor) -> None:
+        """Backward has finished param i's gradient (a post-accumulate-grad hook): send it to the
+        host gradient buffer now, overlapping the rest of backward, and take its norm where it is.
+
+        CUDA gradients go through the engine's gradient path (upcast on the GPU, D2H on its own
+        streams, checked for NaN/Inf on the way); CPU gradients are copied (upcast) at once. With
+        gradient accumulation every micro-batch sends the accumulated gradient again: the last,
+        complete one is what step() finds.
+        """
+        g = p.grad
+        lo, hi = self._layout.ranges[i]
+        if g is None or g.is_sparse or hi == lo:
+            return
+        b = self.buffers
+        if g.is_cuda:
+            if not (self._device_path and g.device.index == self.engine.device and g.is_contiguous()
+                    and g.dtype in _SUPPORTED_PARAM_DTYPES):
+                return  # gathered by step()
+            self.engine.native.push_grad(lo, g.data_ptr(), str(g.dtype).replace("torch.", ""), hi - lo,
+                                         torch.cuda.current_stream(g.device).cuda_stream)
+            norm = None if self.max_grad_norm is None else torch.linalg.vector_norm(g, dtype=torch.float32)
+            self._flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=True)
+        else:
+            b.grads[lo:hi].copy_(g.reshape(-1))
+            norm = None if self.max_grad_norm is None else torch.linalg.vector_norm(b.grads[lo:hi])
+            self._flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=False)
+
+    def _gather_grads(self) -> Tuple[List[bool], Optional[bool]]:
+        """Makes the flat fp32 gradient buffer hold every gradient: waits for the gradient path,
+        then copies (upcast) those it did not carry or that changed since (an in-place edit
+        between backward and step). Returns which params have a gradient, and the gradient path's
+        NaN/Inf verdict when it carried all of them (else None: the engine scans the host)."""
         layout, grads = self._layout, self.buffers.grads
         has_grad = [False] * len(layout.params)
+        verdict = self.engine.native.finish_grads() if self._device_path else True
+        all_on_device = True
         any_cuda = False
         for i, p in enumerate(layout.params):
             g = p.grad
@@ -822,13 +885,29 @@ class TieredAdamW(torch.optim.Optimizer):
                 continue
             if g.is_sparse:
                 raise RuntimeError("TieredAdamW does not support sparse gradients")
+            has_grad[i] = True
+            f = self._flushed[i]
+            if f is not None and f.address == g.data_ptr() and f.version == g._version:
+                all_on_device &= f.on_device
+                continue
+            self._flushed[i] = None
             lo, hi = layout.ranges[i]
             any_cuda |= g.is_cuda
+            all_on_device = False
             grads[lo:hi].copy_(g.reshape(-1), non_blocking=g.is_cuda)
-            has_grad[i] = True
         if any_cuda:
             torch.cuda.synchronize()
-        return has_grad
+        return has_grad, (verdict if all_on_device and any(has_grad) else None)
+
+    def _grad_norm_squares(self, has_grad: List[bool]) -> float:
+        """Sum of the squared gradient norms, each taken where its gradient is (in the hook)."""
+        b, sq = self.buffers, 0.0
+        for i, (lo, hi) in enumerate(self._layout.ranges):
+            if has_grad[i] and hi > lo:
+                f = self._flushed[i]
+                norm = f.norm if f is not None and f.norm is not None else torch.linalg.vector_norm(b.grads[lo:hi])
+                sq += float(norm) ** 2
+        return sq
 
     def _segments(self, has_grad: List[bool]) -> List[Segment]:
         layout = self._layout

@@ -275,7 +275,7 @@ class PyUpdateEngine {
   }
 
   nb::dict step(const std::string& placement, std::int64_t gpu_slots, double predicted_ns, const nb::list& segments,
-                double grad_scale, double clip, bool l2, bool skip_if_nonfinite) {
+                double grad_scale, double clip, bool l2, bool skip_if_nonfinite, std::optional<bool> grads_finite) {
     const std::vector<tiering::Placement> place = placement_arg(placement);
     const std::size_t slots = count_arg("gpu_slots", gpu_slots);
     std::vector<tiering::Segment> segs;
@@ -300,7 +300,7 @@ class PyUpdateEngine {
     {
       nb::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mutex_);
-      r = engine_->step(place, slots, segs, grad_scale, clip, l2, skip_if_nonfinite, predicted_ns);
+      r = engine_->step(place, slots, segs, grad_scale, clip, l2, skip_if_nonfinite, predicted_ns, grads_finite);
     }
     nb::dict d;
     d["nonfinite"] = r.nonfinite;
@@ -327,6 +327,28 @@ class PyUpdateEngine {
     std::lock_guard<std::mutex> lock(mutex_);
     engine_->host_changed();
   }
+
+  void push_grad(std::int64_t offset, std::uintptr_t address, const std::string& dtype, std::int64_t n,
+                 std::uintptr_t stream) {
+    tiering::DType dt = tiering::DType::none;
+    if (dtype == "float32") dt = tiering::DType::fp32;
+    else if (dtype == "float16") dt = tiering::DType::fp16;
+    else if (dtype == "bfloat16") dt = tiering::DType::bf16;
+    else value_error("UpdateEngine.push_grad: dtype must be float32, float16 or bfloat16, got \"" + dtype + "\"");
+    const std::size_t at = count_arg("offset", offset);
+    const std::size_t count = count_arg("n", n);
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->push_grad(at, reinterpret_cast<const void*>(address), dt, count, Stream{reinterpret_cast<void*>(stream)});
+  }
+
+  bool finish_grads() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return engine_->finish_grads();
+  }
+
+  double grad_bytes_to_host() const { return engine_->grad_bytes_to_host(); }
 
   void sync_host() {
     nb::gil_scoped_release nogil;
@@ -422,10 +444,21 @@ void bind_tiering(nb::module_& m) {
            "slot_bytes, slots_taken, residents_taken, phase_min_free per phase).")
       .def("step", &PyUpdateEngine::step, "placement"_a, "gpu_slots"_a, "predicted_ns"_a, "segments"_a,
            "grad_scale"_a = 1.0, "clip"_a = 1.0, "l2"_a = false, "skip_if_nonfinite"_a = false,
+           "grads_finite"_a = nb::none(),
            "One update phase. segments: (subgroup, start, end, lr, beta1, beta2, eps, weight_decay, step)\n"
-           "tuples; segments with the same hyperparameters share one scheduler run. Returns nonfinite,\n"
-           "skipped, measured_ns (clock: simulated on a SimDevice, else wall), predicted_ns, per-resource\n"
-           "use and params updated per placement. The Calibration learns from every step.")
+           "tuples; segments with the same hyperparameters share one scheduler run. `grads_finite`: the\n"
+           "gradient path's verdict (finish_grads) when every gradient came through it (no host rescan).\n"
+           "Returns nonfinite, skipped, measured_ns (clock: simulated on a SimDevice, else wall),\n"
+           "predicted_ns, per-resource use and params updated per placement. The Calibration learns from\n"
+           "every step.")
+      .def("push_grad", &PyUpdateEngine::push_grad, "offset"_a, "address"_a, "dtype"_a, "n"_a, "stream"_a = 0,
+           "Gradients of flattened elements [offset, offset + n) at device `address` (torch dtype name) are\n"
+           "final on `stream` (a cudaStream_t as int): upcast and copied to the host gradient array on the\n"
+           "engine's streams while backward goes on; `stream` waits until they have been read.")
+      .def("finish_grads", &PyUpdateEngine::finish_grads,
+           "Waits for every pushed gradient; True when all were finite (or none was pushed).")
+      .def_prop_ro("grad_bytes_to_host", &PyUpdateEngine::grad_bytes_to_host,
+                   "Bytes the gradient path has copied to the host.")
       .def("host_changed", &PyUpdateEngine::host_changed,
            "The host arrays were changed outside step(): GPU-static residents are dropped and moved in\n"
            "again from the host on the next step.")

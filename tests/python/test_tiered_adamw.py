@@ -303,6 +303,64 @@ def test_an_optimizer_that_is_gone_gives_its_memory_back(dtype):
     assert memtide.stats()["allocated_bytes.all.current"] == dev0
 
 
+# ---- the gradient path --------------------------------------------------------------------------
+
+
+def param_ranges(opt):
+    return dict(zip(map(id, opt._layout.params), opt._layout.ranges))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_reach_the_host_buffer_during_backward(dtype):
+    """Each gradient is sent the moment backward finishes it: before step() runs, the flat fp32
+    gradient buffer already holds every one of them."""
+    model = make_model(dtype=dtype)
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, **HYPER)
+    ranges = param_ranges(opt)
+    x, y = DATA[0]
+    backward(model, opt, x, y)
+    for p in model.parameters():
+        lo, hi = ranges[id(p)]
+        assert torch.equal(opt.buffers.grads[lo:hi], p.grad.reshape(-1).float())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gradient_accumulation_and_in_place_edits_are_exact(policy):
+    """Accumulating over micro-batches steps the complete gradient, and a gradient edited in
+    place between backward and step (a user's own clipping) is taken as edited."""
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), policy=policy, subgroup_size=SUBGROUP, **POLICY_KW[policy], **HYPER)
+    ref, ref_opt = mirror(model)
+    for step, (x, y) in enumerate(DATA[:8]):
+        opt.zero_grad(set_to_none=True)
+        for micro in range(3):
+            xm, ym = x[micro % len(x):], y[micro % len(y):]
+            lm_loss(model(xm), ym).backward()
+        if step % 2:
+            edited = next(model.parameters())
+            edited.grad[0] = 100.0  # in place: the copy sent during backward is stale now
+        teach(model, ref)
+        opt.step()
+        ref_opt.step()
+    for i, (p, r) in enumerate(zip(model.parameters(), ref)):
+        assert_rel_close(p.detach(), r.detach(), what=f"param {i}")
+
+
+def test_frozen_params_get_no_hook_and_are_still_gathered():
+    model = make_model()
+    frozen = next(model.parameters())
+    frozen.requires_grad_(False)
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, **HYPER)
+    frozen.requires_grad_(True)  # unfrozen after the optimizer was made: no hook, gathered at step
+    ref, ref_opt = mirror(model)
+    for x, y in DATA[:3]:
+        backward(model, opt, x, y)
+        teach(model, ref)
+        opt.step()
+        ref_opt.step()
+    assert_rel_close(frozen.detach(), ref[0].detach(), what="unfrozen param")
+
+
 # ---- checkpoints --------------------------------------------------------------------------------
 
 

@@ -237,6 +237,80 @@ TEST(UpdateEngineBytes, TheDeviceMovesThePlansBytes) {
   for (std::size_t i = 0; i < n; i += 101) ASSERT_EQ(model[i], fp32_to_bf16(e.param()[i])) << i;
 }
 
+// The gradient path of backward: bf16 gradients pushed as backward produces them land upcast in
+// the host array, a later push of a range wins (accumulation), and a NaN is caught on the way.
+TYPED_TEST(UpdateEngineTest, GradientsPushedDuringBackwardLandOnTheHost) {
+  if (!device_ops_available(this->device())) GTEST_SKIP() << "no device kernels in this build";
+  Device& d = this->device();
+  auto e = this->make();
+  std::vector<std::uint16_t> host_grads(kN);
+  for (std::size_t i = 0; i < kN; ++i) host_grads[i] = fp32_to_bf16(static_cast<float>(i % 977) * 0.25F - 100.0F);
+  auto* grads = static_cast<std::uint16_t*>(this->allocator_->allocate(kN * 2, Stream{}));
+  const Stream backward = d.create_stream();
+  d.copy_async(grads, host_grads.data(), kN * 2, CopyKind::host_to_device, backward);
+  // Backward produces the gradients in four pieces (not aligned with the subgroups).
+  const std::size_t piece = kN / 4;
+  for (std::size_t at = 0; at < kN; at += piece) {
+    e->push_grad(at, grads + at, DType::bf16, std::min(piece, kN - at), backward);
+  }
+  EXPECT_TRUE(e->finish_grads());
+  for (std::size_t i = 0; i < kN; i += 7) ASSERT_EQ(e->grad()[i], bf16_to_fp32(host_grads[i])) << i;
+  EXPECT_EQ(e->grad_bytes_to_host(), 4.0 * kN);
+
+  // Accumulation: the range pushed again after the next micro-batch holds the newer values.
+  std::vector<std::uint16_t> twice(piece, fp32_to_bf16(3.0F));
+  d.copy_async(grads, twice.data(), piece * 2, CopyKind::host_to_device, backward);
+  e->push_grad(0, grads, DType::bf16, piece, backward);
+  EXPECT_TRUE(e->finish_grads());
+  EXPECT_EQ(e->grad()[0], 3.0F);
+  EXPECT_EQ(e->grad()[piece - 1], 3.0F);
+  EXPECT_EQ(e->grad()[piece], bf16_to_fp32(host_grads[piece]));
+
+  // A non-finite gradient is seen by the path, and the step takes its word for it.
+  twice[5] = fp32_to_bf16(std::numeric_limits<float>::infinity());
+  d.copy_async(grads, twice.data(), piece * 2, CopyKind::host_to_device, backward);
+  e->push_grad(0, grads, DType::bf16, piece, backward);
+  const bool finite = e->finish_grads();
+  EXPECT_FALSE(finite);
+  const EnginePlan p = e->plan(Policy::cpu);
+  const EngineStep r = e->step(p.plan.placement, 0, this->whole(*e, 1), 1, 1, false, true, 0, finite);
+  EXPECT_TRUE(r.skipped);
+  EXPECT_TRUE(e->finish_grads());  // nothing pushed since: nothing to report
+  EXPECT_THROW(e->push_grad(kN - 1, grads, DType::bf16, 2, backward), InvalidArgument);
+  EXPECT_THROW(e->push_grad(0, grads, DType::none, 2, backward), InvalidArgument);
+  d.synchronize();
+  this->allocator_->deallocate(grads, Stream{});
+  d.destroy_stream(backward);
+}
+
+// On the simulated clock the first gradient flush starts before backward ends: the whole
+// backward plus its flushes take less than backward followed by the flushes.
+TEST(UpdateEngineGradients, FlushesOverlapBackward) {
+  SimDevice dev(SimConfig{});
+  CachingAllocator alloc(dev, small_margin());
+  HostArena arena(arena_for(dev));
+  constexpr std::size_t n = 4'000'000, piece = 1'000'000;
+  UpdateEngine e(alloc, arena, n, cut(n, 1'500'000), nullptr);
+  auto* grads = static_cast<std::uint16_t*>(alloc.allocate(n * 2, Stream{}));
+  constexpr std::size_t kLayerBytes = 256ULL << 20;  // a layer's backward moves this through HBM
+  void* scratch = alloc.allocate(kLayerBytes, Stream{});
+  const Stream backward = dev.create_stream();
+  const double t0 = dev.now_ns();
+  for (std::size_t at = 0; at < n; at += piece) {
+    dev.memset_async(scratch, 0, kLayerBytes, backward);  // a layer's backward (longer than its flush)
+    e.push_grad(at, grads + at, DType::bf16, piece, backward);
+  }
+  const double backward_end = dev.stream_ready_ns(backward);
+  EXPECT_TRUE(e.finish_grads());
+  const double flush_ns = static_cast<double>(n) * 4 / SimConfig{}.d2h_bytes_per_s * 1e9;
+  const double serial = backward_end - t0 + flush_ns;
+  EXPECT_LT(dev.now_ns() - t0, serial - 0.5 * flush_ns)
+      << "backward " << (backward_end - t0) << " ns, flushes " << flush_ns << " ns";
+  alloc.deallocate(scratch, Stream{});
+  alloc.deallocate(grads, Stream{});
+  dev.destroy_stream(backward);
+}
+
 // Plans repeat: the engine's own residents and slots do not shrink the memory the next plan sees.
 TYPED_TEST(UpdateEngineTest, OwnLoansDoNotShrinkTheNextPlan) {
   if (!device_ops_available(this->device())) GTEST_SKIP() << "no device kernels in this build";

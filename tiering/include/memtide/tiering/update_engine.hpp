@@ -35,6 +35,7 @@
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/thread_pool.hpp"
 #include "memtide/tiering/calibration.hpp"
+#include "memtide/tiering/grad_sink.hpp"
 #include "memtide/tiering/perf_model.hpp"
 #include "memtide/tiering/update_scheduler.hpp"
 
@@ -115,10 +116,28 @@ class UpdateEngine {
   /// Steps `segments` (each inside its subgroup; any order) under `placement` (one entry per
   /// subgroup) with `gpu_slots` streamed slots. The gradients are checked first (grad_scale and
   /// clip applied): a non-finite one sets `nonfinite`, and with `skip_if_nonfinite` nothing is
-  /// stepped. Segments sharing hyper-parameters run in one scheduler phase. Measurements feed
-  /// the Calibration; `predicted_ns` > 0 is compared with the measured phase.
+  /// stepped. `path_verdict` is the verdict of the gradient path (finish_grads) when every
+  /// gradient came through it: then the host arrays are not scanned again, unless grad_scale *
+  /// clip > 1 could overflow a finite gradient. Segments sharing hyper-parameters run in one
+  /// scheduler phase. Measurements feed the Calibration; `predicted_ns` > 0 is compared with the
+  /// measured phase.
   EngineStep step(const std::vector<Placement>& placement, std::size_t gpu_slots, const std::vector<Segment>& segments,
-                  double grad_scale, double clip, bool l2, bool skip_if_nonfinite, double predicted_ns = 0);
+                  double grad_scale, double clip, bool l2, bool skip_if_nonfinite, double predicted_ns = 0,
+                  std::optional<bool> path_verdict = std::nullopt);
+
+  /// The gradient path of backward: gradients [offset, offset + n) of the flattened params, at
+  /// `source` in device memory (fp16, bf16 or fp32), are final on `producer` (the stream backward runs on).
+  /// They are upcast on the device and copied D2H into the host gradient array on the engine's
+  /// own streams while backward goes on, checked for NaN/Inf on the way (GradSink). `producer`
+  /// then waits until the source has been read, so backward may overwrite it (accumulation).
+  /// A later push of the same range overwrites it: pushing the accumulated gradient after every
+  /// micro-batch leaves the last, complete one.
+  void push_grad(std::size_t offset, const void* source, DType dtype, std::size_t n, Stream producer);
+  /// Waits until every pushed gradient is in the host array; whether all were finite (true when
+  /// nothing was pushed since the last call).
+  bool finish_grads();
+  /// Bytes the gradient path has copied to the host since it was made.
+  [[nodiscard]] double grad_bytes_to_host() const noexcept { return sink_ ? sink_->bytes_to_host() : 0; }
 
   /// The model's low-precision params (fp16 or bf16) for all n elements, in device memory the
   /// engine allocates on first call (the same buffer after): from then on every step writes them
@@ -164,6 +183,9 @@ class UpdateEngine {
   std::list<Entry> cache_;  // most recently used first
   std::uint64_t last_slot_bytes_ = 0;  // slots the last phase took
   void* model_params_ = nullptr;       // the model's low-precision params (device memory)
+  std::unique_ptr<OptimizerState> grad_state_;  // the subgroups, for the gradient path
+  std::unique_ptr<GradSink> sink_;
+  bool grads_open_ = false;            // pushed since the last finish_grads
   DType model_dtype_ = DType::none;
   std::size_t current_statics_ = 0;    // static residents of the last plan
 };
