@@ -339,6 +339,16 @@ void CachingAllocator::throw_oom_locked(std::size_t bytes, Stream stream) {
 
 void CachingAllocator::do_deallocate(void* ptr, Stream /*stream*/) {
   std::lock_guard lock(mutex_);
+  deallocate_locked(ptr, std::nullopt, std::nullopt);
+}
+
+void CachingAllocator::deallocate(void* ptr, std::size_t size, Stream stream) {
+  if (ptr == nullptr) return;
+  std::lock_guard lock(mutex_);
+  deallocate_locked(ptr, size, stream);
+}
+
+void CachingAllocator::deallocate_locked(void* ptr, std::optional<std::size_t> size, std::optional<Stream> stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   Block** found = allocated_.find(addr);
   if (found == nullptr) {
@@ -346,6 +356,34 @@ void CachingAllocator::do_deallocate(void* ptr, Stream /*stream*/) {
     throw InvalidArgument("memtide: free of a pointer that is not allocated here (unknown or already freed)");
   }
   Block* b = *found;
+  if (size && *size != b->requested) {
+    ++stats_.num_invalid_frees;
+    throw InvalidArgument("memtide: free of " + std::to_string(*size) + " bytes at a block allocated with " +
+                          std::to_string(b->requested) + " bytes: nothing freed");
+  }
+  if (stream && *stream != b->stream) {
+    ++stats_.num_invalid_frees;
+    throw InvalidArgument("memtide: free on another stream than the allocation's (" + std::to_string(stream_id(*stream)) +
+                          " vs " + std::to_string(stream_id(b->stream)) + "): nothing freed");
+  }
+  // What can fail comes first, so a failure leaves the block allocated and the allocator as it
+  // was: an event on each extra stream the block was used on.
+  PendingFree pf{b, {}};
+  if (!b->uses.empty()) {
+    pf.events.reserve(b->uses.size());
+    spare_events_.reserve(spare_events_.size() + b->uses.size());
+    try {
+      for (Stream s : b->uses) {
+        pf.events.push_back(take_event_locked());
+        device_.record_event(pf.events.back(), s);
+      }
+    } catch (...) {
+      for (Event e : pf.events) spare_events_.push_back(e);
+      throw;
+    }
+    pending_.reserve(pending_.size() + 1);
+  }
+
   allocated_.erase(addr);
   b->allocated = false;
   update_stat(stats_.allocation, b->small, -1);
@@ -353,14 +391,7 @@ void CachingAllocator::do_deallocate(void* ptr, Stream /*stream*/) {
   update_stat(stats_.requested_bytes, b->small, -static_cast<std::int64_t>(b->requested));
   trace_locked(TraceAction::free_requested, b->addr, b->size, b->stream);
   observe_locked();
-
-  if (!b->uses.empty()) {
-    PendingFree pf{b, {}};
-    for (Stream s : b->uses) {
-      Event e = take_event_locked();
-      device_.record_event(e, s);
-      pf.events.push_back(e);
-    }
+  if (!pf.events.empty()) {
     b->uses.clear();
     b->pending_events = static_cast<int>(pf.events.size());
     pending_.push_back(std::move(pf));
@@ -425,7 +456,18 @@ void CachingAllocator::record_stream(void* ptr, Stream stream) {
   if (found == nullptr) throw InvalidArgument("memtide: record_stream on a pointer that is not allocated here");
   Block* b = *found;
   if (stream == b->stream) return;  // its own stream is ordered already
-  if (std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) b->uses.push_back(stream);
+  if (std::find(b->uses.begin(), b->uses.end(), stream) != b->uses.end()) return;
+  // An event recorded on the stream now proves the device knows it: a bad handle fails here,
+  // naming the call that passed it, rather than in the free that would need it.
+  const Event probe = take_event_locked();
+  try {
+    device_.record_event(probe, stream);
+  } catch (...) {
+    spare_events_.push_back(probe);
+    throw;
+  }
+  spare_events_.push_back(probe);
+  b->uses.push_back(stream);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -66,9 +66,9 @@ void* memtide_malloc(size_t size, int device, memtide_stream_t stream) {
   return ptr;
 }
 
-void memtide_free(void* ptr, size_t /*size*/, int device, memtide_stream_t stream) {
+void memtide_free(void* ptr, size_t size, int device, memtide_stream_t stream) {
   if (ptr == nullptr) return;
-  guarded("memtide_free", [&] { Runtime::get().allocator(device).deallocate(ptr, to_stream(stream)); });
+  guarded("memtide_free", [&] { Runtime::get().allocator(device).deallocate(ptr, size, to_stream(stream)); });
 }
 
 void memtide_init(int device_count) {

@@ -45,6 +45,38 @@ TEST(CApi, BadFreeIsCountedNotFatal) {
   EXPECT_EQ(stat("num_invalid_frees"), before + 2);
 }
 
+// A stream the device does not know is refused where it is passed (record_stream), not in the
+// free that would need it; the block, its free and the allocator stay sound.
+TEST(CApi, AnUnknownStreamIsRefusedAndTheAllocatorStaysSound) {
+  const std::int64_t allocated = stat("allocated_bytes.all.current");
+  void* p = memtide_malloc(4096, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  memtide_record_stream(p, reinterpret_cast<memtide_stream_t>(0xbad));
+  EXPECT_NE(std::string(memtide_last_error()).find("stream"), std::string::npos) << memtide_last_error();
+  memtide_free(p, 4096, 0, nullptr);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), allocated);
+  void* q = memtide_malloc(4096, 0, nullptr);
+  ASSERT_NE(q, nullptr);
+  memtide_free(q, 4096, 0, nullptr);
+  void* r = memtide_malloc(8192, 0, nullptr);  // splits and coalesces around the same blocks
+  memtide_free(r, 8192, 0, nullptr);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), allocated);
+}
+
+// A free that names another size or stream than the allocation is refused, nothing freed.
+TEST(CApi, AFreeWithTheWrongSizeOrStreamIsRefused) {
+  void* p = memtide_malloc(4096, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  const std::int64_t allocated = stat("allocated_bytes.all.current");
+  memtide_free(p, 8192, 0, nullptr);
+  EXPECT_NE(std::string(memtide_last_error()).find("8192"), std::string::npos) << memtide_last_error();
+  memtide_free(p, 4096, 0, reinterpret_cast<memtide_stream_t>(0x1234));
+  EXPECT_NE(std::string(memtide_last_error()).find("stream"), std::string::npos) << memtide_last_error();
+  EXPECT_EQ(stat("allocated_bytes.all.current"), allocated);
+  memtide_free(p, 4096, 0, nullptr);
+  EXPECT_EQ(stat("allocated_bytes.all.current"), allocated - 4096);
+}
+
 TEST(CApi, OutOfMemoryReturnsNullWithTheReason) {
   EXPECT_EQ(memtide_malloc(std::size_t{1} << 40, 0, nullptr), nullptr);
   const std::string msg = memtide_last_error();

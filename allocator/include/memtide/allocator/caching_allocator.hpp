@@ -64,8 +64,15 @@ class CachingAllocator final : public DeviceMemoryResource {
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
   /// Marks `ptr` as used on `stream` too: its memory is not reused until that stream's work
-  /// queued before the free has completed.
+  /// queued before the free has completed. Throws InvalidArgument for a pointer not allocated
+  /// here, and the device's error for a stream it does not know (nothing recorded then).
   void record_stream(void* ptr, Stream stream);
+  /// deallocate() that also checks the caller's idea of the block: `size` must be the size it
+  /// was allocated with and `stream` its stream (the pluggable-allocator ABI passes both), else
+  /// InvalidArgument and nothing is freed. Every free has the strong guarantee: when it throws,
+  /// the block is still allocated and the allocator unchanged.
+  void deallocate(void* ptr, std::size_t size, Stream stream);
+  using DeviceMemoryResource::deallocate;
   /// Returns every fully free cached segment to the device (torch.cuda.empty_cache).
   void empty_cache();
   /// Limit = fraction * device memory (and max_bytes if set). Throws InvalidArgument outside (0, 1].
@@ -130,6 +137,7 @@ class CachingAllocator final : public DeviceMemoryResource {
 
   void* do_allocate(std::size_t bytes, Stream stream) override;
   void do_deallocate(void* ptr, Stream stream) override;
+  void deallocate_locked(void* ptr, std::optional<std::size_t> size, std::optional<Stream> stream);
 
   FreeSet& pool(bool small) { return small ? small_free_ : large_free_; }
   Block* find_free_locked(bool small, Stream stream, std::size_t size);
