@@ -2,10 +2,11 @@
 // program would terminate the process.
 
 #include <cstring>
-#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "memtide/core/error.hpp"
+#include "memtide/core/files.hpp"
 #include "memtide/core/log.hpp"
 #include "memtide/memtide.h"
 #include "memtide/runtime.hpp"
@@ -168,17 +169,12 @@ int memtide_dump_snapshot(const char* path) {
       for (auto& seg : s.segments) all.segments.push_back(std::move(seg));
       all.device_traces.push_back(std::move(s.device_traces.front()));
     }
-    // Write beside the target and rename, so a reader never sees half a snapshot.
-    const std::string tmp = std::string(path) + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-      if (!out) throw IoError(std::string("cannot open ") + tmp + " for writing: " + std::strerror(errno));
-      write_memory_viz_pickle(all, out);
-      out.flush();
-      if (!out) throw IoError(std::string("writing ") + tmp + " failed");
-    }
-    if (std::rename(tmp.c_str(), path) != 0) {
-      throw IoError(std::string("renaming ") + tmp + " to " + path + " failed: " + std::strerror(errno));
+    // Built in memory, then written by the one safe writer: a fresh temp file beside the target,
+    // synced and renamed, so a reader never sees half a snapshot and nothing else is touched.
+    std::ostringstream out;
+    write_memory_viz_pickle(all, out);
+    if (const std::string why = files::write_atomically(path, out.str()); !why.empty()) {
+      throw IoError("dump_snapshot: " + why);
     }
   });
 }

@@ -32,6 +32,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "memtide/core/files.hpp"
+
 // The CUDA runtime ABI as this library needs it: cudaError_t is a C enum (int-sized) and
 // cudaStream_t an opaque pointer.
 using cudaError_t = int;
@@ -74,13 +76,7 @@ struct Event {
 
 // GNU strerror_r returns the message, XSI strerror_r fills the buffer; accept either so the
 // code does not depend on which feature macros the toolchain defines.
-[[maybe_unused]] const char* strerror_result(const char* ret, const char*) noexcept { return ret; }
-[[maybe_unused]] const char* strerror_result(int, const char* buf) noexcept { return buf; }
 
-std::string errno_text(int err) {
-  char buf[256] = {};
-  return strerror_result(strerror_r(err, buf, sizeof buf), buf);
-}
 
 class Recorder {
  public:
@@ -214,7 +210,7 @@ class Recorder {
         if (errno == EINTR) continue;
         const int err = errno;
         std::fprintf(stderr, "memtide [error] preload: cannot write '%s': %s; logging stops\n",
-                     path_.c_str(), errno_text(err).c_str());
+                     path_.c_str(), memtide::files::errno_text(err).c_str());
         ::close(fd_);
         fd_ = -1;
         log_failed_ = true;
@@ -240,13 +236,14 @@ class Recorder {
     }
     // A raw descriptor rather than FILE*: stdio may already be torn down when the library
     // destructor runs, and O_APPEND keeps concurrent writers from overwriting each other.
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    // Never through a symlink, never anything but a regular file, 0600 (memtide/core/files.hpp).
+    std::string why;
+    fd_ = memtide::files::open_for_append(path_, &why);
     if (fd_ < 0) {
-      const int err = errno;
       std::fprintf(stderr,
                    "memtide [error] preload: cannot open log file '%s': %s; CUDA calls are passed "
                    "through but not recorded\n",
-                   path_.c_str(), errno_text(err).c_str());
+                   path_.c_str(), why.c_str());
       log_failed_ = true;
       return false;
     }

@@ -729,9 +729,16 @@ def _cmd_observe(args: argparse.Namespace) -> int:
     if not command:
         raise _UsageError("memtide observe: name the program to run, e.g. memtide observe -- python train.py")
     lib = memtide.preload_library_path()
+    if not args.log:
+        raise _UsageError("memtide observe: --log needs a file name")
     log = os.path.abspath(args.log)
-    if os.path.exists(log):
-        os.remove(log)  # the observer appends; one run, one timeline
+    if os.path.lexists(log):
+        # The observer appends; one run, one timeline. Only a regular file is replaced: a link, a
+        # device or a folder at that path is the user's, not an old timeline.
+        if os.path.islink(log) or not os.path.isfile(log):
+            raise _UsageError(f"memtide observe: --log {args.log} exists and is not a regular file "
+                              "(a link, a device or a folder); choose another path")
+        os.remove(log)
     env = dict(os.environ)
     env["LD_PRELOAD"] = lib + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
     env["MEMTIDE_PRELOAD_LOG"] = log

@@ -90,3 +90,32 @@ def test_observe_usage_errors(tmp_path, args, words):
     p = observe(tmp_path, *args)
     assert p.returncode == 2
     assert words in p.stderr
+
+
+def test_the_observer_never_writes_its_log_through_a_link(tmp_path, fake_cudart):
+    """The preload library itself: a log path that is a link is refused, the program still runs."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "t.jsonl").symlink_to(victim)
+    env = clean_env(LD_PRELOAD=memtide.preload_library_path(), MEMTIDE_PRELOAD_LOG=str(tmp_path / "t.jsonl"))
+    p = subprocess.run([sys.executable, "-c", PROGRAM, fake_cudart, "0"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "symbolic link" in p.stderr
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "dir"])
+def test_observe_refuses_a_log_path_that_is_not_a_regular_file(tmp_path, kind):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    log = tmp_path / "t.jsonl"
+    {"link": lambda: log.symlink_to(victim), "fifo": lambda: os.mkfifo(log), "dir": lambda: log.mkdir()}[kind]()
+    p = observe(tmp_path, "--log", str(log), "--", sys.executable, "-c", "pass")
+    assert p.returncode == 2 and "not a regular file" in p.stderr and "Traceback" not in p.stderr
+    assert os.path.lexists(log) and victim.read_text() == "precious"
+
+
+def test_observe_with_an_empty_log_name_is_a_usage_error(tmp_path):
+    p = observe(tmp_path, "--log", "", "--", sys.executable, "-c", "pass")
+    assert p.returncode == 2 and "--log" in p.stderr and "Traceback" not in p.stderr

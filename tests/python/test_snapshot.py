@@ -195,3 +195,37 @@ def test_torch_memory_viz_reads_memtide_snapshots(tmp_path):
         assert "cudaMalloc" in outputs["trace"]
     if "segsum" in outputs:
         assert f"segments: {len(snap['segments'])}" in outputs["segsum"]
+
+
+def test_dump_snapshot_writes_only_its_own_regular_file(tmp_path):
+    """A snapshot is written under a fresh name beside the target and renamed over it: a link
+    planted where the old fixed temp name was is not followed, a target that is a link or not a
+    regular file is refused, the file is 0600, and nothing is left behind."""
+    import os
+    import stat
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    target = tmp_path / "snap.pickle"
+    (tmp_path / "snap.pickle.tmp").symlink_to(victim)
+    memtide.dump_snapshot(str(target))
+    assert victim.read_text() == "precious"
+    assert target.is_file() and not target.is_symlink()
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    pickle.loads(target.read_bytes())  # a whole snapshot
+
+    link = tmp_path / "link.pickle"
+    link.symlink_to(victim)
+    with pytest.raises(RuntimeError, match="symbolic link"):
+        memtide.dump_snapshot(str(link))
+    assert link.is_symlink() and victim.read_text() == "precious"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(RuntimeError, match="not a regular file"):
+        memtide.dump_snapshot(str(fifo))
+    with pytest.raises(RuntimeError, match="directory"):
+        memtide.dump_snapshot(str(tmp_path))
+    with pytest.raises(RuntimeError, match="cannot create"):
+        memtide.dump_snapshot(str(tmp_path / "missing" / "snap.pickle"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.pickle", "snap.pickle", "snap.pickle.tmp",
+                                                          "victim"]
