@@ -99,7 +99,8 @@ inline std::string write_atomically(const std::string& path, std::string_view da
 }
 
 /// Opens `path` for appending (a log), creating it with `mode`, never through a symlink and
-/// never anything but a regular file. Returns the descriptor, or -1 with `*error` set.
+/// never anything but a regular file. Returns the descriptor, or -1 with `*error` saying why (the
+/// caller names the path).
 inline int open_for_append(const std::string& path, std::string* error, mode_t mode = 0600) {
   if (path.empty()) {
     *error = "the path is empty";
@@ -107,14 +108,14 @@ inline int open_for_append(const std::string& path, std::string* error, mode_t m
   }
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, mode);
   if (fd < 0) {
-    *error = errno == ELOOP ? path + " is a symbolic link; memtide writes only regular files"
-                            : "cannot open " + path + ": " + errno_text(errno);
+    *error = errno == ELOOP ? std::string("it is a symbolic link; memtide writes only regular files")
+                            : errno_text(errno);
     return -1;
   }
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
-    *error = path + " is not a regular file; memtide writes only regular files";
+    *error = "it is not a regular file; memtide writes only regular files";
     return -1;
   }
   // O_NONBLOCK only kept open() from hanging on a FIFO; writes to the file block as usual.
