@@ -27,6 +27,13 @@ nb::ndarray<> host_empty(const std::vector<std::int64_t>& shape, std::uint8_t co
                      (code == static_cast<std::uint8_t>(dtype_code::Int) && (bits == 8 || bits == 16 || bits == 32 || bits == 64)) ||
                      (code == static_cast<std::uint8_t>(dtype_code::UInt) && bits == 8);
   if (!known) value_error("host_empty: DLPack dtype (code " + std::to_string(code) + ", " + std::to_string(bits) + " bits) is not supported");
+  // nanobind aborts the process on an array of more dimensions than it supports; torch allows
+  // at most 64 anyway.
+  constexpr std::size_t kMaxDims = 64;
+  if (shape.size() > kMaxDims) {
+    value_error("host.empty: shape has " + std::to_string(shape.size()) + " dimensions; at most " +
+                std::to_string(kMaxDims) + " are supported");
+  }
   std::size_t bytes = bits / 8;
   std::vector<std::size_t> dims;
   for (std::int64_t d : shape) {

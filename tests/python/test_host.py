@@ -118,11 +118,18 @@ def test_placement_on_node_zero():
         (dict(shape=4, numa_node="0"), TypeError, "numa_node must be"),
         (dict(shape=(1 << 40, 1 << 40)), ValueError, "more bytes than"),
         (dict(shape=(1 << 48,)), MemoryError, "cannot allocate"),
+        (dict(shape=(1,) * 129), ValueError, "129 dimensions"),  # nanobind aborted the process here
+        (dict(shape=(1,) * 65), ValueError, "at most 64"),
     ],
 )
 def test_errors_name_the_bad_input(kwargs, error, text):
     with pytest.raises(error, match=text):
         memtide.host.empty(**kwargs)
+
+
+def test_the_most_dimensions_work():
+    t = memtide.host.empty((1,) * 64)
+    assert t.dim() == 64 and t.numel() == 1
 
 
 def test_device_forms():
