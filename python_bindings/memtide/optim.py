@@ -997,37 +997,17 @@ class TieredAdamW(torch.optim.Optimizer):
         return packed
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Loads a state dict of TieredAdamW or torch.optim.AdamW (same param order and sizes)."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"TieredAdamW.load_state_dict: the state dict has {len(saved_groups)} param groups, "
-                             f"this optimizer has {len(self.param_groups)}")
-        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"TieredAdamW.load_state_dict: param group {gi} has {len(saved['params'])} params "
-                                 f"in the state dict, {len(group['params'])} here")
-            if saved.get("amsgrad", False):
-                raise ValueError("TieredAdamW.load_state_dict: the state dict comes from amsgrad=True, "
-                                 "which TieredAdamW does not support")
-        order = [p for g in self.param_groups for p in g["params"]]
-        saved_order = [idx for g in saved_groups for idx in g["params"]]
+        """Loads a state dict of TieredAdamW or torch.optim.AdamW (same param order and sizes).
+
+        The whole dict is checked before anything changes: a bad one raises ValueError naming
+        what is wrong and leaves the optimizer exactly as it was.
+        """
+        where = "TieredAdamW.load_state_dict"
+        entries, groups, scaler_state = _check_state_dict(state_dict, self.param_groups, where)
         layout = self._layout
         index = {id(p): i for i, p in enumerate(layout.params)}
-        saved_state = state_dict["state"]
-        for idx, p in zip(saved_order, order):
-            entry = saved_state.get(idx)
-            if entry is None:
-                continue
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key not in entry:
-                    raise ValueError(f"TieredAdamW.load_state_dict: state of param {idx} has no {key!r}")
-                if entry[key].numel() != p.numel():
-                    raise ValueError(f"TieredAdamW.load_state_dict: {key} of param {idx} has {entry[key].numel()} "
-                                     f"elements, the param has {p.numel()}")
-            if "max_exp_avg_sq" in entry:
-                raise ValueError("TieredAdamW.load_state_dict: the state dict has max_exp_avg_sq (amsgrad), "
-                                 "which TieredAdamW does not support")
 
+        # Everything is known good from here on.
         self._wait_for_copies()
         self._host_changed()
         # The model is the truth for fp32 params and the fallback for fp16/bf16 ones (a state dict
@@ -1039,32 +1019,20 @@ class TieredAdamW(torch.optim.Optimizer):
             b.exp_avg_sq.zero_()
             for i in range(len(self._steps)):
                 self._steps[i] = 0
-            for idx, p in zip(saved_order, order):
-                entry = saved_state.get(idx)
-                if entry is None:
-                    continue
+            for p, exp_avg, exp_avg_sq, step, master in entries:
                 i = index[id(p)]
                 lo, hi = layout.ranges[i]
-                b.exp_avg[lo:hi].copy_(entry["exp_avg"].reshape(-1))
-                b.exp_avg_sq[lo:hi].copy_(entry["exp_avg_sq"].reshape(-1))
-                step = entry.get("step", 0)
-                self._steps[i] = int(step.item() if isinstance(step, torch.Tensor) else step)
-                master = entry.get("master_param")
+                b.exp_avg[lo:hi].copy_(exp_avg.reshape(-1))
+                b.exp_avg_sq[lo:hi].copy_(exp_avg_sq.reshape(-1))
+                self._steps[i] = step
                 if master is not None:
-                    if master.numel() != p.numel():
-                        raise ValueError(f"TieredAdamW.load_state_dict: master_param of param {idx} has "
-                                         f"{master.numel()} elements, the param has {p.numel()}")
                     b.params[lo:hi].copy_(master.reshape(-1))
                     if layout.lowp_of[i]:
                         b.lowp[lo:hi].copy_(b.params[lo:hi])
                         if not layout.aliased[i]:
                             p.data.copy_(b.lowp[lo:hi].view(p.shape))
-        for saved, group in zip(saved_groups, self.param_groups):
-            for key, value in saved.items():
-                if key != "params":
-                    group[key] = value
-        memtide_state = state_dict.get("memtide") or {}
-        scaler_state = memtide_state.get("loss_scaler")
+        for values, group in zip(groups, self.param_groups):
+            group.update(values)
         if scaler_state is not None:
             if self.scaler is None:
                 self.scaler = LossScaler()
@@ -1100,6 +1068,87 @@ class TieredAdamW(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (f"TieredAdamW({self._layout.numel} params in {len(self._layout.subgroups)} subgroup(s) of "
                 f"{self.subgroup_size}, {self.plan.summary()}, loss scale {self.scaler!r})")
+
+
+def _check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where: str):
+    """Checks a whole optimizer state dict against `param_groups` without changing anything.
+
+    Returns the per-param entries to load ((param, exp_avg, exp_avg_sq, step, master or None)),
+    each group's hyperparameters, and the loss scaler's state (or None). Raises ValueError naming
+    the first problem: structure, counts, sizes, dtypes, a step that is not a count >= 0, a
+    hyperparameter or loss-scaler value outside its range, amsgrad state.
+    """
+    def bad(message: str) -> ValueError:
+        return ValueError(f"{where}: {message}")
+
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), (list, tuple)) \
+            or not isinstance(state_dict.get("state"), dict):
+        raise bad("expected a dict with 'state' (a dict) and 'param_groups' (a list)")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise bad(f"the state dict has {len(saved_groups)} param groups, this optimizer has {len(param_groups)}")
+    groups = []
+    for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+            raise bad(f"param group {gi} is not a dict with a 'params' list")
+        if len(saved["params"]) != len(group["params"]):
+            raise bad(f"param group {gi} has {len(saved['params'])} params in the state dict, "
+                      f"{len(group['params'])} here")
+        if saved.get("amsgrad", False):
+            raise bad("the state dict comes from amsgrad=True, which TieredAdamW does not support")
+        values = {k: v for k, v in saved.items() if k != "params"}
+        try:
+            _check_group({**group, **values})
+        except ValueError as e:
+            raise bad(f"param group {gi}: {e}") from None
+        groups.append(values)
+    order = [p for g in param_groups for p in g["params"]]
+    saved_order = [idx for g in saved_groups for idx in g["params"]]
+    saved_state = state_dict["state"]
+    entries = []
+    for idx, p in zip(saved_order, order):
+        entry = saved_state.get(idx)
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            raise bad(f"state of param {idx} is not a dict")
+        if "max_exp_avg_sq" in entry:
+            raise bad("the state dict has max_exp_avg_sq (amsgrad), which TieredAdamW does not support")
+        tensors = {}
+        for key in ("exp_avg", "exp_avg_sq", "master_param"):
+            value = entry.get(key)
+            if value is None:
+                if key == "master_param":
+                    continue
+                raise bad(f"state of param {idx} has no {key!r}")
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                raise bad(f"{key} of param {idx} must be a floating-point tensor, got "
+                          f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}")
+            if value.numel() != p.numel():
+                raise bad(f"{key} of param {idx} has {value.numel()} elements, the param has {p.numel()}")
+            tensors[key] = value
+        step = entry.get("step", 0)
+        if isinstance(step, torch.Tensor):
+            step = step.item() if step.numel() == 1 else None
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
+                or step < 0 or step != int(step):
+            raise bad(f"step of param {idx} must be a whole number >= 0, got {entry.get('step')!r}")
+        entries.append((p, tensors["exp_avg"], tensors["exp_avg_sq"], int(step), tensors.get("master_param")))
+    memtide_state = state_dict.get("memtide") or {}
+    if not isinstance(memtide_state, dict):
+        raise bad("'memtide' must be a dict")
+    scaler_state = memtide_state.get("loss_scaler")
+    if scaler_state is not None:
+        try:
+            check = LossScaler(init_scale=scaler_state["scale"], growth_factor=scaler_state["growth_factor"],
+                               backoff_factor=scaler_state["backoff_factor"],
+                               growth_interval=scaler_state["growth_interval"], dynamic=scaler_state["dynamic"])
+            tracker = scaler_state["growth_tracker"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"the loss scaler's state is not valid: {e}") from None
+        if isinstance(tracker, bool) or not isinstance(tracker, int) or not 0 <= tracker < check.growth_interval:
+            raise bad(f"the loss scaler's growth_tracker must be an int in [0, growth_interval), got {tracker!r}")
+    return entries, groups, scaler_state
 
 
 def _check_group(group: Dict[str, Any]) -> None:

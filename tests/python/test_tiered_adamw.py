@@ -413,6 +413,86 @@ def test_state_dict_round_trip_continues_bit_identically(dtype, policy):
     assert all(torch.equal(a, b) for a, b in zip(state, uninterrupted[1]))
 
 
+def _everything(model, opt):
+    """The optimizer's whole state, the model's params and the loss scale, as plain copies."""
+    sd = opt.state_dict()
+    state = {idx: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in e.items()}
+             for idx, e in sd["state"].items()}
+    return (state, copy.deepcopy(sd["param_groups"]), copy.deepcopy(sd["memtide"]),
+            [p.detach().clone() for p in model.parameters()], [t.clone() for t in flat_state(opt)])
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _corrupt(sd, what):
+    sd = copy.deepcopy(sd)
+    first = sd["state"][0]
+    if what == "master dtype":
+        first["master_param"] = first["master_param"].to(torch.int32)
+    elif what == "master shape":
+        first["master_param"] = first["master_param"].reshape(-1)[:-1]
+    elif what == "step text":
+        sd["state"][len(sd["state"]) - 1]["step"] = "abc"  # the last entry: after the others were fine
+    elif what == "negative step":
+        first["step"] = torch.tensor(-3.0)
+    elif what == "fractional step":
+        first["step"] = 2.5
+    elif what == "exp_avg missing":
+        del sd["state"][len(sd["state"]) - 1]["exp_avg"]
+    elif what == "exp_avg size":
+        first["exp_avg"] = first["exp_avg"].reshape(-1)[:3]
+    elif what == "lr":
+        sd["param_groups"][0]["lr"] = -1.0
+    elif what == "betas":
+        sd["param_groups"][0]["betas"] = (0.9, 1.5)
+    elif what == "scaler":
+        sd["memtide"]["loss_scaler"]["scale"] = float("nan")
+    elif what == "tracker":
+        sd["memtide"]["loss_scaler"]["growth_tracker"] = -1
+    elif what == "groups":
+        sd["param_groups"] = sd["param_groups"] * 2
+    elif what == "not a dict":
+        sd = ["state", "param_groups"]
+    return sd
+
+
+@pytest.mark.parametrize("what, words", [
+    ("master dtype", "master_param of param 0 must be a floating-point"),
+    ("master shape", "master_param of param 0 has"),
+    ("step text", "step of param"),
+    ("negative step", "step of param 0 must be a whole number >= 0"),
+    ("fractional step", "whole number"),
+    ("exp_avg missing", "has no 'exp_avg'"),
+    ("exp_avg size", "exp_avg of param 0 has 3 elements"),
+    ("lr", "lr must be"),
+    ("betas", "betas must be"),
+    ("scaler", "loss scaler"),
+    ("tracker", "growth_tracker"),
+    ("groups", "2 param groups"),
+    ("not a dict", "expected a dict"),
+])
+def test_a_rejected_load_changes_nothing(what, words):
+    model = make_model(dtype=torch.bfloat16)
+    opt = TieredAdamW(model.parameters(), policy="static", gpu_static_fraction=0.5, subgroup_size=SUBGROUP,
+                      loss_scale="dynamic", **HYPER)
+    train(model, opt, DATA[:3])
+    good = opt.state_dict()
+    good = {**good, "state": {k: dict(v) for k, v in good["state"].items()}}
+    before = _everything(model, opt)
+    with pytest.raises(ValueError, match=words):
+        opt.load_state_dict(_corrupt(good, what))
+    assert _same(_everything(model, opt), before), what
+    train(model, opt, DATA[3:4])  # and it still trains
+
+
 def test_loads_torch_adamw_state_and_continues_like_it():
     model = make_model()
     ref, ref_opt = mirror(model)
