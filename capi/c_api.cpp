@@ -174,7 +174,7 @@ int memtide_dump_snapshot(const char* path) {
     std::ostringstream out;
     write_memory_viz_pickle(all, out);
     if (const std::string why = files::write_atomically(path, out.str()); !why.empty()) {
-      throw IoError("dump_snapshot: " + why);
+      throw IoError(why);
     }
   });
 }

@@ -308,7 +308,7 @@ void bind_runtime(nb::module_& m) {
           nb::gil_scoped_release nogil;
           rc = memtide_dump_snapshot(p.c_str());
         }
-        if (rc != MEMTIDE_OK) throw std::runtime_error(std::string("dump_snapshot: ") + memtide_last_error());
+        if (rc != MEMTIDE_OK) throw std::runtime_error(memtide_last_error());
       },
       "path"_a, "Writes a pickle that pytorch.org/memory_viz and torch.cuda._memory_viz read.");
   m.def("phase_report", [](int device) { return phase_report_dict(allocator(device).phase_report()); },
