@@ -49,6 +49,10 @@ void validate(const Workload& work, const Rates& r) {
   if (work.subgroup_params.empty()) {
     throw InvalidArgument("PerfModel: workload.subgroup_params is empty: expected at least one subgroup");
   }
+  if (work.subgroup_params.size() > kMaxSubgroups) {
+    throw InvalidArgument("PerfModel: " + std::to_string(work.subgroup_params.size()) + " subgroups, at most " +
+                          std::to_string(kMaxSubgroups) + " are accepted: make the subgroups larger");
+  }
   for (std::size_t i = 0; i < work.subgroup_params.size(); ++i) {
     if (work.subgroup_params[i] == 0) {
       throw InvalidArgument("PerfModel: workload.subgroup_params[" + std::to_string(i) +
@@ -505,13 +509,17 @@ Plan PerfModel::plan(const Workload& work, const Rates& rates, Policy policy, do
     const std::size_t valley = lo;
     const std::size_t last = can_stream ? s : 0;
     Plan best = with_gpu(valley, incumbent * slack);
-    for (std::size_t g = valley; g-- > 0;) {
+    // At most kWalks placements each way: the totals near the valley differ by the pipeline's
+    // fill and drain, which a few GPU subgroups more or less cover; an unbounded walk made the
+    // planner quadratic in the subgroup count.
+    constexpr std::size_t kWalks = 16;
+    for (std::size_t g = valley, walked = 0; g-- > 0 && walked < kWalks; ++walked) {
       const double threshold = incumbent * slack;
       Plan p = with_gpu(g, threshold);
       if (p.prediction.bound_ns > threshold) break;
       if (better(p, best)) best = std::move(p);
     }
-    for (std::size_t g = valley + 1; g <= last; ++g) {
+    for (std::size_t g = valley + 1; g <= last && g <= valley + kWalks; ++g) {
       const double threshold = incumbent * slack;
       Plan p = with_gpu(g, threshold);
       if (p.prediction.bound_ns > threshold) break;

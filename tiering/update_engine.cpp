@@ -54,6 +54,10 @@ UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::s
   }
   if (n_ == 0) throw InvalidArgument("UpdateEngine: n must be > 0");
   if (subgroups_.empty()) throw InvalidArgument("UpdateEngine: subgroups is empty; at least one [start, end) is needed");
+  if (subgroups_.size() > kMaxSubgroups) {
+    throw InvalidArgument("UpdateEngine: " + std::to_string(subgroups_.size()) + " subgroups, at most " +
+                          std::to_string(kMaxSubgroups) + ": make the subgroups larger");
+  }
   std::size_t expect = 0;
   for (auto [s, e] : subgroups_) {
     if (s != expect || e <= s || e > n_) {

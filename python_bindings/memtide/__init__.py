@@ -35,6 +35,7 @@ if _alloc_conf is not None and "torch" not in _sys.modules:
 from . import _memtide, host
 from ._memtide import (
     ConfigError,
+    MAX_SUBGROUPS,
     adamw_step_cpu,
     backend,
     cpu_isa,
@@ -66,6 +67,7 @@ __version__ = version()
 
 __all__ = [
     "ConfigError",
+    "MAX_SUBGROUPS",
     "__version__",
     "adamw_step_cpu",
     "apply_alloc_conf",

@@ -327,6 +327,8 @@ _GPU_PERSISTENT_BYTES = 4
 _USEFUL_SLOTS = 3
 
 
+# A quadrillion parameters: beyond any model, and within every integer type the planner uses.
+_MAX_PARAMS = 1e15
 _COUNT_SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _SIZE_UNITS = {
     "": 1, "B": 1,
@@ -367,6 +369,8 @@ def _param_count(text: str) -> int:
     value = number * scale
     if not math.isfinite(value) or value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 parameter, got {text!r}")
+    if value > _MAX_PARAMS:
+        raise argparse.ArgumentTypeError(f"must be at most {_MAX_PARAMS:.0e} parameters, got {text!r}")
     return int(round(value))
 
 
@@ -381,6 +385,8 @@ def _size(text: str) -> int:
     value = number * scale
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a size >= 0, got {text!r}")
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be below 8 EiB, got {text!r}")
     return int(round(value))
 
 
@@ -448,8 +454,12 @@ def _plan(args: argparse.Namespace) -> Dict[str, Any]:
             overridden.append("--" + flag.replace("_", "-"))
 
     params = args.params
+    n = -(-params // args.subgroup_size)
+    if n > memtide.MAX_SUBGROUPS:
+        raise PlanError(f"--subgroup-size {args.subgroup_size} cuts {_format_count(params)} params into {n} subgroups; "
+                        f"at most {memtide.MAX_SUBGROUPS} are planned: use --subgroup-size "
+                        f"{-(-params // memtide.MAX_SUBGROUPS)} or more")
     sizes = _subgroups(params, args.subgroup_size)
-    n = len(sizes)
 
     host_state = _HOST_STATE_BYTES * params
     if host_state > args.host_mem:
@@ -748,6 +758,8 @@ def _cmd_observe(args: argparse.Namespace) -> int:
         rc = subprocess.run(command, env=env).returncode
     except FileNotFoundError:
         raise _UsageError(f"memtide observe: program {command[0]!r} not found") from None
+    except OSError as e:  # not executable, a directory, a bad interpreter line
+        raise _UsageError(f"memtide observe: cannot run {command[0]!r}: {e.strerror or e}") from None
     if not os.path.exists(log):
         summary = {"log": log, "processes": [], "events": 0, "peak_bytes": 0, "peak_at_s": None,
                    "current_bytes": 0, "unknown_frees": 0, "complete": True}
@@ -862,13 +874,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # /dev/null so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except (MemoryError, RuntimeError, ValueError) as e:
+    except (MemoryError, RuntimeError, ValueError, OverflowError, OSError) as e:
         _error(e)
         return EXIT_FAILURE
 
 
 def _error(e: BaseException) -> None:
-    message = str(e)
+    # An exception without a message (MemoryError() from a huge allocation) still says what it is.
+    message = str(e) or type(e).__name__
     # The C++ messages (out of memory in particular) already start with "memtide:".
     print(message if message.startswith("memtide") else f"memtide: {message}", file=sys.stderr)
 

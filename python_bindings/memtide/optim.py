@@ -648,6 +648,10 @@ class TieredAdamW(torch.optim.Optimizer):
                 ranges.append((offset, offset + p.numel()))
                 offset += p.numel()
         numel = offset
+        if -(-numel // self.subgroup_size) > _memtide.MAX_SUBGROUPS:
+            raise ValueError(f"TieredAdamW: subgroup_size {self.subgroup_size} cuts {numel} params into "
+                             f"{-(-numel // self.subgroup_size)} subgroups, at most {_memtide.MAX_SUBGROUPS} are "
+                             f"supported: use subgroup_size >= {-(-numel // _memtide.MAX_SUBGROUPS)}")
         bounds = tuple((s, min(s + self.subgroup_size, numel)) for s in range(0, numel, self.subgroup_size))
         engine = self._engine_class(numel)(numel, lowp_dtype, bounds, _device_of(params))
         engine.model_buffer(lowp_dtype, [p for p in params if p.dtype in _LOWP])

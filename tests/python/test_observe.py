@@ -85,7 +85,8 @@ def test_observe_without_gpu_calls_says_why_nothing_was_seen(tmp_path):
     assert "no cudaMalloc/cudaFree(Async) call was seen" in p.stdout
 
 
-@pytest.mark.parametrize("args, words", [([], "name the program"), (["--", "no-such-program-xyz"], "not found")])
+@pytest.mark.parametrize("args, words", [([], "name the program"), (["--", "no-such-program-xyz"], "not found"),
+                                         (["--", "/etc/passwd"], "cannot run"), (["--", "/"], "cannot run")])
 def test_observe_usage_errors(tmp_path, args, words):
     p = observe(tmp_path, *args)
     assert p.returncode == 2

@@ -185,10 +185,18 @@ def test_plan_model_too_big_for_the_gpu_exits_1(cli):
         ("--subgroup-size", "0"), ("--gpu-mem", "80XB"), ("--host-mem", "-1GB"),
         ("--h2d", "0"), ("--d2h", "nan"), ("--cpu-update", "-2"), ("--gpu-update", "fast"),
         ("--cpu-downscale", "-1"), ("--dram", "inf"), ("--static-fraction", "1.5"),
-        ("--k", "-1"), ("--policy", "greedy"), ("--margin", "lots"),
+        ("--k", "-1"), ("--k", "0.5"), ("--policy", "greedy"), ("--margin", "lots"),
+        ("--params", "1e30"), ("--params", "1e18"), ("--gpu-mem", "1e30"), ("--host-mem", "1e300"),
     ],
 )
 def test_plan_bad_flag_exits_2_naming_it(cli, flag, value):
     r = cli("plan", f"{flag}={value}")
     assert r.returncode == 2
     assert flag in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_plan_refuses_absurdly_small_subgroups_at_once(cli):
+    r = cli("plan", "--params", "20B", "--subgroup-size", "1000")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "20000000 subgroups" in r.stderr and f"at most {memtide.MAX_SUBGROUPS}" in r.stderr

@@ -719,6 +719,8 @@ def test_attach_marks_phases():
     (dict(subgroup_size=1.5), "subgroup_size"),
     (dict(gpu_static_fraction=1.5), "gpu_static_fraction"),
     (dict(policy="interleaved", k=0), "k must be"),
+    (dict(policy="interleaved", k=0.5), "stride >= 1"),
+    (dict(subgroup_size=1), "at most 4096 are supported: use subgroup_size >= "),
     (dict(policy="cpu", k=2), "policy 'cpu'"),
     (dict(policy="static", k=2), "not 'static'"),
     (dict(loss_scale="auto"), "loss_scale 'auto'"),

@@ -488,3 +488,18 @@ TEST(PerfModel, FitGpuBudgetIsTheOneHomeOfSlotSizing) {
   fit_gpu_budget(w, GpuBudget{3 * (slot / 4) * 4, 0});
   EXPECT_EQ(w.gpu_slot_limit, 4U);
 }
+
+TEST(PerfModel, AbsurdlySmallSubgroupsAreRefusedWithTheCount) {
+  const PerfModel model;
+  Workload w = uniform(kMaxSubgroups + 1, 1000);
+  try {
+    (void)model.plan(w, Rates{}, Policy::automatic);
+    FAIL() << "accepted " << w.subgroup_params.size() << " subgroups";
+  } catch (const memtide::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(kMaxSubgroups + 1) + " subgroups, at most"), std::string::npos)
+        << e.what();
+  }
+  w.subgroup_params.resize(kMaxSubgroups);
+  w.gpu_static_limit = kMaxSubgroups / 4;
+  EXPECT_NO_THROW((void)model.plan(w, Rates{}, Policy::automatic));  // the most that is planned
+}

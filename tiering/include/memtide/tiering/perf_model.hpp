@@ -70,6 +70,11 @@ struct Workload {
 /// flushed, so both PCIe directions and the GPU are busy; more buys nothing but memory.
 inline constexpr std::size_t kUsefulSlots = 3;
 
+/// The most subgroups a workload may have. Each is one scheduled transfer and update, planned
+/// every step; far more than this means subgroups so small that per-operation costs dominate
+/// (the paper uses 100M params each) and planning itself grows slow.
+inline constexpr std::size_t kMaxSubgroups = 4096;
+
 /// Device memory a plan may use.
 struct GpuBudget {
   std::uint64_t update_bytes = 0;    ///< free during the update phase only: streamed slots
