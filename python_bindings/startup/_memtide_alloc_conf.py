@@ -46,10 +46,37 @@ def env_name(option: str) -> str:
 
 
 def is_memtide_item(item: str) -> bool:
-    """True for backend:memtide and memtide_<option>:<value> items."""
+    """True for backend:memtide and memtide_<option>:<value> items, in any letter case (torch's
+    own keys are lower case; a `Backend:MEMTIDE` meant memtide and must not vanish)."""
     key, _, value = item.partition(":")
-    key = key.strip()
-    return key.startswith(PREFIX) or (key == "backend" and value.strip() == "memtide")
+    key = key.strip().lower()
+    return key.startswith(PREFIX) or (key == "backend" and value.strip().lower() == "memtide")
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+               "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def same_value(a: str, b: str) -> bool:
+    """Whether two spellings of an option value mean the same: 1GiB and 1073741824, True and 1.
+    (The options table checks the value itself later; this only decides agreement.)"""
+    a, b = a.strip().lower(), b.strip().lower()
+    if a == b:
+        return True
+    if (a in _TRUE and b in _TRUE) or (a in _FALSE and b in _FALSE):
+        return True
+
+    def size(text: str):
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz ").strip()
+        unit = text[len(digits):].strip()
+        try:
+            return float(digits) * _SIZE_UNITS[unit]
+        except (ValueError, KeyError):
+            return None
+
+    sa, sb = size(a), size(b)
+    return sa is not None and sa == sb
 
 
 def split(var: str, text: str) -> Tuple[List[str], bool, Dict[str, Tuple[str, str]]]:
@@ -69,7 +96,7 @@ def split(var: str, text: str) -> Tuple[List[str], bool, Dict[str, Tuple[str, st
             kept.append(item)
             continue
         key, sep, value = (part.strip() for part in item.partition(":"))
-        if key == "backend":
+        if key.lower() == "backend":
             selected = True
             continue
         option = key[len(PREFIX):].lower()
@@ -93,13 +120,14 @@ def strip_environ(environ: MutableMapping[str, str] = os.environ) -> None:
     origin: List[str] = []
     for var in CONF_VARS:
         text = environ.get(var)
-        if text is None or "memtide" not in text:
+        if text is None or "memtide" not in text.lower():
             continue
         try:
             kept, selected, opts = split(var, text)
+            inherited = origins(environ)  # set from a parent's variable, not by the user: replaced
             for option, (value, item) in opts.items():
                 env = env_name(option)
-                if environ.get(env, value) != value:
+                if env in environ and option not in inherited and not same_value(environ[env], value):
                     raise AllocConfError(f"{var} item {item!r} disagrees with {env}={environ[env]!r}; set one of them")
             for option, (value, item) in opts.items():
                 environ[env_name(option)] = value
@@ -114,8 +142,10 @@ def strip_environ(environ: MutableMapping[str, str] = os.environ) -> None:
         else:
             del environ[var]
     if origin:
-        previous = environ.get(ORIGIN)
-        environ[ORIGIN] = ";".join(([previous] if previous else []) + origin)
+        # This process's items replace what a parent's recorded for the same options.
+        mine = {entry.partition("=")[0] for entry in origin}
+        previous = [e for e in filter(None, environ.get(ORIGIN, "").split(";")) if e.partition("=")[0] not in mine]
+        environ[ORIGIN] = ";".join(previous + origin)
 
 
 def check(environ: MutableMapping[str, str] = os.environ) -> None:

@@ -78,6 +78,35 @@ def test_problems_are_recorded_and_memtide_items_still_removed(conf, env, words)
     assert "PYTORCH_CUDA_ALLOC_CONF" in str(err.value)
 
 
+@pytest.mark.parametrize("conf", ["Backend:memtide", "backend:MEMTIDE", "BACKEND: Memtide", "MEMTIDE_MAX_BYTES:1GiB,backend:memtide"])
+def test_letter_case_does_not_make_memtide_items_vanish(conf):
+    env = strip({"PYTORCH_CUDA_ALLOC_CONF": conf + ",max_split_size_mb:512"})
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    assert env[alloc_conf.SELECTED] == "1"
+    if "MAX_BYTES" in conf:
+        assert env["MEMTIDE_MAX_BYTES"] == "1GiB"
+
+
+def test_a_child_may_change_what_its_parents_variable_set():
+    parent = strip({"PYTORCH_CUDA_ALLOC_CONF": "backend:memtide,memtide_max_bytes:1GiB"})
+    child = strip({**parent, "PYTORCH_CUDA_ALLOC_CONF": "backend:memtide,memtide_max_bytes:2GiB"})
+    alloc_conf.check(child)
+    assert child["MEMTIDE_MAX_BYTES"] == "2GiB"
+    assert alloc_conf.origins(child)["max_bytes"] == "PYTORCH_CUDA_ALLOC_CONF item memtide_max_bytes:2GiB"
+    # A variable the user set is still theirs: a different value disagrees.
+    user = strip({"MEMTIDE_MAX_BYTES": "1GiB", "PYTORCH_CUDA_ALLOC_CONF": "memtide_max_bytes:2GiB"})
+    with pytest.raises(alloc_conf.AllocConfError, match="disagrees"):
+        alloc_conf.check(user)
+
+
+@pytest.mark.parametrize("a, b", [("1GiB", "1073741824"), ("1gib", "1GiB"), ("True", "1"), ("off", "false"),
+                                  ("1.5GiB", "1536MiB")])
+def test_equal_values_spelled_differently_agree(a, b):
+    env = strip({"PYTORCH_CUDA_ALLOC_CONF": f"memtide_max_bytes:{a}", "MEMTIDE_MAX_BYTES": b})
+    alloc_conf.check(env)
+    assert not alloc_conf.same_value("1GiB", "2GiB") and not alloc_conf.same_value("true", "0")
+
+
 def test_an_agreeing_environment_variable_is_fine():
     env = strip({"PYTORCH_CUDA_ALLOC_CONF": "memtide_max_bytes:1GiB", "MEMTIDE_MAX_BYTES": "1GiB"})
     alloc_conf.check(env)
