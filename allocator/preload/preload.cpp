@@ -47,8 +47,10 @@ namespace {
 // cudaErrorInitializationError, so callers see an ordinary CUDA failure.
 constexpr cudaError_t kNoRealRuntime = 3;
 
-// Flush threshold: large enough that writes are rare, small enough that a crash loses little.
-constexpr std::size_t kFlushEvents = 4096;
+// Every event is written at once, as whole lines in one write(): what write() took survives an
+// abort or an _exit, which no user-space buffer does. cudaMalloc/cudaFree cost far more than a
+// write of one line, and caching allocators (torch's) call them rarely.
+constexpr std::size_t kFlushEvents = 1;
 
 constexpr const char* kDefaultLogPath = "memtide_preload.jsonl";
 
@@ -176,18 +178,21 @@ class Recorder {
                       static_cast<long>(getpid()));
         out += line;
       }
+      // Every line names its process: with each event written at once, the lines of a forked
+      // child and its parent interleave in the shared file.
+      const long pid = static_cast<long>(getpid());
       for (const Event& e : buffer_) {
         std::snprintf(line, sizeof line,
-                      "{\"type\":\"event\",\"t_ns\":%" PRIu64 ",\"op\":\"%s\",\"ptr\":\"0x%" PRIxPTR
+                      "{\"type\":\"event\",\"pid\":%ld,\"t_ns\":%" PRIu64 ",\"op\":\"%s\",\"ptr\":\"0x%" PRIxPTR
                       "\",\"size\":%zu,\"stream\":\"0x%" PRIxPTR "\",\"current\":%zu,\"peak\":%zu}\n",
-                      e.t_ns, op_name(e.op), e.ptr, e.size, e.stream, e.current, e.peak);
+                      pid, e.t_ns, op_name(e.op), e.ptr, e.size, e.stream, e.current, e.peak);
         out += line;
       }
       if (with_summary) {
         std::snprintf(line, sizeof line,
-                      "{\"type\":\"summary\",\"events\":%" PRIu64 ",\"peak_bytes\":%zu,\"current_bytes\":%zu"
+                      "{\"type\":\"summary\",\"pid\":%ld,\"events\":%" PRIu64 ",\"peak_bytes\":%zu,\"current_bytes\":%zu"
                       ",\"unknown_frees\":%" PRIu64 ",\"mallocs\":%" PRIu64 ",\"frees\":%" PRIu64 "}\n",
-                      events_, peak_, current_, unknown_frees_, mallocs_, frees_);
+                      pid, events_, peak_, current_, unknown_frees_, mallocs_, frees_);
         out += line;
       }
       buffer_.clear();

@@ -703,32 +703,48 @@ def _add_plan_parser(sub) -> None:
 
 
 def _read_timeline(path: str) -> Dict[str, Any]:
-    """Summarizes an observer log: every process's header, events and summary line."""
-    pids, events, summaries = [], 0, []
+    """Summarizes an observer log: every process's header, events and summary line.
+
+    A process that died before its exit (abort, _exit, a signal) leaves no summary line, and a
+    write cut short leaves half a line: both make the log incomplete, which the summary says
+    (`complete`, `problems`) instead of failing.
+    """
+    pids, events, summaries, problems = [], 0, [], []
     peak, peak_t = 0, None
     t0 = None
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RuntimeError(f"{path}:{n}: not a JSON line ({e.msg}); is it a memtide observer log?") from None
-            kind = rec.get("type")
-            if kind == "header":
-                pids.append(rec["pid"])
-            elif kind == "event":
-                events += 1
-                t0 = rec["t_ns"] if t0 is None else t0
-                if rec["peak"] > peak:
-                    peak, peak_t = rec["peak"], rec["t_ns"]
-            elif kind == "summary":
-                summaries.append(rec)
+    with open(path, errors="replace") as f:
+        lines = f.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the file ends with a newline, as every whole line does
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            problems.append(f"line {n} is not a whole JSON record" + (" (the last one: cut short)" if n == len(lines)
+                                                                      else ""))
+            continue
+        kind = rec.get("type")
+        if kind == "header":
+            pids.append(rec.get("pid"))
+        elif kind == "event":
+            events += 1
+            t0 = rec.get("t_ns", 0) if t0 is None else t0
+            if rec.get("peak", 0) > peak:
+                peak, peak_t = rec["peak"], rec.get("t_ns", 0)
+        elif kind == "summary":
+            summaries.append(rec)
+    if len(summaries) < len(pids):
+        problems.append(f"{len(pids) - len(summaries)} of {len(pids)} process(es) wrote no summary: they ended "
+                        "without running exit handlers (abort, _exit, a signal); their events up to then are here")
     return {
         "log": path, "processes": pids, "events": events, "peak_bytes": peak,
         "peak_at_s": None if peak_t is None else (peak_t - t0) / 1e9,
-        "current_bytes": sum(s["current_bytes"] for s in summaries),
-        "unknown_frees": sum(s["unknown_frees"] for s in summaries),
-        "complete": len(summaries) == len(pids),
+        "current_bytes": sum(s.get("current_bytes", 0) for s in summaries),
+        "unknown_frees": sum(s.get("unknown_frees", 0) for s in summaries),
+        "complete": not problems,
+        "problems": problems,
     }
 
 
@@ -749,6 +765,10 @@ def _cmd_observe(args: argparse.Namespace) -> int:
             raise _UsageError(f"memtide observe: --log {args.log} exists and is not a regular file "
                               "(a link, a device or a folder); choose another path")
         os.remove(log)
+    folder = os.path.dirname(log)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise _UsageError(f"memtide observe: cannot write the timeline {log}: its folder "
+                          f"{'does not exist' if not os.path.isdir(folder) else 'is not writable'}")
     env = dict(os.environ)
     env["LD_PRELOAD"] = lib + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
     env["MEMTIDE_PRELOAD_LOG"] = log
@@ -762,7 +782,7 @@ def _cmd_observe(args: argparse.Namespace) -> int:
         raise _UsageError(f"memtide observe: cannot run {command[0]!r}: {e.strerror or e}") from None
     if not os.path.exists(log):
         summary = {"log": log, "processes": [], "events": 0, "peak_bytes": 0, "peak_at_s": None,
-                   "current_bytes": 0, "unknown_frees": 0, "complete": True}
+                   "current_bytes": 0, "unknown_frees": 0, "complete": True, "problems": []}
     else:
         summary = _read_timeline(log)
     summary["exit_code"] = rc
@@ -779,9 +799,11 @@ def _cmd_observe(args: argparse.Namespace) -> int:
         print(f"peak      {format_bytes(summary['peak_bytes'])}{at} (per process)")
         print(f"at exit   {format_bytes(summary['current_bytes'])} still allocated"
               + (f", {summary['unknown_frees']} frees of unseen pointers" if summary["unknown_frees"] else ""))
-        if not summary["complete"]:
-            print("note      a process ended without its summary line (killed?); the timeline stops there")
         print(f"timeline  {log}")
+    if summary["problems"]:
+        # On stderr in both modes: the figures above cover only what reached the log.
+        for problem in summary["problems"]:
+            print(f"memtide observe: incomplete timeline: {problem}", file=sys.stderr)
     return rc
 
 

@@ -120,3 +120,35 @@ def test_observe_refuses_a_log_path_that_is_not_a_regular_file(tmp_path, kind):
 def test_observe_with_an_empty_log_name_is_a_usage_error(tmp_path):
     p = observe(tmp_path, "--log", "", "--", sys.executable, "-c", "pass")
     assert p.returncode == 2 and "--log" in p.stderr and "Traceback" not in p.stderr
+
+
+DIES = PROGRAM.replace("sys.exit(int(sys.argv[2]))", "import os\nos.abort() if sys.argv[2] == 'abort' else os._exit(5)")
+
+
+@pytest.mark.parametrize("how", ["abort", "_exit"])
+def test_events_survive_a_program_that_dies_and_the_log_says_it_is_incomplete(tmp_path, fake_cudart, how):
+    p = observe(tmp_path, "--json", "--log", "t.jsonl", "--", sys.executable, "-c", DIES, fake_cudart, how)
+    assert p.returncode != 0  # the program's own exit status
+    s = json.loads(p.stdout)
+    assert s["events"] == 3  # nothing was buffered away
+    assert s["peak_bytes"] == 96 << 20
+    assert not s["complete"] and "wrote no summary" in s["problems"][0]
+    assert "incomplete timeline" in p.stderr
+
+
+def test_a_cut_last_line_is_reported_not_fatal(tmp_path, fake_cudart):
+    from memtide.cli import _read_timeline
+
+    p = observe(tmp_path, "--log", "t.jsonl", "--", sys.executable, "-c", PROGRAM, fake_cudart, "0")
+    assert p.returncode == 0
+    log = tmp_path / "t.jsonl"
+    whole = log.read_text()
+    log.write_text(whole[: whole.rindex("{") + 20])  # the summary line cut short
+    s = _read_timeline(str(log))
+    assert s["events"] == 3 and not s["complete"]
+    assert any("cut short" in problem for problem in s["problems"])
+
+
+def test_observe_names_a_log_folder_it_cannot_write(tmp_path):
+    p = observe(tmp_path, "--log", str(tmp_path / "no-such-dir" / "t.jsonl"), "--", sys.executable, "-c", "pass")
+    assert p.returncode == 2 and "does not exist" in p.stderr and "Traceback" not in p.stderr
