@@ -5,7 +5,11 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -192,7 +196,12 @@ std::vector<std::string> hwloc_pci_path(hwloc_obj_t dev, const std::string& bus_
   bool host_found = false;
   for (hwloc_obj_t o = dev->parent; o != nullptr && o->type == HWLOC_OBJ_BRIDGE; o = o->parent) {
     const auto& b = o->attr->bridge;
-    if (b.upstream_type == HWLOC_OBJ_BRIDGE_HOST) {
+    // hwloc stores the integer an XML file gives, in range or not; reading it as the enum would
+    // be undefined for a hostile file (found by the topology fuzzer), so read the integer.
+    int upstream = 0;
+    static_assert(sizeof upstream == sizeof b.upstream_type);
+    std::memcpy(&upstream, &b.upstream_type, sizeof upstream);
+    if (upstream == static_cast<int>(HWLOC_OBJ_BRIDGE_HOST)) {
       char buf[32];
       std::snprintf(buf, sizeof buf, "pci%04x:%02x", static_cast<unsigned>(b.downstream.pci.domain),
                     static_cast<unsigned>(b.downstream.pci.secondary_bus));
@@ -462,10 +471,31 @@ Topology Topology::from_xml(const std::string& path) {
   }
   if (std::ifstream probe(path); !probe) throw IoError("topology file \"" + path + "\" cannot be opened for reading");
 #ifdef MEMTIDE_HAVE_HWLOC
+  auto load = [&](HwlocTopology& h) {
+    // I/O objects are filtered out by default, from XML too: keep them all, they are the point.
+    hwloc_topology_set_io_types_filter(h.t, HWLOC_TYPE_FILTER_KEEP_ALL);
+    return hwloc_topology_set_xml(h.t, path.c_str()) == 0 && hwloc_topology_load(h.t) == 0;
+  };
+  // hwloc 2.9 dereferences null on some corrupt files (found by tests/fuzz): a user's file is
+  // loaded in a child first, so a file that crashes hwloc is an error here, not a dead process.
+  if (const pid_t child = ::fork(); child == 0) {
+    HwlocTopology h;
+    ::_exit(load(h) ? 0 : 1);
+  } else if (child > 0) {
+    int status = 0;
+    while (::waitpid(child, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (WIFSIGNALED(status)) {
+      throw ConfigError("topology file \"" + path + "\" made hwloc crash (signal " + std::to_string(WTERMSIG(status)) +
+                        ") while loading it: the file is corrupt; expected an hwloc 2.x XML file (lstopo --of xml)");
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {  // a plain refusal, or a crash a sanitizer turned into exit 1
+      throw ConfigError("topology file \"" + path +
+                        "\" is not a topology hwloc can load; expected an hwloc 2.x XML file (lstopo --of xml)");
+    }
+  }  // loaded in the child (or fork failed): load it here
   HwlocTopology h;
-  // I/O objects are filtered out by default, from XML too: keep them all, they are the point.
-  hwloc_topology_set_io_types_filter(h.t, HWLOC_TYPE_FILTER_KEEP_ALL);
-  if (hwloc_topology_set_xml(h.t, path.c_str()) != 0 || hwloc_topology_load(h.t) != 0) {
+  if (!load(h)) {
     throw ConfigError("topology file \"" + path + "\" is not a topology hwloc can load; expected an hwloc 2.x XML file (lstopo --of xml)");
   }
   return read_hwloc(h.t, "hwloc-xml:" + path);

@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 log() { printf '\033[1m[deps]\033[0m %s\n' "$*"; }
 
 # libnuma/hwloc: host-tier placement; jemalloc/mimalloc: PinnedHeap backends; liburing: NVMe tier.
+# clang + libclang-rt-14-dev: libFuzzer for scripts/fuzz.sh.
 APT_PACKAGES=(cmake ninja-build g++ pkg-config libgtest-dev libgmock-dev libbenchmark-dev
-  libnuma-dev libhwloc-dev hwloc libjemalloc-dev libmimalloc-dev liburing-dev)
+  libnuma-dev libhwloc-dev hwloc libjemalloc-dev libmimalloc-dev liburing-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every test: the C++ suites under ASan+UBSan, the multi-threaded stress test under TSan, then
-# the Python and torch suites against the installed package. CUDA suites run when a GPU answers
+# Every test: the C++ suites under ASan+UBSan, the multi-threaded stress test under TSan, a short
+# fuzz run of the parsers, then the Python and torch suites against the installed package. CUDA suites run when a GPU answers
 # and are skipped (with the reason) otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,9 @@ cmake --build --preset tsan -j "$jobs" --target memtide_stress_test memtide_pinn
 # setarch -R: TSan's shadow mapping cannot cope with high-entropy ASLR on newer kernels.
 setarch "$(uname -m)" -R build/tsan/tests/memtide_stress_test
 setarch "$(uname -m)" -R build/tsan/tests/memtide_pinned_heap_test --gtest_filter='*Stress*:*Thread*'
+
+log "C++: a short libFuzzer run of the options table and the hwloc XML loader (ASan+UBSan)"
+bash scripts/fuzz.sh --runs 20000
 
 log "Python: install memtide into .venv and run pytest"
 CMAKE_BUILD_PARALLEL_LEVEL=$jobs .venv/bin/python -m pip install -q --no-build-isolation .

@@ -461,3 +461,16 @@ TEST(GpuPool, XmlTopologyBindsOnlyCpusThatExistHere) {
     for (int c : pool->cpus()) EXPECT_EQ(allowed_cpus({c}), std::vector<int>{c});
   }
 }
+
+// hwloc 2.9 dereferences null on some corrupt XML files (this one was found by
+// tests/fuzz/fuzz_topology_xml.cpp): loading it must be an error naming the file, not a dead process.
+TEST(Topology, AFileThatCrashesHwlocIsAnErrorNotACrash) {
+  if (!hwloc_available()) GTEST_SKIP() << "built without hwloc";
+  const std::string path = std::string(MEMTIDE_TEST_DATA_DIR) + "/topology/corrupt_crashes_hwloc.xml";
+  try {
+    (void)Topology::from_xml(path);
+    FAIL() << "a corrupt file loaded";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+}

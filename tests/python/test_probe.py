@@ -121,3 +121,12 @@ def test_probe_this_machine(cli):
     assert "NUMA nodes:" in text.stdout
     if not doc["gpus"]:
         assert "no NVIDIA GPU found" in text.stdout
+
+
+def test_a_topology_file_that_crashes_hwloc_is_an_error_not_a_crash(cli):
+    if not memtide.topology()["hwloc"]:
+        pytest.skip("memtide was built without hwloc")
+    path = str(DATA / "corrupt_crashes_hwloc.xml")
+    r = cli("probe", "--topology", path)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert path in r.stderr and "Traceback" not in r.stderr
