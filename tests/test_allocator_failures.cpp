@@ -14,6 +14,7 @@
 
 #include "failing_device.hpp"
 #include "memtide/allocator/caching_allocator.hpp"
+#include "memtide/allocator/host_arena.hpp"
 
 using namespace memtide;
 
@@ -121,4 +122,28 @@ TEST(CachingAllocatorFailures, AFreeThatNamesAnotherSizeOrStreamIsRefused) {
   EXPECT_EQ(a.stats().num_invalid_frees, 2);
   a.deallocate(p, 4096, Stream{});
   EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
+}
+
+// HostArena: a slab whose registration fails is unmapped again, and the arena is as it was.
+TEST(HostArenaFailures, AFailedRegistrationLeavesTheArenaAsItWas) {
+  test::FailingDevice dev;
+  HostArenaConfig config;
+  config.device = &dev;
+  config.slab_bytes = 4 * MiB;
+  HostArena arena(config);
+  void* kept = arena.allocate(MiB);  // one slab in use
+  const HostArenaStats before = arena.stats();
+  dev.fail_at(1);  // the next registration
+  EXPECT_THROW((void)arena.allocate(16 * MiB), Error);  // needs a new slab
+  const HostArenaStats after = arena.stats();
+  EXPECT_EQ(after.reserved_bytes, before.reserved_bytes);
+  EXPECT_EQ(after.slabs, before.slabs);
+  EXPECT_EQ(after.registered_slabs, before.registered_slabs);
+  EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);
+  EXPECT_EQ(after.allocations, before.allocations);
+  void* again = arena.allocate(16 * MiB);  // and then it works
+  EXPECT_EQ(arena.stats().registered_slabs, before.registered_slabs + 1);
+  arena.deallocate(again);
+  arena.deallocate(kept);
+  EXPECT_EQ(arena.stats().allocated_bytes, 0U);
 }

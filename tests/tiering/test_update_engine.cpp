@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../device_types.hpp"
+#include "../failing_device.hpp"
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/error.hpp"
@@ -388,6 +389,24 @@ TEST(UpdateEngineResidency, APhaseWithNothingObservedDoesNotZeroTheBudget) {
   p = engine.plan(Policy::static_split, 0.5);
   EXPECT_GT(p.budget.budget.update_bytes, 1ULL << 30) << p.budget.source;
   EXPECT_EQ(p.plan.static_residents, 2U);
+}
+
+// The engine's host state is four arrays: when one cannot be made, the ones made go back.
+TEST(UpdateEngineFailures, AFailedConstructionGivesItsHostMemoryBack) {
+  test::FailingDevice dev;
+  CachingAllocator alloc(dev, small_margin());
+  HostArenaConfig config = arena_for(dev);
+  HostArena arena(config);
+  constexpr std::size_t n = 2'000'000;  // 8 MB arrays: a slab of their own each
+  for (int fail = 1; fail <= 4; ++fail) {
+    dev.fail_at(fail);  // the fail-th slab registration
+    EXPECT_THROW(UpdateEngine(alloc, arena, n, cut(n, 500'000), nullptr), Error) << fail;
+    EXPECT_EQ(arena.stats().allocated_bytes, 0U) << fail;
+    arena.release_free_slabs();  // so the next try needs new slabs again
+  }
+  dev.fail_at(0);
+  UpdateEngine ok(alloc, arena, n, cut(n, 500'000), nullptr);
+  EXPECT_GE(ok.host_bytes(), 16U * n);
 }
 
 }  // namespace
