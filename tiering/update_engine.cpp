@@ -167,7 +167,10 @@ EngineBudget UpdateEngine::measure_budget(const Workload& work) const {
       const PhaseWatermark& w = it.phases[p];
       // A phase entered but with no allocation observed keeps min_free at its "none yet" maximum.
       if (!w.seen || w.min_free == std::numeric_limits<std::uint64_t>::max()) continue;
-      const std::uint64_t loans = own_residents + (p == static_cast<int>(Phase::update) ? own_slots : 0);
+      const bool update = p == static_cast<int>(Phase::update);
+      const bool backward = p == static_cast<int>(Phase::backward);
+      const std::uint64_t loans =
+          own_residents + (update ? own_slots : 0) + (update || backward ? last_kept_bytes_ : 0);
       const std::uint64_t free = w.min_free > std::numeric_limits<std::uint64_t>::max() - loans
                                      ? std::numeric_limits<std::uint64_t>::max()
                                      : w.min_free + loans;
@@ -261,6 +264,17 @@ EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::option
   const std::size_t largest = *std::max_element(w.subgroup_params.begin(), w.subgroup_params.end());
   out.budget.slots_taken = out.plan.gpu_slots * gpu_slot_bytes(largest, w.grads_on_host);
   out.budget.residents_taken = out.plan.static_residents * out.budget.slot_bytes;
+  // Gradients kept on the GPU live from backward through the update phase, beside the slots:
+  // they get what both phases leave, and nothing while no backward has been measured.
+  last_placement_ = out.plan.placement;
+  const auto bwd = static_cast<int>(Phase::backward);
+  const auto upd = static_cast<int>(Phase::update);
+  grad_keep_bytes_ = 0;
+  if (out.budget.phase_seen[bwd] && out.budget.phase_seen[upd] && device_ops_available(device_)) {
+    const std::uint64_t margin = allocator_.headroom_margin();
+    const std::uint64_t upd_left = sat_sub(out.budget.phase_min_free[upd], out.budget.slots_taken);
+    grad_keep_bytes_ = sat_sub(std::min(out.budget.phase_min_free[bwd], upd_left), margin);
+  }
   return out;
 }
 
@@ -308,6 +322,15 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   // scan of the host arrays.
   const bool trust_path = path_verdict.has_value() && grad_scale * clip <= 1.0;
   if (trust_path) out.nonfinite = !*path_verdict;
+  auto kept = [&](std::size_t subgroup) {
+    return grad_state_ != nullptr && (*grad_state_)[subgroup].device_grad != nullptr;
+  };
+  bool any_kept = false;
+  for (const Segment& s : segments) any_kept = any_kept || kept(s.subgroup);
+  if (any_kept && !path_verdict.has_value()) {
+    grads_to_host();  // no verdict from the path: the host arrays must hold every gradient
+    any_kept = false;
+  }
   for (const Segment& s : segments) {
     if (trust_path) break;
     device_.run_host_work(HostWork{static_cast<double>(s.end - s.start) * 4, 0}, [&] {
@@ -330,6 +353,24 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
       plan.placement.push_back(placement[s->subgroup]);
     }
     UpdateScheduler& scheduler = scheduler_for(ranges);
+    // A gradient kept on the device is read there when its segment is the whole subgroup; a
+    // part of a subgroup reads the host array, so such a subgroup's gradient goes there first.
+    if (any_kept) {
+      for (std::size_t j = 0; j < list.size(); ++j) {
+        const Segment& sg = *list[j];
+        if (!kept(sg.subgroup)) continue;
+        const bool whole = sg.start == subgroups_[sg.subgroup].first && sg.end == subgroups_[sg.subgroup].second;
+        if (!whole) {
+          grads_to_host();
+          any_kept = false;
+          break;
+        }
+      }
+      for (std::size_t j = 0; j < list.size() && any_kept; ++j) {
+        const Segment& sg = *list[j];
+        if (kept(sg.subgroup)) scheduler_state(scheduler, j).device_grad = (*grad_state_)[sg.subgroup].device_grad;
+      }
+    }
     // Residents of another scheduler may hold newer state than the host arrays this one reads.
     for (Entry& e : cache_) {
       if (e.scheduler.get() != &scheduler && std::find(used.begin(), used.end(), e.scheduler.get()) == used.end()) {
@@ -342,6 +383,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     params.l2 = l2;
     params.grads_finite = true;  // checked above, once for the whole step
     const StepReport r = scheduler.run(plan, params);
+    for (std::size_t j = 0; j < list.size(); ++j) scheduler_state(scheduler, j).device_grad = nullptr;
     used.push_back(&scheduler);
     ++out.runs;
     StepReport& t = out.total;
@@ -358,6 +400,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     t.loop_allocations += r.loop_allocations;
     t.loop_device_allocs += r.loop_device_allocs;
   }
+  if (sink_ && sink_->kept_bytes() > 0) sink_->release();  // read by this step; gone before the next forward
   // The residents of this step's schedulers now hold the newest state of their subgroups; the
   // host arrays get it when someone reads them (sync_host), not on every step.
   std::size_t statics = 0;
@@ -388,8 +431,10 @@ void UpdateEngine::push_grad(std::size_t offset, const void* source, DType dtype
     sink_ = std::make_unique<GradSink>(*grad_state_, allocator_);
   }
   if (!grads_open_) {
-    // Every gradient goes to the host array: the scheduler streams GPU subgroups' from there.
-    sink_->begin(std::vector<Placement>(subgroups_.size(), Placement::cpu), 0);
+    std::vector<Placement> place = last_placement_;
+    if (place.size() != subgroups_.size()) place.assign(subgroups_.size(), Placement::cpu);  // no plan yet
+    sink_->begin(place, grad_keep_bytes_);
+    last_kept_bytes_ = sink_->kept_bytes();
     grads_open_ = true;
   }
   sink_->push(offset, source, dtype, n, producer);
@@ -402,6 +447,18 @@ bool UpdateEngine::finish_grads() {
   return sink_->finish();
 }
 
+void UpdateEngine::grads_to_host() {
+  if (!sink_ || sink_->kept_bytes() == 0) return;
+  if (grads_open_) finish_grads();
+  const Stream s{};
+  for (std::size_t k = 0; k < grad_state_->size(); ++k) {
+    const Subgroup& g = (*grad_state_)[k];
+    if (g.device_grad != nullptr) device_.copy_async(g.grad, g.device_grad, g.n * sizeof(float), CopyKind::device_to_host, s);
+  }
+  device_.stream_synchronize(s);
+  sink_->release();
+}
+
 void UpdateEngine::host_changed() {
   for (Entry& e : cache_) e.scheduler->discard_residents();
 }
@@ -410,6 +467,13 @@ void UpdateEngine::sync_host() {
   for (Entry& e : cache_) {
     if (e.scheduler->resident_count() > 0) e.scheduler->sync_to_host();
   }
+}
+
+Subgroup& UpdateEngine::scheduler_state(UpdateScheduler& scheduler, std::size_t j) {
+  for (Entry& e : cache_) {
+    if (e.scheduler.get() == &scheduler) return (*e.state)[j];
+  }
+  throw Error("UpdateEngine: scheduler not in the cache (internal error)");
 }
 
 void UpdateEngine::retire(Entry& e) {

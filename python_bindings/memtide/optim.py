@@ -882,7 +882,7 @@ class TieredAdamW(torch.optim.Optimizer):
         has_grad = [False] * len(layout.params)
         verdict = self.engine.native.finish_grads() if self._device_path else True
         all_on_device = True
-        any_cuda = False
+        stale = []
         for i, p in enumerate(layout.params):
             g = p.grad
             if g is None:
@@ -895,7 +895,13 @@ class TieredAdamW(torch.optim.Optimizer):
                 all_on_device &= f.on_device
                 continue
             self._flushed[i] = None
-            lo, hi = layout.ranges[i]
+            stale.append(i)
+        if stale and self._device_path:
+            # Gradients the path kept on the GPU go to the host first, so the copies below win.
+            self.engine.native.grads_to_host()
+        any_cuda = False
+        for i in stale:
+            g, (lo, hi) = layout.params[i].grad, layout.ranges[i]
             any_cuda |= g.is_cuda
             all_on_device = False
             grads[lo:hi].copy_(g.reshape(-1), non_blocking=g.is_cuda)

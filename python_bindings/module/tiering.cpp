@@ -350,6 +350,12 @@ class PyUpdateEngine {
 
   double grad_bytes_to_host() const { return engine_->grad_bytes_to_host(); }
 
+  void grads_to_host() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->grads_to_host();
+  }
+
   void sync_host() {
     nb::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mutex_);
@@ -458,6 +464,8 @@ void bind_tiering(nb::module_& m) {
            "engine's streams while backward goes on; `stream` waits until they have been read.")
       .def("finish_grads", &PyUpdateEngine::finish_grads,
            "Waits for every pushed gradient; True when all were finite (or none was pushed).")
+      .def("grads_to_host", &PyUpdateEngine::grads_to_host,
+           "Moves gradients the path kept on the GPU into the host array (before editing it).")
       .def_prop_ro("grad_bytes_to_host", &PyUpdateEngine::grad_bytes_to_host,
                    "Bytes the gradient path has copied to the host.")
       .def("host_changed", &PyUpdateEngine::host_changed,

@@ -293,6 +293,7 @@ TEST(UpdateEngineGradients, FlushesOverlapBackward) {
   constexpr std::size_t n = 4'000'000, piece = 1'000'000;
   UpdateEngine e(alloc, arena, n, cut(n, 1'500'000), nullptr);
   auto* grads = static_cast<std::uint16_t*>(alloc.allocate(n * 2, Stream{}));
+  dev.memset_async(grads, 0, n * 2, Stream{});  // finite gradients (fresh memory may hold NaN bits)
   constexpr std::size_t kLayerBytes = 256ULL << 20;  // a layer's backward moves this through HBM
   void* scratch = alloc.allocate(kLayerBytes, Stream{});
   const Stream backward = dev.create_stream();
@@ -389,6 +390,68 @@ TEST(UpdateEngineResidency, APhaseWithNothingObservedDoesNotZeroTheBudget) {
   p = engine.plan(Policy::static_split, 0.5);
   EXPECT_GT(p.budget.budget.update_bytes, 1ULL << 30) << p.budget.source;
   EXPECT_EQ(p.plan.static_residents, 2U);
+}
+
+// Gradients of GPU-placed subgroups stay on the device when backward and the update phase leave
+// room: the step reads them there (no 4 B/param down and up again) and gives the same bits.
+TEST(UpdateEngineGradients, GpuPlacedGradientsStayOnTheDevice) {
+  SimDevice dev(SimConfig{});
+  CachingAllocator alloc(dev, small_margin());
+  HostArena arena(arena_for(dev));
+  constexpr std::size_t n = 40'000, per = 10'000;
+  UpdateEngine e(alloc, arena, n, cut(n, per), nullptr);
+  std::vector<float> p0(n), m0(n), v0(n);
+  std::vector<std::uint16_t> g16(n);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  for (std::size_t i = 0; i < n; ++i) {
+    p0[i] = e.param()[i] = normal(rng);
+    m0[i] = e.exp_avg()[i] = normal(rng) * 0.1F;
+    v0[i] = e.exp_avg_sq()[i] = std::abs(normal(rng)) * 0.01F;
+    g16[i] = fp32_to_bf16(normal(rng));
+  }
+  auto* grads = static_cast<std::uint16_t*>(alloc.allocate(n * 2, Stream{}));
+  dev.copy_async(grads, g16.data(), n * 2, CopyKind::host_to_device, Stream{});
+  (void)e.model_params(DType::bf16);  // so the step moves exactly what the plan counts
+  // One iteration seen, so the engine knows what backward and the update phase leave.
+  alloc.mark_phase(Phase::forward);
+  alloc.mark_phase(Phase::backward);
+  alloc.mark_phase(Phase::update);
+  const EnginePlan first = e.plan(Policy::interleaved, 0, 2);  // c g c g
+  ASSERT_EQ(first.plan.gpu_streamed, 2U);
+  alloc.mark_phase(Phase::forward);
+  alloc.mark_phase(Phase::backward);
+  e.push_grad(0, grads, DType::bf16, n, Stream{});
+  ASSERT_TRUE(e.finish_grads());
+  EXPECT_EQ(e.kept_grad_bytes(), 2 * per * 4);  // the two GPU subgroups'
+  alloc.mark_phase(Phase::update);
+  const EnginePlan p = e.plan(Policy::interleaved, 0, 2);
+  const SimEngineStats h2d0 = dev.h2d_stats();
+  const EngineStep r = e.step(p.plan.placement, p.plan.gpu_slots, all_segments(e, 1), 1, 1, false, true, 0, true);
+  ASSERT_FALSE(r.skipped);
+  // The plan counted 4 B/param of gradient uploads for the GPU subgroups; none was needed.
+  EXPECT_EQ(dev.h2d_stats().bytes - h2d0.bytes, p.plan.prediction.h2d_bytes - 2.0 * per * 4);
+  EXPECT_EQ(e.kept_grad_bytes(), 0U);  // given back after the step
+  // The same bits as the CPU kernel on the host copies.
+  for (const Segment& s : all_segments(e, 1)) {
+    std::vector<float> g(s.end - s.start);
+    for (std::size_t i = s.start; i < s.end; ++i) g[i - s.start] = bf16_to_fp32(g16[i]);
+    AdamwArgs a;
+    a.param = p0.data() + s.start;
+    a.exp_avg = m0.data() + s.start;
+    a.exp_avg_sq = v0.data() + s.start;
+    a.grad = g.data();
+    a.n = s.end - s.start;
+    a.lr = s.params.lr;
+    a.weight_decay = s.params.weight_decay;
+    a.step = 1;
+    adamw_step(a, nullptr);
+  }
+  e.sync_host();
+  EXPECT_EQ(std::memcmp(e.param(), p0.data(), n * 4), 0);
+  EXPECT_EQ(std::memcmp(e.exp_avg(), m0.data(), n * 4), 0);
+  EXPECT_EQ(std::memcmp(e.exp_avg_sq(), v0.data(), n * 4), 0);
+  alloc.deallocate(grads, Stream{});
 }
 
 // The engine's host state is four arrays: when one cannot be made, the ones made go back.

@@ -133,9 +133,15 @@ class UpdateEngine {
   /// A later push of the same range overwrites it: pushing the accumulated gradient after every
   /// micro-batch leaves the last, complete one.
   void push_grad(std::size_t offset, const void* source, DType dtype, std::size_t n, Stream producer);
-  /// Waits until every pushed gradient is in the host array; whether all were finite (true when
-  /// nothing was pushed since the last call).
+  /// Waits until every pushed gradient is in place; whether all were finite (true when nothing
+  /// was pushed since the last call). Subgroups the last plan put on the GPU keep their fp32
+  /// gradient in device memory, as far as the memory backward and the update phase leave allows
+  /// (the step reads it there: no 4 B/param there and back); the rest are in the host array.
   bool finish_grads();
+  /// Moves gradients kept on the device into the host array (before the host copy is edited).
+  void grads_to_host();
+  /// Bytes of fp32 gradients kept in device memory now.
+  [[nodiscard]] std::uint64_t kept_grad_bytes() const noexcept { return sink_ ? sink_->kept_bytes() : 0; }
   /// Bytes the gradient path has copied to the host since it was made.
   [[nodiscard]] double grad_bytes_to_host() const noexcept { return sink_ ? sink_->bytes_to_host() : 0; }
 
@@ -167,6 +173,8 @@ class UpdateEngine {
   UpdateScheduler& scheduler_for(const std::vector<std::pair<std::size_t, std::size_t>>& ranges);
   /// Moves an entry's residents back into the host arrays and frees them.
   void retire(Entry& e);
+  /// The `j`th subgroup of a cached scheduler's state.
+  Subgroup& scheduler_state(UpdateScheduler& scheduler, std::size_t j);
   EngineBudget measure_budget(const Workload& work) const;
   void observe(const StepReport& r, double predicted_ns);
 
@@ -186,6 +194,9 @@ class UpdateEngine {
   std::unique_ptr<OptimizerState> grad_state_;  // the subgroups, for the gradient path
   std::unique_ptr<GradSink> sink_;
   bool grads_open_ = false;            // pushed since the last finish_grads
+  std::vector<Placement> last_placement_;  // the last plan's, for the gradients of the next backward
+  std::uint64_t grad_keep_bytes_ = 0;  // device memory the next backward may keep gradients in
+  std::uint64_t last_kept_bytes_ = 0;  // kept in the last backward (an engine loan, like slots)
   DType model_dtype_ = DType::none;
   std::size_t current_statics_ = 0;    // static residents of the last plan
 };
