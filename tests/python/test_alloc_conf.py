@@ -113,6 +113,38 @@ def test_an_agreeing_environment_variable_is_fine():
     assert env["MEMTIDE_MAX_BYTES"] == "1GiB"
 
 
+def test_random_variables_never_break_start_up():
+    """A seeded property test of the parser that runs inside site.py: for any value of the
+    variables (memtide items, torch items, junk, any letter case, separators), strip_environ never
+    raises, removes every memtide item, keeps every other item in its order, and any problem it
+    records names the variable."""
+    import random
+
+    rng = random.Random(1)
+    pieces = ["backend:memtide", "Backend:MEMTIDE", "backend:cudaMallocAsync", "memtide_max_bytes:1GiB",
+              "memtide_max_bytes:", "memtide_:3", "MEMTIDE_HOST_NODE:0", "memtide_record_history:true",
+              "max_split_size_mb:512", "garbage_collection_threshold:0.6", "expandable_segments:True", "", " ",
+              ":", ",", "memtide", "memtide_x:y:z", "backend:", "\u00e9:1", "memtide_max_bytes:2GiB"]
+    for _ in range(20000):
+        items = [rng.choice(pieces) if rng.random() < 0.8 else
+                 "".join(rng.choice("memtide_:,abBK01 ") for _ in range(rng.randint(0, 12)))
+                 for _ in range(rng.randint(0, 6))]
+        var = rng.choice(alloc_conf.CONF_VARS)
+        env = {var: ",".join(items)}
+        if rng.random() < 0.3:
+            env["MEMTIDE_MAX_BYTES"] = rng.choice(["1GiB", "2GiB", "1073741824"])
+        out = strip(env)  # never raises
+        if "memtide" not in env[var].lower():
+            assert out == env  # not memtide's business: untouched
+            continue
+        kept = [i.strip() for i in env[var].split(",") if i.strip() and not alloc_conf.is_memtide_item(i)]
+        assert out.get(var, "") == ",".join(kept), env
+        for item in out.get(var, "").split(","):
+            assert not alloc_conf.is_memtide_item(item), (env, out)
+        if alloc_conf.ERROR in out:
+            assert var in out[alloc_conf.ERROR], (env, out[alloc_conf.ERROR])
+
+
 # ---- a fresh interpreter: .pth hook, torch's entry point, the swap ------------------------------
 
 torch = pytest.importorskip("torch")
