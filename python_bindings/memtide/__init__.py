@@ -170,6 +170,7 @@ def apply_alloc_conf() -> None:
     """
     if _alloc_conf is None:
         return
+    _alloc_conf.applied = True  # acted on, whatever the outcome (see _alloc_conf._unapplied_warning)
     try:
         _alloc_conf.check()
     except _alloc_conf.AllocConfError as e:

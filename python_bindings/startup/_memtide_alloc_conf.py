@@ -36,6 +36,22 @@ ORIGIN = "MEMTIDE_ALLOC_CONF_ITEMS"
 ERROR = "MEMTIDE_ALLOC_CONF_ERROR"
 
 
+#: Set by memtide.apply_alloc_conf in this process: the items were acted on.
+applied = False
+
+
+def _unapplied_warning() -> None:
+    """At exit: memtide's items were taken out of torch's variable, but nothing acted on them
+    (torch's backend autoload was off and memtide was never imported). Said once, on stderr."""
+    if applied:
+        return
+    import sys
+
+    print("memtide: PYTORCH_CUDA_ALLOC_CONF named memtide, but nothing acted on it: "
+          "TORCH_DEVICE_BACKEND_AUTOLOAD=0 keeps torch from loading memtide's hook, and memtide was not "
+          "imported after torch; import memtide after torch (or unset TORCH_DEVICE_BACKEND_AUTOLOAD)", file=sys.stderr)
+
+
 class AllocConfError(ValueError):
     """A memtide item in PYTORCH_CUDA_ALLOC_CONF that cannot be used."""
 
@@ -118,10 +134,12 @@ def strip_environ(environ: MutableMapping[str, str] = os.environ) -> None:
     own "unrecognized key" does not hide it.
     """
     origin: List[str] = []
+    took_any = False
     for var in CONF_VARS:
         text = environ.get(var)
         if text is None or "memtide" not in text.lower():
             continue
+        took_any = True
         try:
             kept, selected, opts = split(var, text)
             inherited = origins(environ)  # set from a parent's variable, not by the user: replaced
@@ -141,6 +159,10 @@ def strip_environ(environ: MutableMapping[str, str] = os.environ) -> None:
             environ[var] = ",".join(kept)
         else:
             del environ[var]
+    if took_any and environ is os.environ and os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD") == "0":
+        import atexit
+
+        atexit.register(_unapplied_warning)
     if origin:
         # This process's items replace what a parent's recorded for the same options.
         mine = {entry.partition("=")[0] for entry in origin}

@@ -178,6 +178,17 @@ def test_autoload_off_then_import_memtide_installs_it():
     assert r["installed"] is True
 
 
+def test_autoload_off_and_no_import_memtide_says_so_once():
+    env = clean_env(PYTORCH_CUDA_ALLOC_CONF="backend:memtide,memtide_max_bytes:1GiB", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    p = run_python(["-c", "import torch"], env=env)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("nothing acted on it") == 1 and "import memtide after torch" in p.stderr
+    p = run_python(["-c", "import memtide, torch"], env=env)  # memtide first: still not acted on
+    assert "nothing acted on it" in p.stderr
+    p = run_python(["-c", "import torch, memtide"], env=env)  # acted on: nothing to say
+    assert p.returncode == 0 and "nothing acted on it" not in p.stderr, p.stderr
+
+
 def test_variable_set_inside_the_process_before_import_memtide():
     script = ("import os; os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'backend:memtide,memtide_max_bytes:2GiB'\n"
               "import memtide\n" + REPORT)
