@@ -86,9 +86,11 @@ class MimallocEngine final : public Engine {
 
   void* allocate(std::size_t bytes, std::size_t alignment) override {
     ThreadHeaps& mine = t_heaps[serial_];
-    // An arena this thread just added for the request that still cannot serve it means mimalloc
-    // never will: give up rather than map slabs (and use up arenas) forever.
-    for (bool grew = false;;) {
+    // Arenas this thread added for the request that still cannot serve it mean mimalloc never
+    // will: give up rather than map slabs (and use up arenas) forever. Not after the first: other
+    // threads may fill a fresh arena before this one gets to it (seen in the stress test).
+    constexpr int kGrowths = 4;
+    for (int grew = 0;;) {
       std::vector<mi_arena_id_t> arenas;
       {
         std::shared_lock lock(mutex_);
@@ -107,11 +109,12 @@ class MimallocEngine final : public Engine {
           return p;
         }
       }
-      if (grew) {
+      if (grew == kGrowths) {
         throw OutOfMemory("PinnedHeap (mimalloc): " + std::to_string(bytes) + " bytes aligned to " +
-                          std::to_string(alignment) + " could not be served even from a fresh arena");
+                          std::to_string(alignment) + " could not be served even from " +
+                          std::to_string(kGrowths) + " fresh arenas");
       }
-      grew = grow(n, bytes, alignment);
+      if (grow(n, bytes, alignment)) ++grew;
     }
   }
 
