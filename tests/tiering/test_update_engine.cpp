@@ -49,6 +49,23 @@ std::vector<Segment> all_segments(const UpdateEngine& e, std::int64_t step = 1) 
   return out;
 }
 
+// The yardstick: one segment stepped by the CPU kernel directly, over the given arrays.
+void reference_step(const Segment& s, float* param, float* exp_avg, float* exp_avg_sq, const float* grad) {
+  AdamwArgs a;
+  a.param = param + s.start;
+  a.exp_avg = exp_avg + s.start;
+  a.exp_avg_sq = exp_avg_sq + s.start;
+  a.grad = grad + s.start;
+  a.n = s.end - s.start;
+  a.lr = s.params.lr;
+  a.beta1 = s.params.beta1;
+  a.beta2 = s.params.beta2;
+  a.eps = s.params.eps;
+  a.weight_decay = s.params.weight_decay;
+  a.step = s.params.step;
+  adamw_step(a, nullptr);
+}
+
 AllocatorConfig small_margin() {
   AllocatorConfig c;
   c.headroom_margin = 1 << 20;
@@ -138,16 +155,7 @@ TYPED_TEST(UpdateEngineTest, EveryPolicyGivesTheCpuKernelsBits) {
   this->fill(*ref, 7);
   for (std::int64_t step = 1; step <= 3; ++step) {
     for (const Segment& s : this->whole(*ref, step)) {
-      AdamwArgs a;
-      a.param = ref->param() + s.start;
-      a.exp_avg = ref->exp_avg() + s.start;
-      a.exp_avg_sq = ref->exp_avg_sq() + s.start;
-      a.grad = ref->grad() + s.start;
-      a.n = s.end - s.start;
-      a.lr = s.params.lr;
-      a.weight_decay = s.params.weight_decay;
-      a.step = step;
-      adamw_step(a, nullptr);
+      reference_step(s, ref->param(), ref->exp_avg(), ref->exp_avg_sq(), ref->grad());
     }
   }
   struct Case {
@@ -433,20 +441,9 @@ TEST(UpdateEngineGradients, GpuPlacedGradientsStayOnTheDevice) {
   EXPECT_EQ(dev.h2d_stats().bytes - h2d0.bytes, p.plan.prediction.h2d_bytes - 2.0 * per * 4);
   EXPECT_EQ(e.kept_grad_bytes(), 0U);  // given back after the step
   // The same bits as the CPU kernel on the host copies.
-  for (const Segment& s : all_segments(e, 1)) {
-    std::vector<float> g(s.end - s.start);
-    for (std::size_t i = s.start; i < s.end; ++i) g[i - s.start] = bf16_to_fp32(g16[i]);
-    AdamwArgs a;
-    a.param = p0.data() + s.start;
-    a.exp_avg = m0.data() + s.start;
-    a.exp_avg_sq = v0.data() + s.start;
-    a.grad = g.data();
-    a.n = s.end - s.start;
-    a.lr = s.params.lr;
-    a.weight_decay = s.params.weight_decay;
-    a.step = 1;
-    adamw_step(a, nullptr);
-  }
+  std::vector<float> g32(n);
+  for (std::size_t i = 0; i < n; ++i) g32[i] = bf16_to_fp32(g16[i]);
+  for (const Segment& s : all_segments(e, 1)) reference_step(s, p0.data(), m0.data(), v0.data(), g32.data());
   e.sync_host();
   EXPECT_EQ(std::memcmp(e.param(), p0.data(), n * 4), 0);
   EXPECT_EQ(std::memcmp(e.exp_avg(), m0.data(), n * 4), 0);
