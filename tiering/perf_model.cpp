@@ -59,6 +59,10 @@ void validate(const Workload& work, const Rates& r) {
                             "] = 0 is not accepted: every subgroup needs at least one param");
     }
   }
+  if (!work.grad_on_device.empty() && work.grad_on_device.size() != work.subgroup_params.size()) {
+    throw InvalidArgument("PerfModel: workload.grad_on_device has " + std::to_string(work.grad_on_device.size()) +
+                          " entries, there are " + std::to_string(work.subgroup_params.size()) + " subgroups");
+  }
   if (work.low_precision_bytes == 0 || work.low_precision_bytes > 4) {
     throw InvalidArgument("PerfModel: workload.low_precision_bytes = " + std::to_string(work.low_precision_bytes) +
                           " is not accepted: expected 1 to 4");
@@ -70,8 +74,7 @@ struct Costs {
   double cpu_s_per_param;       // update (+ separate downscale) on the CPU
   double cpu_dram_per_param;    // host DRAM bytes the CPU moves per param
   double lp_bytes_per_param;    // low-precision params sent H2D after a CPU update
-  double in_streamed_per_param; // H2D bytes into a GPU slot
-  double in_static_per_param;   // H2D bytes a static resident needs (host grads)
+  double grad_per_param;        // H2D bytes of a GPU update's gradient from the host (see grad_upload)
   double out_per_param;         // D2H bytes of a flush
 
   Costs(const Workload& w, const Rates& r) {
@@ -82,26 +85,29 @@ struct Costs {
     cpu_dram_per_param = r.cpu_dram_bytes_per_param + (separate_downscale ? kGradBytesPerParam + lp : 0);
     lp_bytes_per_param = lp;
     const double grads = w.grads_on_host ? kGradBytesPerParam : 0;
-    in_streamed_per_param = kStateBytesPerParam + grads;
-    in_static_per_param = grads;
+    grad_per_param = grads;
     out_per_param = kStateBytesPerParam;
   }
 };
 
+// The gradient bytes per param a GPU update of `subgroup` must upload.
+double grad_upload(const Workload& w, const Costs& c, std::size_t subgroup) {
+  return !w.grad_on_device.empty() && w.grad_on_device[subgroup] ? 0.0 : c.grad_per_param;
+}
+
 // The busy time of each resource: the resource bound's ingredients.
 void busy_times(const Workload& w, const Rates& r, const Costs& c, const std::vector<Placement>& placement,
                 Prediction& out) {
-  double cpu_params = 0, gpu_params = 0, streamed_params = 0, static_params = 0;
+  double cpu_params = 0, gpu_params = 0, streamed_params = 0, grad_bytes = 0;
   for (std::size_t i = 0; i < placement.size(); ++i) {
     const auto p = static_cast<double>(w.subgroup_params[i]);
     switch (placement[i]) {
       case Placement::cpu: cpu_params += p; break;
-      case Placement::gpu: streamed_params += p; gpu_params += p; break;
-      case Placement::gpu_static: static_params += p; gpu_params += p; break;
+      case Placement::gpu: streamed_params += p; gpu_params += p; grad_bytes += p * grad_upload(w, c, i); break;
+      case Placement::gpu_static: gpu_params += p; grad_bytes += p * grad_upload(w, c, i); break;
     }
   }
-  out.h2d_bytes = cpu_params * c.lp_bytes_per_param + streamed_params * c.in_streamed_per_param +
-                  static_params * c.in_static_per_param;
+  out.h2d_bytes = cpu_params * c.lp_bytes_per_param + streamed_params * kStateBytesPerParam + grad_bytes;
   out.d2h_bytes = streamed_params * c.out_per_param;
   out.dram_bytes = cpu_params * c.cpu_dram_per_param + out.h2d_bytes + out.d2h_bytes;
   out.cpu_ns = cpu_params * c.cpu_s_per_param * 1e9;
@@ -179,7 +185,7 @@ class Walk {
 
   [[nodiscard]] double input_bytes(std::size_t j) const {
     const GpuTask& g = gpu_tasks_[j];
-    return params(g.subgroup) * (g.streamed ? c_.in_streamed_per_param : c_.in_static_per_param);
+    return params(g.subgroup) * ((g.streamed ? kStateBytesPerParam : 0.0) + grad_upload(w_, c_, g.subgroup));
   }
 
   // When the scheduler's host loop reaches `subgroup`: once every CPU update before it is done

@@ -208,6 +208,11 @@ EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::option
   for (auto [s, e] : subgroups_) w.subgroup_params.push_back(e - s);
   w.low_precision_bytes = config_.low_precision_bytes;
   w.grads_on_host = true;
+  if (grad_state_ != nullptr && sink_ && sink_->kept_bytes() > 0) {
+    // Gradients the path kept on the device (the plan is made after backward): no upload.
+    w.grad_on_device.resize(subgroups_.size());
+    for (std::size_t g = 0; g < subgroups_.size(); ++g) w.grad_on_device[g] = (*grad_state_)[g].device_grad != nullptr;
+  }
   out.budget = measure_budget(w);
   fit_gpu_budget(w, out.budget.budget);
   if (!device_ops_available(device_)) {

@@ -503,3 +503,21 @@ TEST(PerfModel, AbsurdlySmallSubgroupsAreRefusedWithTheCount) {
   w.gpu_static_limit = kMaxSubgroups / 4;
   EXPECT_NO_THROW((void)model.plan(w, Rates{}, Policy::automatic));  // the most that is planned
 }
+
+// A subgroup whose gradient is already on the device (kept by the gradient path) uploads no
+// gradient for its GPU update; on the CPU it changes nothing.
+TEST(PerfModel, GradientsAlreadyOnTheDeviceAreNotUploaded) {
+  const PerfModel model;
+  Workload w = uniform(8);
+  w.gpu_static_limit = 2;
+  const auto placement = interleave(8, 2, 2);  // c g c g c g s s
+  const Prediction host = model.predict(w, Rates{}, placement);
+  w.grad_on_device.assign(8, true);
+  const Prediction device = model.predict(w, Rates{}, placement);
+  double gpu_params = 0;
+  for (std::size_t i = 0; i < 8; ++i) gpu_params += placement[i] != Placement::cpu ? static_cast<double>(w.subgroup_params[i]) : 0;
+  EXPECT_DOUBLE_EQ(host.h2d_bytes - device.h2d_bytes, 4 * gpu_params);
+  EXPECT_LE(device.total_ns, host.total_ns);
+  w.grad_on_device.assign(3, true);
+  expect_invalid([&] { (void)model.predict(w, Rates{}, placement); }, "grad_on_device has 3 entries");
+}

@@ -62,6 +62,9 @@ struct Workload {
   std::vector<std::size_t> subgroup_params;  ///< params per subgroup, in update order
   std::size_t low_precision_bytes = 2;       ///< bytes per param of the model's copy (fp16/bf16)
   bool grads_on_host = true;                 ///< fp32 grads are in host memory
+  /// Per subgroup: its fp32 gradient is already in device memory (kept there by the gradient
+  /// path), so a GPU update needs no gradient upload. Empty: none is.
+  std::vector<bool> grad_on_device;
   std::size_t gpu_slot_limit = 3;            ///< streamed subgroups that fit in the headroom at once
   std::size_t gpu_static_limit = 0;          ///< subgroups that may stay resident on the GPU
 };
