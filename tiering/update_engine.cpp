@@ -145,10 +145,10 @@ EngineBudget UpdateEngine::measure_budget(const Workload& work) const {
   std::uint64_t own_slots = 0;
   for (const Entry& e : cache_) own_slots = std::max(own_slots, e.scheduler->last_slot_bytes());
   const std::uint64_t margin = allocator_.headroom_margin();
-  const auto allocated_now = static_cast<std::uint64_t>(allocator_.stats().allocated_bytes[0].current);
   // Memory outside this allocator (torch's own, when torch does not use memtide) shows only in
   // the device's free memory; this allocator's cached free blocks are free to it.
   const AllocatorStats stats = allocator_.stats();
+  const auto allocated_now = static_cast<std::uint64_t>(stats.allocated_bytes[0].current);
   const auto reserved_now = static_cast<std::uint64_t>(stats.reserved_bytes[0].current);
   const std::uint64_t free_now = std::min(sat_sub(allocator_.limit(), allocated_now),
                                           device_.mem_info().free + sat_sub(reserved_now, allocated_now)) +
@@ -332,16 +332,18 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   };
   bool any_kept = false;
   for (const Segment& s : segments) any_kept = any_kept || kept(s.subgroup);
-  if (any_kept && !path_verdict.has_value()) {
-    grads_to_host();  // no verdict from the path: the host arrays must hold every gradient
-    any_kept = false;
-  }
-  for (const Segment& s : segments) {
-    if (trust_path) break;
-    device_.run_host_work(HostWork{static_cast<double>(s.end - s.start) * 4, 0}, [&] {
-      out.nonfinite = out.nonfinite || !grads_finite(grad() + s.start, DType::fp32, s.end - s.start, grad_scale, clip, pool_);
-    });
-    if (out.nonfinite) break;
+  if (!trust_path) {
+    // The host arrays are scanned, so they must hold every gradient, kept ones included.
+    if (any_kept) {
+      grads_to_host();
+      any_kept = false;
+    }
+    for (const Segment& s : segments) {
+      device_.run_host_work(HostWork{static_cast<double>(s.end - s.start) * 4, 0}, [&] {
+        out.nonfinite = !grads_finite(grad() + s.start, DType::fp32, s.end - s.start, grad_scale, clip, pool_);
+      });
+      if (out.nonfinite) break;
+    }
   }
   out.skipped = out.nonfinite && skip_if_nonfinite;
   if (out.skipped || segments.empty()) return out;

@@ -36,6 +36,7 @@ from . import _memtide, host
 from ._memtide import (
     ConfigError,
     MAX_SUBGROUPS,
+    USEFUL_SLOTS,
     adamw_step_cpu,
     backend,
     cpu_isa,
@@ -68,6 +69,7 @@ __version__ = version()
 __all__ = [
     "ConfigError",
     "MAX_SUBGROUPS",
+    "USEFUL_SLOTS",
     "__version__",
     "adamw_step_cpu",
     "apply_alloc_conf",

@@ -323,8 +323,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 _HOST_STATE_BYTES = 16
 # Model memory that stays on the GPU all iteration: 16-bit params and 16-bit grads.
 _GPU_PERSISTENT_BYTES = 4
-# The model never uses more than three streaming slots (prefetch, update, flush).
-_USEFUL_SLOTS = 3
 
 
 # A quadrillion parameters: beyond any model, and within every integer type the planner uses.
@@ -532,7 +530,7 @@ def _print_plan(result: Dict[str, Any]) -> None:
     print(f"GPU       {format_bytes(g['memory'])}: {format_bytes(g['persistent'])} 16-bit params + grads, margin "
           f"{format_bytes(g['margin'])}, update headroom {format_bytes(g['headroom'])}")
     print(f"          = {g['slot_limit']} slot(s) of {format_bytes(g['slot_bytes'])} (fp32 p, m, v, grad; "
-          f"up to {_USEFUL_SLOTS} used for streaming), up to {g['static_limit']} static resident(s) "
+          f"up to {memtide.USEFUL_SLOTS} used for streaming), up to {g['static_limit']} static resident(s) "
           f"(activations not counted)")
     print(f"host      {format_bytes(h['memory'])}: optimizer state {format_bytes(h['optimizer_state'])} fits")
     downscale = ("fused into the CPU step" if r["cpu_downscale_params_per_s"] == 0

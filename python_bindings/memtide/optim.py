@@ -291,10 +291,6 @@ class SubgroupEngine:
         self.subgroups = subgroups
         self.device = device
 
-    @staticmethod
-    def available(numel: int) -> str:
-        return ""
-
     def gpu_update_unavailable(self) -> str:
         """Why subgroups cannot be updated on a GPU here ("" if they can)."""
         if not torch.cuda.is_available():
@@ -367,10 +363,8 @@ class SchedulerEngine(SubgroupEngine):
         self.native = _memtide.UpdateEngine(numel, list(subgroups), low_precision_bytes=lowp_bytes, device=device)
         params, exp_avg, exp_avg_sq, grads = (torch.from_dlpack(a) for a in self.native.arrays())
         pinned = torch.cuda.is_available() and not self.native.simulated
-        lowp = None
-        if lowp_dtype is not None:
-            lowp = torch.zeros(numel, dtype=lowp_dtype, pin_memory=pinned)
-        self.buffers = FlatBuffers(params=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grads=grads, lowp=lowp,
+        # The low-precision copy is made by model_buffer(): the engine's own, or a pinned one.
+        self.buffers = FlatBuffers(params=params, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grads=grads, lowp=None,
                                    pinned=pinned)
         self.subgroups = subgroups
         self.device = device
@@ -425,11 +419,13 @@ class SchedulerEngine(SubgroupEngine):
     def model_buffer(self, lowp_dtype: Optional[torch.dtype], lowp_params: Sequence[torch.Tensor]
                      ) -> Optional[torch.Tensor]:
         """The engine's device buffer for the model's fp16/bf16 params, when they live on the
-        engine's kind of device (CUDA params with a GPU, CPU params with the SimDevice)."""
+        engine's kind of device (CUDA params with a GPU, CPU params with the SimDevice); else a
+        pinned host copy (``buffers.lowp``) that step() rounds from the masters, and None."""
         if lowp_dtype is None or not lowp_params:
             return None
         on_gpu = not self.native.simulated
         if any(p.is_cuda != on_gpu for p in lowp_params):
+            self.buffers.lowp = torch.zeros(self.buffers.params.numel(), dtype=lowp_dtype, pin_memory=self.buffers.pinned)
             return None
         buffer = torch.from_dlpack(self.native.model_params("bf16" if lowp_dtype == torch.bfloat16 else "fp16"))
         self.model_attached = True

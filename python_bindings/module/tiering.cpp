@@ -426,6 +426,7 @@ void bind_tiering(nb::module_& m) {
         "The PerfModel's predicted update phase for `placement` (one letter per subgroup: c, g, s).");
 
   m.attr("MAX_SUBGROUPS") = tiering::kMaxSubgroups;
+  m.attr("USEFUL_SLOTS") = tiering::kUsefulSlots;
   m.def("fit_gpu_budget", &fit_gpu_budget, "subgroup_params"_a, "update_bytes"_a, "resident_bytes"_a,
         "grads_on_host"_a = true,
         "What a plan may hold: streamed slots in `update_bytes` (memory free during the update phase)\n"
