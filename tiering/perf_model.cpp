@@ -18,6 +18,15 @@ constexpr double kStateBytesPerParam = 12;  // fp32 param, exp_avg, exp_avg_sq
 constexpr double kGradBytesPerParam = 4;    // fp32 gradient
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
+// The planner's search budget: full predictions (O(n) each) per plan. kEvaluatedSubgroups / n
+// keeps a plan's cost O(n) however many subgroups there are; kMinEvaluations is what the
+// largest workloads still get. Static counts up to kExhaustiveStaticCounts are all searched.
+constexpr std::size_t kEvaluatedSubgroups = std::size_t{1} << 22;
+constexpr std::size_t kMinEvaluations = 8;
+constexpr std::size_t kExhaustiveStaticCounts = 32;
+// Larger workloads are first planned as this many merged subgroups (see PerfModel::plan).
+constexpr std::size_t kProxySubgroups = 2048;
+
 std::string show(double v) {
   char buf[40];
   std::snprintf(buf, sizeof buf, "%g", v);
@@ -95,23 +104,21 @@ double grad_upload(const Workload& w, const Costs& c, std::size_t subgroup) {
   return !w.grad_on_device.empty() && w.grad_on_device[subgroup] ? 0.0 : c.grad_per_param;
 }
 
-// The busy time of each resource: the resource bound's ingredients.
-void busy_times(const Workload& w, const Rates& r, const Costs& c, const std::vector<Placement>& placement,
-                Prediction& out) {
-  double cpu_params = 0, gpu_params = 0, streamed_params = 0, grad_bytes = 0;
-  for (std::size_t i = 0; i < placement.size(); ++i) {
-    const auto p = static_cast<double>(w.subgroup_params[i]);
-    switch (placement[i]) {
-      case Placement::cpu: cpu_params += p; break;
-      case Placement::gpu: streamed_params += p; gpu_params += p; grad_bytes += p * grad_upload(w, c, i); break;
-      case Placement::gpu_static: gpu_params += p; grad_bytes += p * grad_upload(w, c, i); break;
-    }
-  }
-  out.h2d_bytes = cpu_params * c.lp_bytes_per_param + streamed_params * kStateBytesPerParam + grad_bytes;
-  out.d2h_bytes = streamed_params * c.out_per_param;
-  out.dram_bytes = cpu_params * c.cpu_dram_per_param + out.h2d_bytes + out.d2h_bytes;
-  out.cpu_ns = cpu_params * c.cpu_s_per_param * 1e9;
-  out.gpu_ns = gpu_params / r.gpu_update_params_per_s * 1e9;
+// What each resource must carry for one placement: the resource bound's ingredients.
+struct Loads {
+  double cpu_params = 0;       // updated on the CPU
+  double gpu_params = 0;       // updated on the GPU (streamed and static)
+  double streamed_params = 0;  // state streamed H2D and flushed D2H
+  double grad_bytes = 0;       // fp32 gradients uploaded for GPU updates
+};
+
+// The busy time of each resource and the busiest one.
+void busy_times(const Loads& l, const Rates& r, const Costs& c, Prediction& out) {
+  out.h2d_bytes = l.cpu_params * c.lp_bytes_per_param + l.streamed_params * kStateBytesPerParam + l.grad_bytes;
+  out.d2h_bytes = l.streamed_params * c.out_per_param;
+  out.dram_bytes = l.cpu_params * c.cpu_dram_per_param + out.h2d_bytes + out.d2h_bytes;
+  out.cpu_ns = l.cpu_params * c.cpu_s_per_param * 1e9;
+  out.gpu_ns = l.gpu_params / r.gpu_update_params_per_s * 1e9;
   out.h2d_ns = out.h2d_bytes / r.h2d_bytes_per_s * 1e9;
   out.d2h_ns = out.d2h_bytes / r.d2h_bytes_per_s * 1e9;
   out.dram_ns = out.dram_bytes / r.host_dram_bytes_per_s * 1e9;
@@ -125,6 +132,20 @@ void busy_times(const Workload& w, const Rates& r, const Costs& c, const std::ve
       out.busiest = name;
     }
   }
+}
+
+void busy_times(const Workload& w, const Rates& r, const Costs& c, const std::vector<Placement>& placement,
+                Prediction& out) {
+  Loads l;
+  for (std::size_t i = 0; i < placement.size(); ++i) {
+    const auto p = static_cast<double>(w.subgroup_params[i]);
+    switch (placement[i]) {
+      case Placement::cpu: l.cpu_params += p; break;
+      case Placement::gpu: l.streamed_params += p; l.gpu_params += p; l.grad_bytes += p * grad_upload(w, c, i); break;
+      case Placement::gpu_static: l.gpu_params += p; l.grad_bytes += p * grad_upload(w, c, i); break;
+    }
+  }
+  busy_times(l, r, c, out);
 }
 
 // The pipeline walk: a fluid event simulation over four queues (CPU, H2D, GPU, D2H). Every task
@@ -329,7 +350,7 @@ class Walk {
   std::size_t streamed_issued_ = 0;   // ... of which streamed (each holds a slot)
   std::size_t input_started_ = 0;     // GPU inputs started on the H2D engine
   std::vector<double> input_ready_at_;
-  std::vector<bool> input_done_;
+  std::vector<char> input_done_;  // char, not bool: read on every step
   std::size_t gpu_next_ = 0;          // next GPU task to start
 
   std::vector<std::size_t> flush_queue_;  // streamed GPU tasks done, awaiting their flush
@@ -405,33 +426,74 @@ bool better(const Plan& a, const Plan& b) {
   return a.gpu_streamed + a.static_residents < b.gpu_streamed + b.static_residents;
 }
 
-// Minimizes `eval` over the integers lo..hi: every point when there are at most `exhaustive`,
-// else 33 evenly spaced points, then again around the best of them. Ties go to the lower point.
-template <class Eval>
-Plan search(std::size_t lo, std::size_t hi, std::size_t exhaustive, const Eval& eval) {
-  Plan best = eval(lo);
-  if (hi - lo + 1 <= exhaustive) {
-    for (std::size_t x = lo + 1; x <= hi; ++x) {
-      Plan p = eval(x);
-      if (better(p, best)) best = std::move(p);
-    }
-    return best;
-  }
-  constexpr std::size_t kPoints = 32;
-  const double step = static_cast<double>(hi - lo) / kPoints;
-  auto point = [&](std::size_t i) { return lo + static_cast<std::size_t>(std::llround(step * static_cast<double>(i))); };
-  std::size_t best_i = 0;
-  for (std::size_t i = 1; i <= kPoints; ++i) {
-    Plan p = eval(point(i));
-    if (better(p, best)) {
-      best = std::move(p);
-      best_i = i;
+// The bound of interleave(n, stride_for(n - t, g), t) for t static residents and g streamed
+// subgroups, in O(1) from prefix sums: exact for the residents (the last t subgroups) and, when
+// the first n - t subgroups are of one size (in an engine's workload all but the last are), for
+// the streamed ones too; otherwise those are counted at the mean size of the first n - t. The
+// search ranks candidates with it; every plan it returns is predicted in full.
+class BoundEstimate {
+ public:
+  BoundEstimate(const Workload& w, const Rates& r, const Costs& c) : r_(r), c_(c) {
+    const std::size_t n = w.subgroup_params.size();
+    params_.assign(n + 1, 0.0);
+    grads_.assign(n + 1, 0.0);
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto p = static_cast<double>(w.subgroup_params[i]);
+      params_[i + 1] = params_[i] + p;
+      grads_[i + 1] = grads_[i] + p * grad_upload(w, c, i);
     }
   }
-  const std::size_t from = point(best_i == 0 ? 0 : best_i - 1);
-  const std::size_t to = point(std::min(best_i + 1, kPoints));
-  Plan refined = search(from, to, exhaustive, eval);
-  return better(refined, best) ? refined : best;
+
+  [[nodiscard]] double operator()(std::size_t statics, std::size_t gpu) const {
+    const std::size_t n = params_.size() - 1;
+    const std::size_t s = n - statics;
+    const double share = s == 0 ? 0.0 : static_cast<double>(gpu) / static_cast<double>(s);
+    Loads l;
+    l.streamed_params = params_[s] * share;
+    l.cpu_params = params_[s] - l.streamed_params;
+    l.gpu_params = l.streamed_params + (params_[n] - params_[s]);
+    l.grad_bytes = grads_[s] * share + (grads_[n] - grads_[s]);
+    Prediction out;
+    busy_times(l, r_, c_, out);
+    return out.bound_ns;
+  }
+
+  /// The GPU count in 0..last with the lowest bound for `statics` residents, the fewest on a tie.
+  /// The bound is a maximum of functions linear in the GPU count (CPU time falls with it, copy
+  /// and GPU time rise, DRAM moves one way), so it is valley-shaped: O(log n).
+  [[nodiscard]] std::size_t valley(std::size_t statics, std::size_t last) const {
+    std::size_t lo = 0, hi = last;
+    while (lo < hi) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if ((*this)(statics, mid + 1) < (*this)(statics, mid)) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo;
+  }
+
+ private:
+  const Rates& r_;
+  const Costs& c_;
+  std::vector<double> params_;  // params_[i]: params of subgroups 0..i-1
+  std::vector<double> grads_;   // grads_[i]: gradient bytes their GPU updates would upload
+};
+
+// `w` with every `grain` consecutive subgroups merged into one (the last merges what is left):
+// the same work in fewer, larger pieces. A merged subgroup's gradient counts as on the device
+// only when all of its parts' are; residents are limited to what whole merged ones hold.
+Workload coarsen(const Workload& w, std::size_t grain) {
+  Workload out = w;
+  const std::size_t n = w.subgroup_params.size();
+  const std::size_t m = (n + grain - 1) / grain;
+  out.subgroup_params.assign(m, 0);
+  if (!w.grad_on_device.empty()) out.grad_on_device.assign(m, true);
+  for (std::size_t i = 0; i < n; ++i) {
+    out.subgroup_params[i / grain] += w.subgroup_params[i];
+    if (!w.grad_on_device.empty() && !w.grad_on_device[i]) out.grad_on_device[i / grain] = false;
+  }
+  out.gpu_slot_limit = std::min(w.gpu_slot_limit, m);
+  out.gpu_static_limit = std::min(w.gpu_static_limit / grain, m);
+  return out;
 }
 
 }  // namespace
@@ -469,10 +531,12 @@ Plan PerfModel::plan(const Workload& work, const Rates& rates, Policy policy, do
       static_cast<std::size_t>(std::llround(static_fraction * static_cast<double>(n))), max_statics);
   constexpr double kDefaultStride = 2;
 
-  auto cpu = [&] { return make_plan(work, rates, Policy::cpu, 0, 0); };
-  auto static_split = [&] { return make_plan(work, rates, Policy::static_split, 0, wanted_statics); };
-  auto interleaved = [&](Policy as) {
-    return make_plan(work, rates, as, can_stream ? k.value_or(kDefaultStride) : 0, wanted_statics);
+  auto cpu = [&](double prune_above = kInf) { return make_plan(work, rates, Policy::cpu, 0, 0, prune_above); };
+  auto static_split = [&](double prune_above = kInf) {
+    return make_plan(work, rates, Policy::static_split, 0, wanted_statics, prune_above);
+  };
+  auto interleaved = [&](Policy as, double prune_above = kInf) {
+    return make_plan(work, rates, as, can_stream ? k.value_or(kDefaultStride) : 0, wanted_statics, prune_above);
   };
 
   switch (policy) {
@@ -484,63 +548,124 @@ Plan PerfModel::plan(const Workload& work, const Rates& rates, Policy policy, do
       break;
   }
 
-  // The other policies' plans go first: they are candidates too, and their totals let the
-  // search skip the walk of every placement whose bound is already worse (most of them).
-  Plan baselines[] = {cpu(), static_split(), interleaved(Policy::interleaved)};
+  // The search: rank placements (static count t, GPU count g) by their bound, which costs O(1)
+  // each, and predict in full (O(n) each) only the few that can win, best-ranked first. A full
+  // prediction is skipped once a placement's bound is above the best total found (it cannot
+  // win), and their number is capped so that planning stays O(n log n): small workloads get an
+  // effectively exhaustive search. A large workload is first planned at a coarser grain (a
+  // proxy of kProxySubgroups merged subgroups), because its best total can lie far from the
+  // valley of the bound (the host loop couples the CPU's progress to the prefetches); the
+  // proxy's shares seed the full-size search.
+  const Costs costs(work, rates);
+  const BoundEstimate estimate(work, rates, costs);
+  const std::size_t evaluations = std::max(kMinEvaluations, kEvaluatedSubgroups / n);
+  std::size_t evaluated = 0;
   double incumbent = kInf;
-  for (const Plan& p : baselines) incumbent = std::min(incumbent, p.prediction.total_ns);
   // Plans whose bound is this much above the best total are not walked: far enough above that
   // better()'s tie tolerance cannot pick one of them.
   const double slack = 1 + 1e-6;
-
-  constexpr std::size_t kExhaustiveStaticCounts = 32;
-  auto with_statics = [&](std::size_t statics) {
-    const std::size_t s = n - statics;
-    auto with_gpu = [&](std::size_t g, double prune_above) {
-      Plan p = make_plan(work, rates, Policy::automatic, g == 0 ? 0 : stride_for(s, g), statics, prune_above);
-      if (p.prediction.bound_ns <= prune_above) incumbent = std::min(incumbent, p.prediction.total_ns);
-      return p;
-    };
-    auto bound = [&](std::size_t g) { return with_gpu(g, -1).prediction.bound_ns; };
-    // The bound is valley-shaped in the GPU count: CPU time falls with it, copy and GPU time
-    // rise, DRAM moves one way. Find the valley, then walk outwards while the bound can still
-    // beat the best total; everything further out has a higher bound.
-    std::size_t lo = 0;
-    std::size_t hi = can_stream ? s : 0;
-    while (lo < hi) {
-      const std::size_t mid = lo + (hi - lo) / 2;
-      if (bound(mid + 1) < bound(mid)) lo = mid + 1;
-      else hi = mid;
-    }
-    const std::size_t valley = lo;
-    const std::size_t last = can_stream ? s : 0;
-    Plan best = with_gpu(valley, incumbent * slack);
-    // At most kWalks placements each way: the totals near the valley differ by the pipeline's
-    // fill and drain, which a few GPU subgroups more or less cover; an unbounded walk made the
-    // planner quadratic in the subgroup count.
-    constexpr std::size_t kWalks = 16;
-    for (std::size_t g = valley, walked = 0; g-- > 0 && walked < kWalks; ++walked) {
-      const double threshold = incumbent * slack;
-      Plan p = with_gpu(g, threshold);
-      if (p.prediction.bound_ns > threshold) break;
-      if (better(p, best)) best = std::move(p);
-    }
-    for (std::size_t g = valley + 1; g <= last && g <= valley + kWalks; ++g) {
-      const double threshold = incumbent * slack;
-      Plan p = with_gpu(g, threshold);
-      if (p.prediction.bound_ns > threshold) break;
-      if (better(p, best)) best = std::move(p);
-    }
-    return best;
+  std::optional<Plan> best;
+  // Keeps the better plan; false when `p` was pruned (its bound alone loses).
+  auto consider = [&](Plan p) {
+    // A pruned plan's total is its bound, above the incumbent: min() leaves the incumbent.
+    incumbent = std::min(incumbent, p.prediction.total_ns);
+    const bool pruned = p.prediction.bound_ns > incumbent * slack;
+    if (!pruned) ++evaluated;
+    if (!best || better(p, *best)) best = std::move(p);
+    return !pruned;
   };
-  Plan best = search(0, max_statics, kExhaustiveStaticCounts, with_statics);
-  for (Plan& other : baselines) {
-    if (better(other, best)) {
-      other.policy = Policy::automatic;
-      best = std::move(other);
+  auto evaluate = [&](std::size_t statics, std::size_t gpu) {
+    // The estimate is exact for equal subgroups; the margin covers rounding in its sums.
+    if (estimate(statics, gpu) > incumbent * slack * (1 + 1e-9)) return false;
+    return consider(make_plan(work, rates, Policy::automatic, gpu == 0 ? 0 : stride_for(n - statics, gpu), statics,
+                              incumbent * slack));
+  };
+  auto valley = [&](std::size_t statics) { return estimate.valley(statics, can_stream ? n - statics : 0); };
+  auto lowest_bound = [&](std::size_t statics) { return estimate(statics, valley(statics)); };
+
+  if (n > kProxySubgroups) {
+    const std::size_t grain = (n + kProxySubgroups - 1) / kProxySubgroups;
+    const Plan coarse = plan(coarsen(work, grain), rates, Policy::automatic, static_fraction);
+    const std::size_t m = coarse.placement.size();
+    const auto t = std::min(max_statics, static_cast<std::size_t>(std::llround(
+                                             static_cast<double>(coarse.static_residents * n) / static_cast<double>(m))));
+    const std::size_t last = can_stream ? n - t : 0;
+    const double share = static_cast<double>(coarse.gpu_streamed) / static_cast<double>(m - coarse.static_residents);
+    const auto g = std::min(last, static_cast<std::size_t>(std::llround(share * static_cast<double>(n - t))));
+    evaluate(t, g);
+    // The proxy places to within about one grain: a pattern search from that step down to one
+    // subgroup, so a budget cut keeps the coarse moves, which gain the most.
+    std::size_t at = g;
+    for (std::size_t d = grain; d >= 1 && evaluated < evaluations; d /= 2) {
+      for (int side : {-1, +1}) {
+        if (side < 0 ? d > at : at + d > last) continue;
+        const double before = best->prediction.total_ns;
+        evaluate(t, side < 0 ? at - d : at + d);
+        if (best->prediction.total_ns < before) {
+          at = side < 0 ? at - d : at + d;
+          break;
+        }
+      }
     }
   }
-  return best;
+
+  // Static counts to search, the lowest bound first (the fewest residents on a tie): all of them
+  // when few, else the valley of the lowest bound over t (it is convex in t too), its
+  // neighbourhood at growing distances, and an even spread that guards against a total whose
+  // shape the bound does not show.
+  std::vector<std::size_t> statics;
+  if (max_statics < kExhaustiveStaticCounts) {
+    for (std::size_t t = 0; t <= max_statics; ++t) statics.push_back(t);
+  } else {
+    std::size_t lo = 0, hi = max_statics;
+    while (lo < hi) {
+      const std::size_t mid = lo + (hi - lo) / 2;
+      if (lowest_bound(mid + 1) < lowest_bound(mid)) lo = mid + 1;
+      else hi = mid;
+    }
+    for (std::size_t d = 0; d <= max_statics; d = d == 0 ? 1 : 2 * d) {
+      if (lo >= d) statics.push_back(lo - d);
+      if (lo + d <= max_statics) statics.push_back(lo + d);
+    }
+    for (std::size_t i = 0; i <= kExhaustiveStaticCounts; ++i) {
+      statics.push_back(static_cast<std::size_t>(std::llround(static_cast<double>(max_statics) *
+                                                              static_cast<double>(i) / kExhaustiveStaticCounts)));
+    }
+    std::sort(statics.begin(), statics.end());
+    statics.erase(std::unique(statics.begin(), statics.end()), statics.end());
+  }
+  std::vector<std::pair<double, std::size_t>> ranked;
+  ranked.reserve(statics.size());
+  for (std::size_t t : statics) ranked.emplace_back(lowest_bound(t), t);
+  std::sort(ranked.begin(), ranked.end());
+
+  // The best-ranked placement first, then the other policies' plans: they are candidates too,
+  // and most of them are pruned by the best total so far.
+  const std::size_t first = ranked.front().second;
+  evaluate(first, valley(first));
+  for (Plan p : {cpu(incumbent * slack), static_split(incumbent * slack),
+                 interleaved(Policy::interleaved, incumbent * slack)}) {
+    p.policy = Policy::automatic;
+    consider(std::move(p));
+  }
+  // With a proxy's plan in hand, its search stands for this one's: only its seed's
+  // neighbourhood (above), the valley of the bound and the other policies are predicted here.
+  if (n > kProxySubgroups) ranked.clear();
+  for (const auto& [lowest, t] : ranked) {
+    if (evaluated >= evaluations || lowest > incumbent * slack) break;
+    const std::size_t g0 = valley(t);
+    const std::size_t last = can_stream ? n - t : 0;
+    if (t != first) evaluate(t, g0);
+    // Outwards from the valley while the bound can still beat the best total; everything further
+    // out has a higher bound. Unit steps near the valley, then growing ones.
+    for (int side : {-1, +1}) {
+      for (std::size_t d = 1; evaluated < evaluations; d += d < 16 ? 1 : d / 8) {
+        if (side < 0 ? d > g0 : g0 + d > last) break;
+        if (!evaluate(t, side < 0 ? g0 - d : g0 + d)) break;
+      }
+    }
+  }
+  return std::move(*best);
 }
 
 std::uint64_t gpu_slot_bytes(std::size_t largest, bool with_grad) {

@@ -720,7 +720,6 @@ def test_attach_marks_phases():
     (dict(gpu_static_fraction=1.5), "gpu_static_fraction"),
     (dict(policy="interleaved", k=0), "k must be"),
     (dict(policy="interleaved", k=0.5), "stride >= 1"),
-    (dict(subgroup_size=1), "at most 4096 are supported: use subgroup_size >= "),
     (dict(policy="cpu", k=2), "policy 'cpu'"),
     (dict(policy="static", k=2), "not 'static'"),
     (dict(loss_scale="auto"), "loss_scale 'auto'"),
@@ -734,6 +733,13 @@ def test_attach_marks_phases():
 def test_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         TieredAdamW(make_model().parameters(), **kw)
+
+
+def test_absurdly_small_subgroups_are_refused_with_the_reason():
+    big = torch.nn.Parameter(torch.zeros(memtide.MAX_SUBGROUPS + 10))
+    with pytest.raises(ValueError, match=f"at most {memtide.MAX_SUBGROUPS} are supported: use subgroup_size >= 2"):
+        TieredAdamW([big], subgroup_size=1)
+    TieredAdamW([big], subgroup_size=2)  # the size it names is accepted
 
 
 def test_bad_params_and_state():
