@@ -271,7 +271,11 @@ def install_phase_hooks(model: Any, optimizer: Optional[Any] = None) -> PhaseHoo
     return PhaseHooks(handles, marked_optimizer)
 
 
-# torch is loaded but its entry point has not installed memtide (TORCH_DEVICE_BACKEND_AUTOLOAD=0,
-# or torch imported from a source tree): this import is the next chance.
-if _alloc_conf is not None and "torch" in _sys.modules and _os.environ.get(_alloc_conf.SELECTED) == "1":
-    apply_alloc_conf()
+# torch is loaded but its entry point has not acted on memtide's items (TORCH_DEVICE_BACKEND_AUTOLOAD=0,
+# torch imported from a source tree, or python -S, which skips the .pth hook too): this import is
+# the next chance.
+if _alloc_conf is not None and "torch" in _sys.modules and not _alloc_conf.applied:
+    if _alloc_conf.pending():
+        _alloc_conf.strip_environ()
+    if any(_os.environ.get(v) for v in (_alloc_conf.SELECTED, _alloc_conf.ORIGIN, _alloc_conf.ERROR)):
+        apply_alloc_conf()

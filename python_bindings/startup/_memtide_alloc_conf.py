@@ -186,8 +186,16 @@ def origins(environ: MutableMapping[str, str] = os.environ) -> Dict[str, str]:
     return out
 
 
+def pending(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """True while a variable still holds memtide items: site.py did not run the .pth hook
+    (``python -S``, or an interpreter whose site-packages are only on PYTHONPATH)."""
+    return any(is_memtide_item(item) for var in CONF_VARS for item in environ.get(var, "").split(","))
+
+
 def torch_autoload() -> None:
     """torch.backends entry point: validate memtide's items and install memtide if asked."""
+    if pending():
+        strip_environ()  # the .pth hook did not run; CUDA has not started, so it is not too late
     if not (os.environ.get(ERROR) or os.environ.get(SELECTED) or os.environ.get(ORIGIN)):
         return  # the common case: memtide is installed but not named; do not load it
     import memtide

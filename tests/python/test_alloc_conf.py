@@ -7,6 +7,8 @@ allocator swap run in fresh interpreters, since each happens once per process.
 from __future__ import annotations
 
 import json
+import subprocess
+import sysconfig
 
 import pytest
 
@@ -222,3 +224,31 @@ def test_child_processes_make_the_same_choice():
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["installed"] is True and r["max_bytes"] == "3.00 GiB"
+
+
+# ---- python -S: site.py never runs the .pth hook ------------------------------------------------
+
+def no_site(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """`python -S <args>`: torch and memtide are found through PYTHONPATH only."""
+    purelib = sysconfig.get_paths()["purelib"]
+    return run_python(["-S", *args], env=clean_env(PYTHONPATH=purelib, **env))
+
+
+def test_python_dash_s_still_acts_on_memtide_items_at_import_torch():
+    p = no_site("-c", REPORT, PYTORCH_CUDA_ALLOC_CONF="backend:memtide,memtide_max_bytes:1GiB")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["installed"] is True and r["max_bytes"] == "1.00 GiB" and r["conf"] is None
+
+
+def test_python_dash_s_still_stops_on_a_bad_memtide_item():
+    p = no_site("-c", "import torch", PYTORCH_CUDA_ALLOC_CONF="memtide_bogus:1")
+    assert p.returncode != 0 and "memtide_bogus:1" in p.stderr and "no option 'bogus'" in p.stderr
+
+
+def test_python_dash_s_with_autoload_off_acts_when_memtide_is_imported():
+    p = no_site("-c", REPORT, PYTORCH_CUDA_ALLOC_CONF="Backend:MEMTIDE,memtide_max_bytes:3GiB",
+                TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["installed"] is True and r["max_bytes"] == "3.00 GiB" and r["conf"] is None
