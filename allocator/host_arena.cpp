@@ -1,6 +1,5 @@
 #include "memtide/allocator/host_arena.hpp"
 
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +13,7 @@
 #include <limits>
 #include <sstream>
 
+#include "memtide/allocator/detail/os.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"
@@ -23,7 +23,6 @@
 
 #ifdef MEMTIDE_HAVE_NUMA
 #include <numa.h>
-#include <numaif.h>
 #endif
 
 namespace memtide {
@@ -214,9 +213,8 @@ PlacementReport HostArena::verify_placement(const void* p, std::size_t bytes, st
     const std::size_t page = samples == 1 ? 0 : (pages - 1) * i / (samples - 1);
     addrs[i] = reinterpret_cast<void*>(first + page * page_bytes_);
   }
-  // nodes == null: nothing moves, status receives each page's node (or -errno).
-  if (move_pages(0, samples, addrs.data(), nullptr, status.data(), 0) != 0) {
-    r.reason = std::string("move_pages failed: ") + std::strerror(errno);
+  if (const int err = os::page_nodes(addrs.data(), samples, status.data()); err != 0) {
+    r.reason = std::string("move_pages failed: ") + std::strerror(err);
     return r;
   }
   r.known = true;
@@ -350,40 +348,24 @@ HostArena::Slab HostArena::make_slab(std::size_t bytes, std::size_t alignment) {
   // Huge pages need 2 MiB-aligned ranges to be used end to end.
   constexpr std::size_t kHugePage = std::size_t{2} << 20;
   if (config_.huge_pages && bytes >= kHugePage) alignment = std::max(alignment, kHugePage);
-  // Over-map when the alignment is above a page, then trim both ends.
-  const std::size_t extra = alignment > page_bytes_ ? alignment - page_bytes_ : 0;
-  void* raw = mmap(nullptr, bytes + extra, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) {
-    throw OutOfMemory("HostArena: mmap of " + format_bytes(bytes) + " failed: " + std::strerror(errno));
+  int err = 0;
+  s.base = static_cast<char*>(os::map(bytes, alignment, false, err));
+  if (s.base == nullptr) {
+    throw OutOfMemory("HostArena: mmap of " + format_bytes(bytes) + " failed: " + std::strerror(err));
   }
-  auto addr = reinterpret_cast<std::uintptr_t>(raw);
-  const std::uintptr_t aligned = (addr + alignment - 1) & ~(std::uintptr_t{alignment} - 1);
-  if (aligned > addr) munmap(raw, aligned - addr);
-  if (aligned + bytes < addr + bytes + extra) munmap(reinterpret_cast<void*>(aligned + bytes), addr + bytes + extra - aligned - bytes);
-  s.base = reinterpret_cast<char*>(aligned);
   // Advice only: EINVAL where the kernel has no THP, and the pages are then 4 KiB.
-  if (config_.huge_pages && bytes >= kHugePage) (void)madvise(s.base, bytes, MADV_HUGEPAGE);
+  if (config_.huge_pages && bytes >= kHugePage) (void)os::advise_huge_pages(s.base, bytes);
 
-#ifdef MEMTIDE_HAVE_NUMA
   if (mode >= 0) {
-    bitmask* mask = numa_allocate_nodemask();
-    numa_bitmask_setbit(mask, static_cast<unsigned>(config_.numa_node));
-    // MPOL_MF_STRICT: fail rather than keep pages elsewhere (none exist yet on a fresh mapping).
-    const long rc = mode == 0 ? mbind(s.base, bytes, MPOL_BIND, mask->maskp, mask->size + 1, MPOL_MF_STRICT)
-                              : mbind(s.base, bytes, MPOL_PREFERRED, mask->maskp, mask->size + 1, 0);
-    const int err = errno;
-    numa_free_nodemask(mask);
-    if (rc != 0) {
-      munmap(s.base, bytes);
+    // Strict binding fails rather than keep pages elsewhere (none exist yet on a fresh mapping).
+    if (const int e = os::bind_to_node(s.base, bytes, config_.numa_node, mode == 0); e != 0) {
+      (void)os::unmap(s.base, bytes);
       throw Error("HostArena: mbind of " + format_bytes(bytes) + " to NUMA node " + std::to_string(config_.numa_node) +
-                  " failed: " + std::strerror(err));
+                  " failed: " + std::strerror(e));
     }
     s.node = mode == 0 ? config_.numa_node : -1;
     s.fallback = mode == 1;
   }
-#else
-  (void)mode;
-#endif
   const double map_s = seconds_since(t0);
 
   // First touch: a write per page faults it in under the mbind policy. Reads would map the
@@ -408,7 +390,7 @@ HostArena::Slab HostArena::make_slab(std::size_t bytes, std::size_t alignment) {
     try {
       config_.device->host_register(s.base, bytes);
     } catch (...) {
-      munmap(s.base, bytes);
+      (void)os::unmap(s.base, bytes);
       throw;
     }
     s.registered = true;
@@ -423,10 +405,6 @@ HostArena::Slab HostArena::make_slab(std::size_t bytes, std::size_t alignment) {
     if (s.registered && !exit_guard_installed_) {
       exit_guard_installed_ = std::atexit(mark_exiting) == 0;
     }
-  }
-  if (s.fallback) {
-    std::lock_guard lock(mutex_);
-    ++stats_.fallback_slabs;
   }
   if (log_enabled(LogLevel::debug)) {
     log_message(LogLevel::debug, "HostArena: slab of " + format_bytes(bytes) + " at " + hex(s.base) + " (" +
@@ -446,26 +424,44 @@ void HostArena::destroy_slab(const Slab& slab) noexcept {
       MEMTIDE_LOG(error, std::string("HostArena: unregistering a slab failed: ") + e.what());
     }
   }
-  if (munmap(slab.base, slab.bytes) != 0) {
+  if (const int err = os::unmap(slab.base, slab.bytes); err != 0) {
     MEMTIDE_LOG(error, "HostArena: munmap of " + format_bytes(slab.bytes) + " at " + hex(slab.base) +
-                           " failed: " + std::strerror(errno));
+                           " failed: " + std::strerror(err));
   }
 }
 
 // ---- sub-allocation ---------------------------------------------------------------------------
 
-std::map<std::uintptr_t, HostArena::Block>::iterator HostArena::find_fit_locked(std::size_t bytes) {
+HostArena::Nodes HostArena::Nodes::make(bool block, bool free) {
+  Nodes n;
+  if (block) {
+    BlockMap m;
+    m.emplace(0, Block{});
+    n.block = m.extract(m.begin());
+  }
+  if (free) {
+    FreeSet f;
+    f.insert({0, 0});
+    n.free = f.extract(f.begin());
+  }
+  return n;
+}
+
+HostArena::BlockMap::iterator HostArena::find_fit_locked(std::size_t bytes) {
   const auto f = free_.lower_bound({bytes, 0});
   if (f == free_.end()) return blocks_.end();
   return blocks_.find(f->second);
 }
 
-void* HostArena::take_block_locked(std::map<std::uintptr_t, Block>::iterator it, std::size_t bytes) {
+void* HostArena::take_block_locked(BlockMap::iterator it, std::size_t bytes, Nodes& nodes) noexcept {
   Block& b = it->second;
   free_.erase({b.size, it->first});
   if (b.size > bytes) {  // sizes are multiples of the alignment, so the rest is aligned too
-    blocks_.emplace(it->first + bytes, Block{b.size - bytes, b.slab, true});
-    free_.insert({b.size - bytes, it->first + bytes});
+    nodes.block.key() = it->first + bytes;
+    nodes.block.mapped() = Block{b.size - bytes, b.slab, true};
+    blocks_.insert(std::move(nodes.block));
+    nodes.free.value() = {b.size - bytes, it->first + bytes};
+    free_.insert(std::move(nodes.free));
     b.size = bytes;
   }
   b.free = false;
@@ -476,11 +472,20 @@ void* HostArena::take_block_locked(std::map<std::uintptr_t, Block>::iterator it,
   return reinterpret_cast<void*>(it->first);
 }
 
+void HostArena::count_slab_locked(const Slab& s) noexcept {
+  ++stats_.slabs;
+  stats_.reserved_bytes += s.bytes;
+  stats_.bytes_per_node[s.node] += s.bytes;  // the key exists (see the callers)
+  if (s.registered) ++stats_.registered_slabs;
+  if (s.fallback) ++stats_.fallback_slabs;
+}
+
 void* HostArena::allocate(std::size_t bytes) {
   const std::size_t need = round_request(bytes, "allocate");
+  Nodes split = Nodes::make(true, true);  // before anything changes
   {
     std::lock_guard lock(mutex_);
-    if (auto it = find_fit_locked(need); it != blocks_.end()) return take_block_locked(it, need);
+    if (auto it = find_fit_locked(need); it != blocks_.end()) return take_block_locked(it, need, split);
   }
   std::lock_guard grow(grow_);
   const std::size_t unit = std::max(page_bytes_, config_.alignment);
@@ -488,7 +493,7 @@ void* HostArena::allocate(std::size_t bytes) {
   {
     std::lock_guard lock(mutex_);
     // Another thread may have mapped a slab while this one waited.
-    if (auto it = find_fit_locked(need); it != blocks_.end()) return take_block_locked(it, need);
+    if (auto it = find_fit_locked(need); it != blocks_.end()) return take_block_locked(it, need, split);
     std::size_t minimal = 0;
     if (!round_up(need, unit, minimal)) {
       throw InvalidArgument("HostArena::allocate: " + std::to_string(bytes) + " bytes overflow when rounded up to a page");
@@ -499,20 +504,38 @@ void* HostArena::allocate(std::size_t bytes) {
     check_capacity_locked(slab_bytes, need);
   }
   const Slab made = make_slab(slab_bytes, unit);
-  std::lock_guard lock(mutex_);
-  auto [sit, inserted] = slabs_.emplace(reinterpret_cast<std::uintptr_t>(made.base), made);
-  Slab* slab = &sit->second;
-  ++stats_.slabs;
-  stats_.reserved_bytes += made.bytes;
-  stats_.bytes_per_node[made.node] += made.bytes;
-  if (made.registered) ++stats_.registered_slabs;
-  auto [bit, ok] = blocks_.emplace(sit->first, Block{made.bytes, slab, true});
-  free_.insert({made.bytes, sit->first});
-  return take_block_locked(bit, need);
+  // The new slab's map nodes, and its node's counter, before it is counted: if one cannot be
+  // allocated, the slab goes back and the arena is as it was.
+  decltype(slabs_)::node_type slab_node;
+  Nodes whole;
+  std::unique_lock lock(mutex_, std::defer_lock);
+  try {
+    decltype(slabs_) one;
+    one.emplace(reinterpret_cast<std::uintptr_t>(made.base), made);
+    slab_node = one.extract(one.begin());
+    whole = Nodes::make(true, true);
+    lock.lock();
+    stats_.bytes_per_node.try_emplace(made.node, 0);
+  } catch (...) {
+    if (lock.owns_lock()) lock.unlock();
+    destroy_slab(made);
+    throw;
+  }
+  Slab* slab = &slab_node.mapped();  // node storage: stays put when inserted
+  const std::uintptr_t base = slab_node.key();
+  slabs_.insert(std::move(slab_node));
+  count_slab_locked(made);
+  whole.block.key() = base;
+  whole.block.mapped() = Block{made.bytes, slab, true};
+  auto bit = blocks_.insert(std::move(whole.block)).position;
+  whole.free.value() = {made.bytes, base};
+  free_.insert(std::move(whole.free));
+  return take_block_locked(bit, need, split);
 }
 
 void HostArena::deallocate(void* ptr) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  Nodes entry = Nodes::make(false, true);  // the free entry, before anything changes
   std::lock_guard lock(mutex_);
   auto it = blocks_.find(addr);
   if (it == blocks_.end() || it->second.free) {
@@ -540,7 +563,8 @@ void HostArena::deallocate(void* ptr) {
       it = prev;
     }
   }
-  free_.insert({it->second.size, it->first});
+  entry.free.value() = {it->second.size, it->first};
+  free_.insert(std::move(entry.free));
 }
 
 std::size_t HostArena::allocation_size(const void* ptr) const {
@@ -553,6 +577,7 @@ std::size_t HostArena::release_free_slabs() {
   std::vector<Slab> gone;
   {
     std::lock_guard lock(mutex_);
+    gone.reserve(slabs_.size());  // the one allocation, before anything changes
     for (auto it = slabs_.begin(); it != slabs_.end();) {
       const Slab& s = it->second;
       if (s.whole || s.live != 0) {
@@ -601,13 +626,22 @@ HostSlab HostArena::do_map_slab(std::size_t bytes, std::size_t alignment) {
   }
   Slab made = make_slab(size, unit);
   made.whole = true;
-  std::lock_guard lock(mutex_);
-  slabs_.emplace(reinterpret_cast<std::uintptr_t>(made.base), made);
-  ++stats_.slabs;
+  decltype(slabs_)::node_type slab_node;
+  std::unique_lock lock(mutex_, std::defer_lock);
+  try {  // as in allocate: every allocation before anything is counted
+    decltype(slabs_) one;
+    one.emplace(reinterpret_cast<std::uintptr_t>(made.base), made);
+    slab_node = one.extract(one.begin());
+    lock.lock();
+    stats_.bytes_per_node.try_emplace(made.node, 0);
+  } catch (...) {
+    if (lock.owns_lock()) lock.unlock();
+    destroy_slab(made);
+    throw;
+  }
+  slabs_.insert(std::move(slab_node));
+  count_slab_locked(made);
   ++stats_.whole_slabs;
-  stats_.reserved_bytes += made.bytes;
-  stats_.bytes_per_node[made.node] += made.bytes;
-  if (made.registered) ++stats_.registered_slabs;
   return HostSlab{made.base, made.bytes, made.node, made.registered};
 }
 

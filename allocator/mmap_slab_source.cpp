@@ -1,14 +1,12 @@
 #include "memtide/allocator/mmap_slab_source.hpp"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
 
+#include "memtide/allocator/detail/os.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"
@@ -26,10 +24,6 @@ std::string hex(const void* p) {
   return buf;
 }
 
-std::size_t page_size() {
-  static const auto p = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-  return p;
-}
 
 }  // namespace
 
@@ -42,7 +36,7 @@ MmapSlabSource::~MmapSlabSource() {
         MEMTIDE_LOG(warn, std::string("MmapSlabSource: host_unregister at destruction failed: ") + e.what());
       }
     }
-    munmap(m.base, m.length);
+    (void)os::unmap(m.base, m.length);
   }
 }
 
@@ -65,36 +59,36 @@ HostSlab MmapSlabSource::do_map_slab(std::size_t bytes, std::size_t alignment) {
     throw InvalidArgument("MmapSlabSource::map_slab: alignment=" + std::to_string(alignment) +
                           " is not accepted: expected a power of two up to " + format_bytes(kMaxAlignment));
   }
-  const std::size_t page = page_size();
+  const std::size_t page = os::page_bytes();
   const std::size_t size = (bytes + page - 1) / page * page;
-  const std::size_t align = alignment < page ? page : alignment;
-  // Over-map by the alignment and trim both ends, so the slab starts on an `align` boundary.
-  const std::size_t length = size + align - page;
-  void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (base == MAP_FAILED) {
-    throw OutOfMemory("MmapSlabSource: mmap of " + format_bytes(length) + " failed: " + std::strerror(errno));
+  int err = 0;
+  void* ptr = os::map(size, alignment, true, err);
+  if (ptr == nullptr) {
+    throw OutOfMemory("MmapSlabSource: mmap of " + format_bytes(size) + " failed: " + std::strerror(err));
   }
-  const auto b = reinterpret_cast<std::uintptr_t>(base);
-  const std::uintptr_t start = (b + align - 1) & ~(std::uintptr_t{align} - 1);
-  if (start > b) munmap(base, start - b);
-  const std::uintptr_t end = b + length;
-  if (end > start + size) munmap(reinterpret_cast<void*>(start + size), end - (start + size));
-
   HostSlab slab;
-  slab.ptr = reinterpret_cast<void*>(start);
+  slab.ptr = ptr;
   slab.bytes = size;
-  if (device_ != nullptr) {
-    try {
+  // Whatever fails from here on (registration, the bookkeeping's allocation) gives the slab back.
+  try {
+    if (device_ != nullptr) {
       device_->host_register(slab.ptr, slab.bytes);
-    } catch (...) {
-      munmap(slab.ptr, slab.bytes);
-      throw;
+      slab.registered = true;
     }
-    slab.registered = true;
+    std::lock_guard lock(mutex_);
+    mappings_.emplace(slab.ptr, Mapping{slab.ptr, slab.bytes, slab});
+    mapped_bytes_ += slab.bytes;
+  } catch (...) {
+    if (slab.registered) {
+      try {
+        device_->host_unregister(slab.ptr);
+      } catch (const std::exception& e) {
+        MEMTIDE_LOG(warn, std::string("MmapSlabSource: host_unregister after a failed map_slab failed: ") + e.what());
+      }
+    }
+    (void)os::unmap(slab.ptr, slab.bytes);
+    throw;
   }
-  std::lock_guard lock(mutex_);
-  mappings_.emplace(slab.ptr, Mapping{slab.ptr, slab.bytes, slab});
-  mapped_bytes_ += slab.bytes;
   return slab;
 }
 
@@ -108,11 +102,18 @@ void MmapSlabSource::do_unmap_slab(const HostSlab& slab) {
                             " is not a slab of this source");
     }
     m = it->second;
-    mappings_.erase(it);
+  }
+  // Unregistered first: if that fails, the slab is still mapped and still this source's.
+  if (m.slab.registered && device_ != nullptr) device_->host_unregister(m.slab.ptr);
+  {
+    std::lock_guard lock(mutex_);
+    mappings_.erase(m.slab.ptr);
     mapped_bytes_ -= m.slab.bytes;
   }
-  if (m.slab.registered && device_ != nullptr) device_->host_unregister(m.slab.ptr);
-  munmap(m.base, m.length);
+  if (const int err = os::unmap(m.base, m.length); err != 0) {
+    MEMTIDE_LOG(error, "MmapSlabSource: munmap of " + format_bytes(m.length) + " at " + hex(m.base) +
+                           " failed: " + std::strerror(err));
+  }
 }
 
 }  // namespace memtide

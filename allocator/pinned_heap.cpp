@@ -42,7 +42,12 @@ SlabPool::~SlabPool() {
 HostSlab SlabPool::map(std::size_t bytes, std::size_t alignment) {
   HostSlab slab = source_.map_slab(bytes, alignment);
   std::lock_guard lock(mutex_);
-  slabs_.push_back(slab);
+  try {
+    slabs_.push_back(slab);
+  } catch (...) {
+    source_.unmap_slab(slab);  // not kept: give it back
+    throw;
+  }
   reserved_ += slab.bytes;
   reserved_peak_ = std::max(reserved_peak_, reserved_);
   return slab;
@@ -83,9 +88,23 @@ std::vector<HostSlab> SlabPool::slabs() const {
 
 // ---- SlabRanges -----------------------------------------------------------------------------
 
-void SlabRanges::insert_free(std::uintptr_t start, std::size_t bytes, std::uintptr_t slab) {
-  by_addr_.emplace(start, Free{bytes, slab});
-  by_size_.emplace(bytes, start);
+SlabRanges::Spare SlabRanges::Spare::make() {
+  Spare s;
+  std::map<std::uintptr_t, Free> a;
+  a.emplace(0, Free{0, 0});
+  s.addr = a.extract(a.begin());
+  std::set<std::pair<std::size_t, std::uintptr_t>> z;
+  z.insert({0, 0});
+  s.size = z.extract(z.begin());
+  return s;
+}
+
+void SlabRanges::insert_free(std::uintptr_t start, std::size_t bytes, std::uintptr_t slab, Spare& spare) noexcept {
+  spare.addr.key() = start;
+  spare.addr.mapped() = Free{bytes, slab};
+  by_addr_.insert(std::move(spare.addr));
+  spare.size.value() = {bytes, start};
+  by_size_.insert(std::move(spare.size));
 }
 
 void SlabRanges::erase_free(std::map<std::uintptr_t, Free>::iterator it) {
@@ -103,6 +122,7 @@ std::uintptr_t SlabRanges::slab_of(std::uintptr_t a) const {
 void* SlabRanges::take(std::size_t bytes, std::size_t alignment) {
   bytes = round_up(bytes, granule_);
   alignment = std::max(alignment, granule_);
+  Spare before = Spare::make(), after = Spare::make();  // the padding and the rest
   std::lock_guard lock(mutex_);
   for (int attempt = 0; attempt < 2; ++attempt) {
     // Best fit: the smallest free range that holds `bytes` after aligning its start.
@@ -114,8 +134,8 @@ void* SlabRanges::take(std::size_t bytes, std::size_t alignment) {
       auto node = by_addr_.find(start);
       const Free f = node->second;
       erase_free(node);
-      if (pad > 0) insert_free(start, pad, f.slab);
-      if (pad + bytes < f.bytes) insert_free(aligned + bytes, f.bytes - pad - bytes, f.slab);
+      if (pad > 0) insert_free(start, pad, f.slab, before);
+      if (pad + bytes < f.bytes) insert_free(aligned + bytes, f.bytes - pad - bytes, f.slab, after);
       return reinterpret_cast<void*>(aligned);
     }
     if (attempt == 1) break;
@@ -125,9 +145,15 @@ void* SlabRanges::take(std::size_t bytes, std::size_t alignment) {
     const std::size_t slab_align = std::max<std::size_t>(alignment, std::size_t{2} << 20);
     const std::size_t grown = std::min(slab_bytes_, std::max(kFirstSlab, pool_.reserved()));
     const std::size_t slab_bytes = std::max(grown, round_up(bytes, std::size_t{2} << 20));
+    std::map<std::uintptr_t, std::uintptr_t> one;
+    one.emplace(0, 0);
+    auto end_node = one.extract(one.begin());
+    Spare whole = Spare::make();
     const HostSlab slab = pool_.map(slab_bytes, slab_align);
-    slab_ends_.emplace(addr(slab.ptr), addr(slab.ptr) + slab.bytes);
-    insert_free(addr(slab.ptr), slab.bytes / granule_ * granule_, addr(slab.ptr));
+    end_node.key() = addr(slab.ptr);
+    end_node.mapped() = addr(slab.ptr) + slab.bytes;
+    slab_ends_.insert(std::move(end_node));
+    insert_free(addr(slab.ptr), slab.bytes / granule_ * granule_, addr(slab.ptr), whole);
   }
   throw OutOfMemory("PinnedHeap: a fresh slab could not hold " + format_bytes(bytes) + " aligned to " +
                     format_bytes(alignment));
@@ -135,6 +161,7 @@ void* SlabRanges::take(std::size_t bytes, std::size_t alignment) {
 
 bool SlabRanges::take_at(void* p, std::size_t bytes) {
   const std::uintptr_t a = addr(p);
+  Spare before = Spare::make(), after = Spare::make();
   std::lock_guard lock(mutex_);
   auto it = by_addr_.upper_bound(a);
   if (it == by_addr_.begin()) return false;
@@ -143,12 +170,12 @@ bool SlabRanges::take_at(void* p, std::size_t bytes) {
   const Free f = it->second;
   if (a + bytes > start + f.bytes) return false;
   erase_free(it);
-  if (a > start) insert_free(start, a - start, f.slab);
-  if (a + bytes < start + f.bytes) insert_free(a + bytes, start + f.bytes - a - bytes, f.slab);
+  if (a > start) insert_free(start, a - start, f.slab, before);
+  if (a + bytes < start + f.bytes) insert_free(a + bytes, start + f.bytes - a - bytes, f.slab, after);
   return true;
 }
 
-void SlabRanges::give(void* p, std::size_t bytes) {
+void SlabRanges::give(void* p, std::size_t bytes, Spare spare) noexcept {
   std::uintptr_t start = addr(p);
   bytes = round_up(bytes, granule_);
   std::lock_guard lock(mutex_);
@@ -168,7 +195,7 @@ void SlabRanges::give(void* p, std::size_t bytes) {
       erase_free(prev);
     }
   }
-  insert_free(start, bytes, slab);
+  insert_free(start, bytes, slab, spare);
 }
 
 bool SlabRanges::same_slab(const void* a, const void* b) const {
@@ -258,6 +285,13 @@ class PinnedHeap::Impl {
     }
     // mimalloc 2.0 serves alignments only up to a few MiB; cut larger ones directly for both.
     const bool direct = alignment > kMaxBackendAlignment || (threshold_ != 0 && bytes >= threshold_);
+    // The record's node, and what giving a direct range back needs, before anything is taken:
+    // a failure after the backend handed out memory would otherwise lose it.
+    LiveMap one;
+    one.emplace(nullptr, Record{bytes, alignment, direct});
+    LiveMap::node_type record = one.extract(one.begin());
+    detail::SlabRanges::Spare spare;
+    if (direct) spare = detail::SlabRanges::Spare::make();
     void* p = direct ? direct_.take(bytes, alignment) : engine_->allocate(bytes, alignment);
 #if defined(__SANITIZE_THREAD__)
     // jemalloc and mimalloc order a free before the reuse of its bytes with atomics TSan does not
@@ -268,9 +302,14 @@ class PinnedHeap::Impl {
     // Recorded after the backend returned: a block freed by another thread was erased from its
     // shard before it was handed back, so a free and a reuse of the same address never overlap.
     Shard& s = shard(p);
-    {
+    record.key() = p;
+    try {
       std::lock_guard lock(s.mutex);
-      s.live.emplace(p, Record{bytes, alignment, direct});
+      s.live.insert(std::move(record));  // may rehash; on failure the map is unchanged
+    } catch (...) {
+      if (direct) direct_.give(p, bytes, std::move(spare));
+      else engine_->deallocate(p, bytes, alignment);
+      throw;
     }
     const std::size_t now = live_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
     live_count_.fetch_add(1, std::memory_order_relaxed);
@@ -282,6 +321,7 @@ class PinnedHeap::Impl {
 
   void deallocate(void* ptr, const std::size_t* expected) {
     Record r{};
+    detail::SlabRanges::Spare spare;
     Shard& s = shard(ptr);
     {
       std::lock_guard lock(s.mutex);
@@ -296,6 +336,7 @@ class PinnedHeap::Impl {
                               std::to_string(it->second.bytes));
       }
       r = it->second;
+      if (r.direct) spare = detail::SlabRanges::Spare::make();  // before anything changes
       s.live.erase(it);
     }
     live_bytes_.fetch_sub(r.bytes, std::memory_order_relaxed);
@@ -304,7 +345,7 @@ class PinnedHeap::Impl {
     __tsan_release(&tsan_sync_);
 #endif
     if (r.direct) {
-      direct_.give(ptr, r.bytes);
+      direct_.give(ptr, r.bytes, std::move(spare));
     } else {
       engine_->deallocate(ptr, r.bytes, r.alignment);
     }
@@ -342,9 +383,10 @@ class PinnedHeap::Impl {
     std::size_t alignment;
     bool direct;
   };
+  using LiveMap = std::unordered_map<void*, Record>;
   struct Shard {
     mutable std::mutex mutex;
-    std::unordered_map<void*, Record> live;
+    LiveMap live;
   };
   static std::string detail_hex(const void* p) {
     char buf[32];

@@ -53,22 +53,32 @@ class SlabRanges {
   SlabRanges(SlabPool& pool, std::size_t slab_bytes, std::size_t granule)
       : pool_(pool), slab_bytes_(slab_bytes), granule_(granule) {}
 
+  struct Free {
+    std::size_t bytes;
+    std::uintptr_t slab;  // start of the slab the range lies in
+  };
+  /// The map nodes of one free range, allocated before anything changes: every operation makes
+  /// the ones it may need first, so none can fail half-way (the strong guarantee).
+  struct Spare {
+    std::map<std::uintptr_t, Free>::node_type addr;
+    std::set<std::pair<std::size_t, std::uintptr_t>>::node_type size;
+    static Spare make();
+  };
+
   /// A free range of `bytes` aligned to `alignment`; maps a slab if needed (throws OutOfMemory).
   void* take(std::size_t bytes, std::size_t alignment);
   /// Takes exactly [addr, addr + bytes) when all of it is free; false otherwise.
   bool take_at(void* addr, std::size_t bytes);
   /// Returns a range from take/take_at.
-  void give(void* addr, std::size_t bytes);
+  void give(void* addr, std::size_t bytes) { give(addr, bytes, Spare::make()); }
+  /// As give(addr, bytes), with the nodes made beforehand: cannot fail.
+  void give(void* addr, std::size_t bytes, Spare spare) noexcept;
   /// True when [a, a + a_bytes) and [b, ...) lie in the same slab.
   [[nodiscard]] bool same_slab(const void* a, const void* b) const;
   [[nodiscard]] std::size_t granule() const noexcept { return granule_; }
 
  private:
-  struct Free {
-    std::size_t bytes;
-    std::uintptr_t slab;  // start of the slab the range lies in
-  };
-  void insert_free(std::uintptr_t start, std::size_t bytes, std::uintptr_t slab);
+  void insert_free(std::uintptr_t start, std::size_t bytes, std::uintptr_t slab, Spare& spare) noexcept;
   void erase_free(std::map<std::uintptr_t, Free>::iterator it);
   [[nodiscard]] std::uintptr_t slab_of(std::uintptr_t addr) const;  // 0 when none
 

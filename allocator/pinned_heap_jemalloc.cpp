@@ -139,12 +139,22 @@ class JemallocEngine final : public Engine {
       return nullptr;
     }
   }
+  // No exception may cross jemalloc's C frames. A range that cannot be taken back (its map
+  // nodes could not be allocated) stays jemalloc's: dalloc opts out and jemalloc retains it.
   static bool hook_dalloc(extent_hooks_t* h, void* addr, std::size_t size, bool, unsigned) {
-    self(h).ranges_.give(addr, size);
-    return false;
+    try {
+      self(h).ranges_.give(addr, size);
+      return false;
+    } catch (...) {
+      return true;
+    }
   }
   static void hook_destroy(extent_hooks_t* h, void* addr, std::size_t size, bool, unsigned) {
-    self(h).ranges_.give(addr, size);
+    try {
+      self(h).ranges_.give(addr, size);
+    } catch (...) {
+      // At arena destruction: the range stays mapped in its slab, which the pool unmaps.
+    }
   }
   // Slab memory is always committed; refusing decommit keeps it so.
   static bool hook_commit(extent_hooks_t*, void*, std::size_t, std::size_t, std::size_t, unsigned) { return false; }

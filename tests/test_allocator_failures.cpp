@@ -12,9 +12,16 @@
 #include <string>
 #include <vector>
 
+#include <cerrno>
+#include <cstring>
+#include <new>
+
 #include "failing_device.hpp"
+#include "failing_new.hpp"
 #include "memtide/allocator/caching_allocator.hpp"
+#include "memtide/allocator/detail/os.hpp"
 #include "memtide/allocator/host_arena.hpp"
+#include "memtide/allocator/mmap_slab_source.hpp"
 
 using namespace memtide;
 
@@ -146,4 +153,196 @@ TEST(HostArenaFailures, AFailedRegistrationLeavesTheArenaAsItWas) {
   arena.deallocate(again);
   arena.deallocate(kept);
   EXPECT_EQ(arena.stats().allocated_bytes, 0U);
+}
+
+// ---- HostArena: a failure at every step of making a slab, and in the bookkeeping ----------------
+
+namespace {
+
+// What a caller of HostArena can rely on: its counters (not the time spent, which a failed
+// attempt spends too) and its slabs.
+std::string fingerprint(const HostArena& a) {
+  const HostArenaStats st = a.stats();
+  std::ostringstream out;
+  out << "reserved " << st.reserved_bytes << " allocated " << st.allocated_bytes << " peak " << st.peak_allocated_bytes
+      << " n " << st.allocations << " slabs " << st.slabs << " whole " << st.whole_slabs << " registered "
+      << st.registered_slabs << " fallback " << st.fallback_slabs << " released " << st.slabs_released << " nodes";
+  for (const auto& [node, bytes] : st.bytes_per_node) out << ' ' << node << '=' << bytes;
+  out << " |";
+  for (const HostSlab& slab : a.slabs()) out << ' ' << slab.ptr << ':' << slab.bytes << ':' << slab.numa_node;
+  return out.str();
+}
+
+HostArenaConfig failing_config(test::FailingDevice& dev) {
+  HostArenaConfig config;
+  config.device = &dev;
+  config.slab_bytes = 4 * MiB;
+  config.huge_pages = true;
+  // Bound to a node where the machine has NUMA, so that mbind is one of the steps.
+  if (HostArena::numa_supported()) config.numa_node = HostArena::valid_numa_nodes().front();
+  return config;
+}
+
+struct OsInjection : ::testing::Test {
+  void SetUp() override { os::testing::reset(); }
+  void TearDown() override { os::testing::reset(); }
+};
+
+}  // namespace
+
+using HostArenaOsFailures = OsInjection;
+
+TEST_F(HostArenaOsFailures, AFailedMapOrBindLeavesTheArenaAsItWasAndMapsNothing) {
+  test::FailingDevice dev;
+  HostArena arena(failing_config(dev));
+  void* kept = arena.allocate(MiB);
+  std::vector<os::testing::Call> steps{os::testing::Call::map};
+  if (arena.config().numa_node >= 0) steps.push_back(os::testing::Call::bind);
+  for (auto call : steps) {
+    for (bool whole : {false, true}) {
+      const std::string before = fingerprint(arena);
+      os::testing::reset();
+      os::testing::fail_nth(call, 0, ENOMEM);
+      try {
+        if (whole) (void)arena.map_slab(16 * MiB, 4096);
+        else (void)arena.allocate(16 * MiB);
+        FAIL() << "an injected failure of call " << static_cast<int>(call) << " was not reported";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(std::strerror(ENOMEM)), std::string::npos) << e.what();
+      }
+      EXPECT_EQ(fingerprint(arena), before) << "call " << static_cast<int>(call);
+      // What was mapped before the failure was unmapped again.
+      const std::size_t mapped = os::testing::count(os::testing::Call::map) - (call == os::testing::Call::map);
+      EXPECT_EQ(os::testing::count(os::testing::Call::unmap), mapped) << "call " << static_cast<int>(call);
+    }
+  }
+  void* again = arena.allocate(16 * MiB);  // and then it works
+  arena.deallocate(again);
+  arena.deallocate(kept);
+  EXPECT_EQ(arena.stats().allocated_bytes, 0U);
+}
+
+TEST_F(HostArenaOsFailures, RefusedHugePageAdviceIsOnlyAdvice) {
+  test::FailingDevice dev;
+  HostArena arena(failing_config(dev));
+  os::testing::fail_nth(os::testing::Call::advise, 0, EINVAL);
+  void* p = arena.allocate(8 * MiB);  // slab >= 2 MiB: advised
+  EXPECT_EQ(os::testing::count(os::testing::Call::advise), 1U);
+  static_cast<char*>(p)[8 * MiB - 1] = 1;
+  arena.deallocate(p);
+}
+
+TEST_F(HostArenaOsFailures, AFailedPlacementQueryIsReportedNotThrown) {
+  test::FailingDevice dev;
+  HostArena arena(failing_config(dev));
+  void* p = arena.allocate(MiB);
+  os::testing::fail_nth(os::testing::Call::page_nodes, 0, EPERM);
+  const PlacementReport r = arena.verify_placement(p, MiB);
+  if (HostArena::numa_supported()) {
+    EXPECT_FALSE(r.known);
+    EXPECT_NE(r.reason.find("move_pages failed"), std::string::npos) << r.reason;
+  }
+  arena.deallocate(p);
+}
+
+// Every allocation an operation makes fails in turn: each failure leaves the arena as it was,
+// and the run stops at the first count at which the operation goes through.
+template <class Setup, class Op, class Undo>
+void each_allocation_fails(HostArena& arena, const char* what, Setup setup, Op op, Undo undo) {
+  for (std::size_t n = 0;; ++n) {
+    ASSERT_LT(n, 1000U) << what << ": the operation never ran through";
+    auto state = setup();
+    const std::string before = fingerprint(arena);
+    test::fail_nth_new(n);
+    bool threw = false;
+    try {
+      op(state);
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    const bool fired = test::new_failed();
+    test::stop_failing_new();
+    if (threw) {
+      EXPECT_EQ(fingerprint(arena), before) << what << ": allocation " << n << " failed";
+      undo(state, false);
+      continue;
+    }
+    undo(state, true);
+    if (!fired) break;  // ran through without reaching allocation n
+  }
+}
+
+TEST(HostArenaFailures, EveryFailedAllocationInTheBookkeepingLeavesTheArenaAsItWas) {
+  test::FailingDevice dev;
+  HostArena arena(failing_config(dev));
+  void* kept = arena.allocate(MiB);
+  struct Live {
+    void* p = nullptr;
+  };
+  auto none = [] { return Live{}; };
+  // A new slab (maps, registers, inserts the slab, its block and its free rest).
+  each_allocation_fails(arena, "allocate with a new slab", none, [&](Live& l) { l.p = arena.allocate(16 * MiB); },
+                        [&](Live& l, bool ok) {
+                          if (ok) arena.deallocate(l.p);
+                          (void)arena.release_free_slabs();
+                        });
+  // A split of a free block.
+  each_allocation_fails(arena, "allocate from a slab", none, [&](Live& l) { l.p = arena.allocate(4096); },
+                        [&](Live& l, bool ok) {
+                          if (ok) arena.deallocate(l.p);
+                        });
+  // A free that coalesces, and one that cannot.
+  auto live = [&] { return Live{arena.allocate(8192)}; };
+  each_allocation_fails(arena, "deallocate", live, [&](Live& l) { arena.deallocate(l.p); },
+                        [&](Live& l, bool ok) {
+                          if (!ok) arena.deallocate(l.p);  // still live after the failed free
+                        });
+  // Whole slabs.
+  each_allocation_fails(arena, "map_slab", [] { return HostSlab{}; }, [&](HostSlab& s) { s = arena.map_slab(8 * MiB, 4096); },
+                        [&](HostSlab& s, bool ok) {
+                          if (ok) arena.unmap_slab(s);
+                        });
+  auto spare = [&] { return arena.allocate(2 * MiB); };
+  void* a = spare();
+  void* b = spare();
+  arena.deallocate(a);
+  each_allocation_fails(arena, "release_free_slabs", none, [&](Live&) { (void)arena.release_free_slabs(); },
+                        [](Live&, bool) {});
+  arena.deallocate(b);
+  arena.deallocate(kept);
+  EXPECT_EQ(arena.stats().allocated_bytes, 0U);
+}
+
+// ---- MmapSlabSource -------------------------------------------------------------------------------
+
+using MmapSlabSourceFailures = OsInjection;
+
+TEST_F(MmapSlabSourceFailures, AFailedMapRegistrationOrBookkeepingMapsNothing) {
+  test::FailingDevice dev;
+  MmapSlabSource source(&dev);
+  const HostSlab kept = source.map_slab(MiB, 4096);
+  os::testing::fail_nth(os::testing::Call::map, 0, ENOMEM);
+  EXPECT_THROW((void)source.map_slab(MiB, 4096), OutOfMemory);
+  EXPECT_EQ(source.slab_count(), 1U);
+  dev.fail_at(1);  // the registration
+  EXPECT_THROW((void)source.map_slab(MiB, 4096), Error);
+  EXPECT_EQ(source.slab_count(), 1U);
+  EXPECT_EQ(os::testing::count(os::testing::Call::unmap), 1U);  // the registered-then-failed slab
+  for (std::size_t n = 0;; ++n) {
+    ASSERT_LT(n, 100U);
+    test::fail_nth_new(n);
+    try {
+      const HostSlab s = source.map_slab(MiB, 4096);
+      const bool fired = test::new_failed();
+      test::stop_failing_new();
+      source.unmap_slab(s);
+      if (!fired) break;
+    } catch (const std::bad_alloc&) {
+      test::stop_failing_new();
+      EXPECT_EQ(source.slab_count(), 1U) << "allocation " << n;
+      EXPECT_EQ(source.mapped_bytes(), kept.bytes) << "allocation " << n;
+    }
+  }
+  source.unmap_slab(kept);
+  EXPECT_EQ(source.slab_count(), 0U);
 }

@@ -152,8 +152,20 @@ class HostArena final : public SlabSource {
   Slab make_slab(std::size_t bytes, std::size_t alignment);
   /// Unregisters and unmaps; never throws.
   void destroy_slab(const Slab& slab) noexcept;
-  void* take_block_locked(std::map<std::uintptr_t, Block>::iterator it, std::size_t bytes);
-  std::map<std::uintptr_t, Block>::iterator find_fit_locked(std::size_t bytes);
+  using BlockMap = std::map<std::uintptr_t, Block>;
+  using FreeSet = std::set<std::pair<std::size_t, std::uintptr_t>>;
+  /// Map nodes allocated before the bookkeeping changes anything, so that no step of it can
+  /// fail half-way (the strong guarantee): taking a block may split it (a block and a free
+  /// entry), freeing one inserts a free entry.
+  struct Nodes {
+    BlockMap::node_type block;
+    FreeSet::node_type free;
+    static Nodes make(bool block, bool free);
+  };
+  void* take_block_locked(BlockMap::iterator it, std::size_t bytes, Nodes& nodes) noexcept;
+  BlockMap::iterator find_fit_locked(std::size_t bytes);
+  /// Adds a made slab's counters (the caller inserted it).
+  void count_slab_locked(const Slab& s) noexcept;
   [[nodiscard]] std::string describe_locked() const;
 
   HostArenaConfig config_;

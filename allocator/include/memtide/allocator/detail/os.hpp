@@ -1,0 +1,55 @@
+#pragma once
+/// @file
+/// The allocator layer's calls into the OS for host memory, in one place (as mimalloc's prim.c):
+/// mapping, huge-page advice, NUMA binding and page-placement queries. None throws: each returns
+/// 0 or an errno value (or null and the errno), and callers turn that into their own errors.
+///
+/// Every call can be made to fail from a test (os::testing), so each caller's failure path,
+/// and the guarantee that a failed operation leaves its object as it was, is tested rather than
+/// assumed.
+
+#include <cstddef>
+
+namespace memtide::os {
+
+/// The system page size.
+[[nodiscard]] std::size_t page_bytes() noexcept;
+
+/// A private read-write anonymous mapping of `bytes` (a multiple of the page size) starting on
+/// an `alignment` boundary (a power of two; below a page means a page): over-mapped, then
+/// trimmed at both ends. `noreserve`: no swap reservation (MAP_NORESERVE). Null on failure, with
+/// the errno in `err`.
+[[nodiscard]] void* map(std::size_t bytes, std::size_t alignment, bool noreserve, int& err) noexcept;
+
+/// Unmaps what map() returned (the same bytes). 0 or errno.
+int unmap(void* p, std::size_t bytes) noexcept;
+
+/// Asks for transparent huge pages over the range. 0 or errno (EINVAL: the kernel has no THP).
+int advise_huge_pages(void* p, std::size_t bytes) noexcept;
+
+/// Binds a range that has no pages yet to NUMA `node`: `strict` = MPOL_BIND with
+/// MPOL_MF_STRICT (fail rather than place elsewhere), else MPOL_PREFERRED. 0 or errno; ENOSYS
+/// when memtide was built without libnuma.
+int bind_to_node(void* p, std::size_t bytes, int node, bool strict) noexcept;
+
+/// The node of each of `count` pages into `nodes` (or -errno for a page: -ENOENT never touched,
+/// -EFAULT not mapped). Nothing moves. 0 or errno; ENOSYS without libnuma.
+int page_nodes(void* const* pages, std::size_t count, int* nodes) noexcept;
+
+/// Fault injection for tests. Thread-safe; costs one relaxed atomic load per call when unused.
+namespace testing {
+
+enum class Call : int { map, unmap, advise, bind, page_nodes };
+inline constexpr int kCalls = 5;
+
+/// The `nth` call of `call` from now on (0 = the next) fails with `err`, once; the call itself is
+/// not made. One armed failure per kind; arming again replaces it.
+void fail_nth(Call call, std::size_t nth, int err) noexcept;
+/// Disarms every failure, zeroes the counts and starts counting (calls are counted only once a
+/// test has called this or fail_nth).
+void reset() noexcept;
+/// Calls of `call` since the last reset, failed ones included.
+[[nodiscard]] std::size_t count(Call call) noexcept;
+
+}  // namespace testing
+}  // namespace memtide::os

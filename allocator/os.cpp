@@ -1,0 +1,132 @@
+#include "memtide/allocator/detail/os.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+
+#ifdef MEMTIDE_HAVE_NUMA
+#include <numa.h>
+#include <numaif.h>
+#endif
+
+namespace memtide::os {
+namespace {
+
+struct Injection {
+  std::atomic<std::size_t> calls{0};
+  std::atomic<std::size_t> fail_at{SIZE_MAX};  // the call number that fails
+  std::atomic<int> err{0};
+};
+Injection g_calls[testing::kCalls];
+std::atomic<bool> g_armed{false};
+
+// Counts the call; true (with errno set) when a test made this one fail.
+bool injected(testing::Call call) noexcept {
+  if (!g_armed.load(std::memory_order_relaxed)) return false;
+  Injection& in = g_calls[static_cast<int>(call)];
+  const std::size_t n = in.calls.fetch_add(1, std::memory_order_relaxed);
+  std::size_t expected = n;
+  if (in.fail_at.compare_exchange_strong(expected, SIZE_MAX, std::memory_order_relaxed)) {
+    errno = in.err.load(std::memory_order_relaxed);
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::size_t page_bytes() noexcept {
+  static const auto p = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  return p;
+}
+
+void* map(std::size_t bytes, std::size_t alignment, bool noreserve, int& err) noexcept {
+  err = 0;
+  if (injected(testing::Call::map)) {
+    err = errno;
+    return nullptr;
+  }
+  const std::size_t page = page_bytes();
+  const std::size_t align = alignment < page ? page : alignment;
+  const std::size_t length = bytes + (align - page);
+  if (length < bytes) {
+    err = ENOMEM;
+    return nullptr;
+  }
+  const int flags = MAP_PRIVATE | MAP_ANONYMOUS | (noreserve ? MAP_NORESERVE : 0);
+  void* raw = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, flags, -1, 0);
+  if (raw == MAP_FAILED) {
+    err = errno;
+    return nullptr;
+  }
+  const auto b = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t start = (b + align - 1) & ~(std::uintptr_t{align} - 1);
+  // Trimming only shrinks a mapping this function owns; it cannot fail for a valid range.
+  if (start > b) ::munmap(raw, start - b);
+  if (b + length > start + bytes) ::munmap(reinterpret_cast<void*>(start + bytes), b + length - (start + bytes));
+  return reinterpret_cast<void*>(start);
+}
+
+int unmap(void* p, std::size_t bytes) noexcept {
+  if (injected(testing::Call::unmap)) return errno;
+  return ::munmap(p, bytes) == 0 ? 0 : errno;
+}
+
+int advise_huge_pages(void* p, std::size_t bytes) noexcept {
+  if (injected(testing::Call::advise)) return errno;
+  return ::madvise(p, bytes, MADV_HUGEPAGE) == 0 ? 0 : errno;
+}
+
+int bind_to_node(void* p, std::size_t bytes, int node, bool strict) noexcept {
+  if (injected(testing::Call::bind)) return errno;
+#ifdef MEMTIDE_HAVE_NUMA
+  if (node < 0) return EINVAL;
+  bitmask* mask = numa_allocate_nodemask();
+  if (mask == nullptr) return ENOMEM;
+  numa_bitmask_setbit(mask, static_cast<unsigned>(node));
+  const long rc = strict ? mbind(p, bytes, MPOL_BIND, mask->maskp, mask->size + 1, MPOL_MF_STRICT)
+                         : mbind(p, bytes, MPOL_PREFERRED, mask->maskp, mask->size + 1, 0);
+  const int err = rc == 0 ? 0 : errno;
+  numa_free_nodemask(mask);
+  return err;
+#else
+  (void)p, (void)bytes, (void)node, (void)strict;
+  return ENOSYS;
+#endif
+}
+
+int page_nodes(void* const* pages, std::size_t count, int* nodes) noexcept {
+  if (injected(testing::Call::page_nodes)) return errno;
+#ifdef MEMTIDE_HAVE_NUMA
+  // nodes == null asks where the pages are; nothing moves.
+  return move_pages(0, count, const_cast<void**>(pages), nullptr, nodes, 0) == 0 ? 0 : errno;
+#else
+  (void)pages, (void)count, (void)nodes;
+  return ENOSYS;
+#endif
+}
+
+namespace testing {
+
+void fail_nth(Call call, std::size_t nth, int err) noexcept {
+  Injection& in = g_calls[static_cast<int>(call)];
+  in.err.store(err, std::memory_order_relaxed);
+  in.fail_at.store(in.calls.load(std::memory_order_relaxed) + nth, std::memory_order_relaxed);
+  g_armed.store(true, std::memory_order_relaxed);
+}
+
+void reset() noexcept {
+  for (Injection& in : g_calls) {
+    in.fail_at.store(SIZE_MAX, std::memory_order_relaxed);
+    in.calls.store(0, std::memory_order_relaxed);
+  }
+  g_armed.store(true, std::memory_order_relaxed);  // counting starts here
+}
+
+std::size_t count(Call call) noexcept { return g_calls[static_cast<int>(call)].calls.load(std::memory_order_relaxed); }
+
+}  // namespace testing
+}  // namespace memtide::os
