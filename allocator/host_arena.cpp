@@ -472,6 +472,21 @@ void* HostArena::take_block_locked(BlockMap::iterator it, std::size_t bytes, Nod
   return reinterpret_cast<void*>(it->first);
 }
 
+HostArena::SlabNode HostArena::adopt_slab(const Slab& made, std::unique_lock<std::mutex>& lock) {
+  try {
+    decltype(slabs_) one;
+    one.emplace(reinterpret_cast<std::uintptr_t>(made.base), made);
+    SlabNode node = one.extract(one.begin());
+    lock = std::unique_lock(mutex_);
+    stats_.bytes_per_node.try_emplace(made.node, 0);
+    return node;
+  } catch (...) {
+    if (lock.owns_lock()) lock.unlock();
+    destroy_slab(made);
+    throw;
+  }
+}
+
 void HostArena::count_slab_locked(const Slab& s) noexcept {
   ++stats_.slabs;
   stats_.reserved_bytes += s.bytes;
@@ -503,26 +518,12 @@ void* HostArena::allocate(std::size_t bytes) {
     if (config_.max_bytes != 0 && stats_.reserved_bytes + slab_bytes > config_.max_bytes) slab_bytes = minimal;
     check_capacity_locked(slab_bytes, need);
   }
-  const Slab made = make_slab(slab_bytes, unit);
-  // The new slab's map nodes, and its node's counter, before it is counted: if one cannot be
-  // allocated, the slab goes back and the arena is as it was.
-  decltype(slabs_)::node_type slab_node;
-  Nodes whole;
-  std::unique_lock lock(mutex_, std::defer_lock);
-  try {
-    decltype(slabs_) one;
-    one.emplace(reinterpret_cast<std::uintptr_t>(made.base), made);
-    slab_node = one.extract(one.begin());
-    whole = Nodes::make(true, true);
-    lock.lock();
-    stats_.bytes_per_node.try_emplace(made.node, 0);
-  } catch (...) {
-    if (lock.owns_lock()) lock.unlock();
-    destroy_slab(made);
-    throw;
-  }
+  Nodes whole = Nodes::make(true, true);  // the new slab's block and free entry
+  std::unique_lock<std::mutex> lock;
+  SlabNode slab_node = adopt_slab(make_slab(slab_bytes, unit), lock);
   Slab* slab = &slab_node.mapped();  // node storage: stays put when inserted
   const std::uintptr_t base = slab_node.key();
+  const Slab made = *slab;
   slabs_.insert(std::move(slab_node));
   count_slab_locked(made);
   whole.block.key() = base;
@@ -626,19 +627,8 @@ HostSlab HostArena::do_map_slab(std::size_t bytes, std::size_t alignment) {
   }
   Slab made = make_slab(size, unit);
   made.whole = true;
-  decltype(slabs_)::node_type slab_node;
-  std::unique_lock lock(mutex_, std::defer_lock);
-  try {  // as in allocate: every allocation before anything is counted
-    decltype(slabs_) one;
-    one.emplace(reinterpret_cast<std::uintptr_t>(made.base), made);
-    slab_node = one.extract(one.begin());
-    lock.lock();
-    stats_.bytes_per_node.try_emplace(made.node, 0);
-  } catch (...) {
-    if (lock.owns_lock()) lock.unlock();
-    destroy_slab(made);
-    throw;
-  }
+  std::unique_lock<std::mutex> lock;
+  SlabNode slab_node = adopt_slab(made, lock);
   slabs_.insert(std::move(slab_node));
   count_slab_locked(made);
   ++stats_.whole_slabs;

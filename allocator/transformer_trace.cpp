@@ -42,6 +42,10 @@ std::vector<TraceOp> make_transformer_trace(const TransformerShape& s) {
                          {"iterations", s.iterations}}) {
     if (v <= 0) throw InvalidArgument(std::string("transformer shape: ") + name + " must be positive, got " + std::to_string(v));
   }
+  if (s.hidden % s.heads != 0) {
+    throw InvalidArgument("transformer shape: hidden " + std::to_string(s.hidden) + " is not a multiple of heads " +
+                          std::to_string(s.heads) + " (each head gets hidden / heads dimensions)");
+  }
   const auto e = static_cast<std::uint64_t>(s.bytes_per_element);
   const auto h = static_cast<std::uint64_t>(s.hidden);
   const std::uint64_t bsh = static_cast<std::uint64_t>(s.batch) * static_cast<std::uint64_t>(s.seq) * h;

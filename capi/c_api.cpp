@@ -37,6 +37,8 @@ int guarded(const char* where, F&& body) noexcept {
     return fail(MEMTIDE_INVALID_ARGUMENT, std::string(where) + ": " + e.what());
   } catch (const ConfigError& e) {
     return fail(MEMTIDE_CONFIG_ERROR, e.what());
+  } catch (const IoError& e) {
+    return fail(MEMTIDE_IO_ERROR, std::string(where) + ": " + e.what());
   } catch (const std::exception& e) {
     return fail(MEMTIDE_ERROR, std::string(where) + ": " + e.what());
   } catch (...) {

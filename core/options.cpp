@@ -6,9 +6,15 @@
 #include <cstdlib>
 #include <mutex>
 #include <optional>
+#include <string_view>
+#include <vector>
+#include <algorithm>
 
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
+#include "memtide/core/log.hpp"
+
+extern char** environ;
 
 namespace memtide {
 namespace {
@@ -204,6 +210,54 @@ Global& global() {
   return g;
 }
 
+// Edit distance, for naming the option a misspelt variable meant.
+std::size_t distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// MEMTIDE_* variables that are not options: memtide's own hand-offs between processes (the
+// PYTORCH_CUDA_ALLOC_CONF hook), and those of its tests and scripts (*_TEST_*, *_CHECK_*).
+bool is_internal_variable(std::string_view name) {
+  return name == "MEMTIDE_TORCH_ALLOCATOR" || name.starts_with("MEMTIDE_ALLOC_CONF_") ||
+         name.find("_TEST_") != std::string_view::npos || name.find("_CHECK_") != std::string_view::npos;
+}
+
+// Says once per process which MEMTIDE_* variables are no option (a typo would otherwise be
+// ignored without a word), with the nearest option's name.
+void warn_unknown_variables() {
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view name = entry.substr(0, entry.find('='));
+    if (!name.starts_with("MEMTIDE_") || is_internal_variable(name)) continue;
+    std::string nearest;
+    std::size_t best = SIZE_MAX;
+    bool known = false;
+    const std::string_view suffix = name.substr(8);  // after MEMTIDE_
+    for (const OptionInfo& row : option_table()) {
+      if (row.env == name) known = true;
+      const std::size_t d = distance(suffix, std::string_view(row.env).substr(8));
+      if (d < best) best = d, nearest = row.env;
+    }
+    if (known) continue;
+    // Close enough to be a typo: up to 40% of the name edited (HOST_NUMA_NODE -> HOST_NODE).
+    const bool typo = static_cast<double>(best) <= std::max(2.0, 0.4 * static_cast<double>(suffix.size()));
+    MEMTIDE_LOG(warn, std::string(name) + " is not a memtide option and is ignored" +
+                          (typo ? "; did you mean " + nearest + "?" : std::string()) +
+                          " (memtide info lists the options)");
+  }
+}
+
 }  // namespace
 
 Options Options::from_env(const std::function<const char*(const char*)>& lookup) {
@@ -238,8 +292,15 @@ const std::vector<OptionInfo>& option_table() {
 
 const Options& options() {
   Global& g = global();
-  std::lock_guard lock(g.mutex);
-  if (!g.opts) g.opts = Options::from_env([](const char* name) { return std::getenv(name); });
+  bool first = false;
+  {
+    std::lock_guard lock(g.mutex);
+    if (!g.opts) {
+      g.opts = Options::from_env([](const char* name) { return std::getenv(name); });
+      first = true;
+    }
+  }
+  if (first) warn_unknown_variables();  // outside the lock: logging reads the environment itself
   return *g.opts;
 }
 

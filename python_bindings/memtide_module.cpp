@@ -34,6 +34,8 @@ NB_MODULE(_memtide, m) {
       PyErr_SetString(g_config_error, e.what());
     } catch (const memtide::InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const memtide::IoError& e) {
+      PyErr_SetString(PyExc_OSError, e.what());  // a file or sysfs path: as Python's own I/O raises
     } catch (const memtide::Error& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }

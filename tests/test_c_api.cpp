@@ -93,7 +93,7 @@ TEST(CApi, BadArgumentsAreErrorsWithMessages) {
   EXPECT_EQ(memtide_stat(7, "num_ooms", &v), MEMTIDE_INVALID_ARGUMENT);
   EXPECT_NE(std::string(memtide_last_error()).find("out of range"), std::string::npos);
   EXPECT_EQ(memtide_dump_snapshot(""), MEMTIDE_INVALID_ARGUMENT);
-  EXPECT_EQ(memtide_dump_snapshot("/nonexistent-dir/x.pickle"), MEMTIDE_ERROR);
+  EXPECT_EQ(memtide_dump_snapshot("/nonexistent-dir/x.pickle"), MEMTIDE_IO_ERROR);
   EXPECT_NE(std::string(memtide_last_error()).find("nonexistent-dir"), std::string::npos);
 }
 

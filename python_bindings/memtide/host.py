@@ -123,5 +123,7 @@ def node(device: int = 0) -> int:
 def placement(tensor, device: int = 0, numa_node: Optional[int] = None) -> Dict[str, Any]:
     """Where a tensor's pages are: nodes of sampled pages (move_pages), and whether all are on the
     arena's node. ``known`` is False without libnuma."""
+    if not callable(getattr(tensor, "untyped_storage", None)) or not callable(getattr(tensor, "data_ptr", None)):
+        raise TypeError(f"host.placement: expected a torch tensor on the host, got {type(tensor).__name__}")
     nbytes = tensor.untyped_storage().nbytes()
     return _memtide.host_placement(tensor.data_ptr(), max(nbytes, 1), device, numa_node)

@@ -308,6 +308,10 @@ void bind_runtime(nb::module_& m) {
           nb::gil_scoped_release nogil;
           rc = memtide_dump_snapshot(p.c_str());
         }
+        // The C ABI's code picks the Python type: a bad path is a ValueError, a file that
+        // cannot be written an OSError, as Python's own file functions raise.
+        if (rc == MEMTIDE_INVALID_ARGUMENT) throw memtide::InvalidArgument(memtide_last_error());
+        if (rc == MEMTIDE_IO_ERROR) throw memtide::IoError(memtide_last_error());
         if (rc != MEMTIDE_OK) throw std::runtime_error(memtide_last_error());
       },
       "path"_a, "Writes a pickle that pytorch.org/memory_viz and torch.cuda._memory_viz read.");

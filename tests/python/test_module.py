@@ -142,7 +142,7 @@ def test_replay_error_mapping():
 
 
 def test_dump_snapshot_bad_path_raises(tmp_path):
-    with pytest.raises(RuntimeError, match="cannot create a file in"):
+    with pytest.raises(OSError, match="cannot create a file in"):
         memtide.dump_snapshot(tmp_path / "missing-dir" / "snap.pickle")
 
 

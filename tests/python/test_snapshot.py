@@ -216,16 +216,16 @@ def test_dump_snapshot_writes_only_its_own_regular_file(tmp_path):
 
     link = tmp_path / "link.pickle"
     link.symlink_to(victim)
-    with pytest.raises(RuntimeError, match="symbolic link"):
+    with pytest.raises(OSError, match="symbolic link"):
         memtide.dump_snapshot(str(link))
     assert link.is_symlink() and victim.read_text() == "precious"
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    with pytest.raises(RuntimeError, match="not a regular file"):
+    with pytest.raises(OSError, match="not a regular file"):
         memtide.dump_snapshot(str(fifo))
-    with pytest.raises(RuntimeError, match="directory"):
+    with pytest.raises(OSError, match="directory"):
         memtide.dump_snapshot(str(tmp_path))
-    with pytest.raises(RuntimeError, match="cannot create"):
+    with pytest.raises(OSError, match="cannot create"):
         memtide.dump_snapshot(str(tmp_path / "missing" / "snap.pickle"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.pickle", "snap.pickle", "snap.pickle.tmp",
                                                           "victim"]

@@ -34,7 +34,8 @@ enum {
   MEMTIDE_ERROR = -1,          /**< see memtide_last_error() */
   MEMTIDE_OUT_OF_MEMORY = -2,
   MEMTIDE_INVALID_ARGUMENT = -3,
-  MEMTIDE_CONFIG_ERROR = -4
+  MEMTIDE_CONFIG_ERROR = -4,
+  MEMTIDE_IO_ERROR = -5        /**< a file could not be read or written (memtide_dump_snapshot) */
 };
 
 /** Training phases, for memtide_phase_mark. */

@@ -166,6 +166,11 @@ class HostArena final : public SlabSource {
   BlockMap::iterator find_fit_locked(std::size_t bytes);
   /// Adds a made slab's counters (the caller inserted it).
   void count_slab_locked(const Slab& s) noexcept;
+  using SlabNode = std::map<std::uintptr_t, Slab>::node_type;
+  /// The map node for a made slab and its node's counter, allocated before anything is counted,
+  /// with `lock` taken on mutex_; if an allocation fails the slab is destroyed and the arena is
+  /// as it was.
+  SlabNode adopt_slab(const Slab& made, std::unique_lock<std::mutex>& lock);
   [[nodiscard]] std::string describe_locked() const;
 
   HostArenaConfig config_;
