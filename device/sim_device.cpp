@@ -1,5 +1,9 @@
 #include "memtide/device/sim_device.hpp"
 
+#include <cmath>
+
+#include <utility>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -101,7 +105,32 @@ double SimDevice::host_work(double dram_bytes, double max_bytes_per_s) {
   const double start = host_now_ns_;
   const double end = dram_.reserve(start, dram_bytes, max_bytes_per_s, 1.0);
   set_host_now_locked(end);
+  if (recording_) ops_.push_back(SimOp{"host", start, end, dram_bytes});
   return end - start;
+}
+
+double SimDevice::enqueue_collective(Stream stream, double bytes, double bytes_per_s) {
+  if (!(bytes >= 0) || !(bytes_per_s > 0) || !std::isfinite(bytes) || !std::isfinite(bytes_per_s)) {
+    throw InvalidArgument("SimDevice::enqueue_collective: bytes must be >= 0 and bytes_per_s > 0, got " +
+                          std::to_string(bytes) + " and " + std::to_string(bytes_per_s));
+  }
+  std::lock_guard lock(mutex_);
+  return schedule_locked(stream_locked(stream), link_, std::max(bytes, 1.0), bytes_per_s, 0.0);
+}
+
+void SimDevice::record_ops(bool on) {
+  std::lock_guard lock(mutex_);
+  recording_ = on;
+}
+
+std::vector<SimOp> SimDevice::take_ops() {
+  std::lock_guard lock(mutex_);
+  return std::exchange(ops_, {});
+}
+
+SimEngineStats SimDevice::link_stats() {
+  std::lock_guard lock(mutex_);
+  return link_.stats;
 }
 
 double SimDevice::enqueue_compute(Stream stream, double hbm_bytes, const std::function<void()>& body, double min_ns) {
@@ -317,13 +346,44 @@ bool SimDevice::host_pinned_locked(const void* ptr, std::size_t bytes) const {
 }
 
 double SimDevice::schedule_locked(SimStream& s, Engine& engine, double bytes, double rate, double dram_factor) {
-  const double start = std::max({s.ready_ns, engine.free_ns, host_now_ns_}) + config_.op_latency_ns;
+  double start = std::max({s.ready_ns, engine.free_ns, host_now_ns_}) + config_.op_latency_ns;
+  if (&engine == &compute_ && dram_factor == 0) {
+    // A GPU runs kernels of several streams at once, sharing its SMs: a kernel starts as soon as
+    // its stream is ready and is stretched by the work of kernels already running beside it
+    // (the engine does the same total work; what ran first keeps its times). A copy engine, by
+    // contrast, serves its queue in order.
+    const double length = bytes / rate * 1e9;
+    start = std::max(s.ready_ns, host_now_ns_) + config_.op_latency_ns;
+    double end = start + length;
+    for (int pass = 0; pass < 8; ++pass) {  // the stretch adds overlap of its own: a few rounds
+      double shared = 0;
+      for (auto it = compute_busy_.begin(); it != compute_busy_.end() && it->first < end; ++it) {
+        shared += std::max(0.0, std::min(it->second, end) - std::max(it->first, start));
+      }
+      const double next = start + length + shared;
+      if (next <= end * (1 + 1e-12)) break;
+      end = next;
+    }
+    compute_busy_.emplace(end - length, end);  // where this kernel's own work is counted
+    // Nothing can start before the host's clock: work that ended before it is gone.
+    for (auto it = compute_busy_.begin(); it != compute_busy_.end();) {
+      it = it->second < host_now_ns_ ? compute_busy_.erase(it) : std::next(it);
+    }
+    engine.free_ns = std::max(engine.free_ns, end);
+    engine.stats.busy_ns += length + config_.op_latency_ns;
+    engine.stats.bytes += bytes;
+    engine.stats.ops += 1;
+    s.ready_ns = end;
+    if (recording_) ops_.push_back(SimOp{engine.name, start, end, bytes});
+    return end;
+  }
   const double end = dram_.reserve(start, bytes, rate, dram_factor);
   engine.free_ns = end;
   engine.stats.busy_ns += end - start + config_.op_latency_ns;
   engine.stats.bytes += bytes;
   engine.stats.ops += 1;
   s.ready_ns = end;
+  if (recording_) ops_.push_back(SimOp{engine.name, start, end, bytes});
   return end;
 }
 

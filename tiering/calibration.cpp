@@ -100,40 +100,51 @@ void Calibration::observe_cpu_downscale(std::size_t params, double ns) {
 }
 
 double Calibration::observe_update_phase(double predicted_ns, double measured_ns) {
-  require_duration("observe_update_phase", "predicted_ns", predicted_ns);
-  require_duration("observe_update_phase", "measured_ns", measured_ns);
+  return observe_error(kUpdatePhase, "observe_update_phase", "update", predicted_ns, measured_ns);
+}
+
+double Calibration::observe_iteration(double predicted_ns, double measured_ns) {
+  return observe_error(kIteration, "observe_iteration", "iteration", predicted_ns, measured_ns);
+}
+
+double Calibration::observe_error(Span span, const char* fn, const char* what, double predicted_ns,
+                                  double measured_ns) {
+  require_duration(fn, "predicted_ns", predicted_ns);
+  require_duration(fn, "measured_ns", measured_ns);
   const double error = (measured_ns - predicted_ns) / predicted_ns;
   {
     std::lock_guard lock(mutex_);
-    errors_.push_back(error);
-    while (errors_.size() > config_.history) errors_.pop_front();
+    std::deque<double>& log = errors_[span];
+    log.push_back(error);
+    while (log.size() > config_.history) log.pop_front();
   }
   MEMTIDE_LOG(info, [&] {
     char pct[32];
     std::snprintf(pct, sizeof pct, "%+.1f%%", error * 100);
-    return "update: predicted " + format_duration_ns(predicted_ns) + ", measured " + format_duration_ns(measured_ns) +
-           " (" + pct + ")";
+    return std::string(what) + ": predicted " + format_duration_ns(predicted_ns) + ", measured " +
+           format_duration_ns(measured_ns) + " (" + pct + ")";
   }());
   return error;
 }
 
 std::vector<double> Calibration::recent_errors() const {
   std::lock_guard lock(mutex_);
-  return {errors_.begin(), errors_.end()};
+  return {errors_[kUpdatePhase].begin(), errors_[kUpdatePhase].end()};
 }
 
-PredictionErrors Calibration::error_summary() const {
+PredictionErrors Calibration::summarize(Span span) const {
   std::lock_guard lock(mutex_);
+  const std::deque<double>& log = errors_[span];
   PredictionErrors s;
-  s.count = errors_.size();
-  if (errors_.empty()) return s;
-  s.last = errors_.back();
+  s.count = log.size();
+  if (log.empty()) return s;
+  s.last = log.back();
   double sum = 0;
-  for (double e : errors_) {
+  for (double e : log) {
     sum += std::abs(e);
     s.max_abs = std::max(s.max_abs, std::abs(e));
   }
-  s.mean_abs = sum / static_cast<double>(errors_.size());
+  s.mean_abs = sum / static_cast<double>(log.size());
   return s;
 }
 

@@ -668,6 +668,28 @@ Plan PerfModel::plan(const Workload& work, const Rates& rates, Policy policy, do
   return std::move(*best);
 }
 
+IterationPrediction PerfModel::predict_iteration(const PassWork& forward, const PassWork& backward,
+                                                 const Prediction& update) const {
+  auto pass = [](const PassWork& w, const char* name) {
+    const std::pair<const char*, double> fields[] = {{"compute_ns", w.compute_ns}, {"comm_ns", w.comm_ns},
+                                                     {"lead_ns", w.lead_ns},       {"stall_ns", w.stall_ns},
+                                                     {"async_ns", w.async_ns},     {"tail_ns", w.tail_ns}};
+    for (const auto& [field, v] : fields) {
+      if (!(v >= 0) || !std::isfinite(v)) {
+        throw InvalidArgument(std::string("PerfModel::predict_iteration: ") + name + "." + field + " = " + show(v) +
+                              " is not accepted: expected a finite time >= 0");
+      }
+    }
+    return w.lead_ns + std::max({w.compute_ns + w.stall_ns + w.tail_ns, w.comm_ns, w.async_ns});
+  };
+  IterationPrediction out;
+  out.forward_ns = pass(forward, "forward");
+  out.backward_ns = pass(backward, "backward");
+  out.update_ns = update.total_ns;
+  out.total_ns = out.forward_ns + out.backward_ns + out.update_ns;
+  return out;
+}
+
 std::uint64_t gpu_slot_bytes(std::size_t largest, bool with_grad) {
   constexpr std::uint64_t kAlign = 512;  // the scheduler's device array alignment
   const std::uint64_t array = (static_cast<std::uint64_t>(largest) * sizeof(float) + kAlign - 1) / kAlign * kAlign;

@@ -12,6 +12,7 @@
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
+#include "memtide/tiering/optimizer_state.hpp"
 
 namespace memtide::tiering {
 namespace {
@@ -43,11 +44,6 @@ UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::s
                            EngineConfig config)
     : allocator_(allocator), device_(allocator.device()), arena_(arena), pool_(pool), config_(config), n_(n),
       subgroups_(std::move(subgroups)), calibration_(config.defaults, config.calibration) {
-  if (!device_.properties().stores_data) {
-    throw InvalidArgument("UpdateEngine: device \"" + device_.properties().name +
-                          "\" stores no data (phantom SimDevice, MEMTIDE_SIM_PHANTOM=true); the optimizer needs "
-                          "data mode (MEMTIDE_SIM_PHANTOM=false)");
-  }
   if (config_.low_precision_bytes != 2 && config_.low_precision_bytes != 4) {
     throw InvalidArgument("UpdateEngine: low_precision_bytes must be 2 (fp16/bf16 model) or 4 (fp32 model), got " +
                           std::to_string(config_.low_precision_bytes));
@@ -74,6 +70,15 @@ UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::s
   if (n_ > std::numeric_limits<std::size_t>::max() / sizeof(float)) {
     throw InvalidArgument("UpdateEngine: n = " + std::to_string(n_) + " params do not fit in memory");
   }
+  if (is_phantom(device_)) {
+    // Timing only (the iteration simulator): the arrays are phantom addresses registered with
+    // the device, never dereferenced, so a 20B-parameter state costs no host memory.
+    phantom_bytes_ = 4 * n_ * sizeof(float);
+    phantom_host_ = reserve_phantom_host(phantom_bytes_);
+    device_.host_register(phantom_host_, phantom_bytes_);
+    for (std::size_t i = 0; i < 4; ++i) arrays_[i] = static_cast<float*>(phantom_host_) + i * n_;
+    return;
+  }
   std::size_t made = 0;
   try {
     for (; made < 4; ++made) {
@@ -94,7 +99,11 @@ UpdateEngine::~UpdateEngine() {
     cache_.clear();
     sink_.reset();
     if (model_params_ != nullptr) allocator_.deallocate(model_params_, Stream{});
-    for (float* a : arrays_) arena_.deallocate(a);
+    if (phantom_host_ != nullptr) {
+      device_.host_unregister(phantom_host_);
+    } else {
+      for (float* a : arrays_) arena_.deallocate(a);
+    }
   } catch (const Error& e) {
     // Destructors never throw; the runtime may be shutting down.
     MEMTIDE_LOG(warn, std::string("UpdateEngine: ") + e.what());
@@ -102,6 +111,7 @@ UpdateEngine::~UpdateEngine() {
 }
 
 std::uint64_t UpdateEngine::host_bytes() const {
+  if (phantom_host_ != nullptr) return 0;
   std::uint64_t total = 0;
   for (float* a : arrays_) total += arena_.allocation_size(a);
   return total;
@@ -174,7 +184,13 @@ EngineBudget UpdateEngine::measure_budget(const Workload& work) const {
       const std::uint64_t free = w.min_free > std::numeric_limits<std::uint64_t>::max() - loans
                                      ? std::numeric_limits<std::uint64_t>::max()
                                      : w.min_free + loans;
+      // Memory held across phases must also fit beside what the allocator reserved at the
+      // phase's peak, not only beside the live bytes: the phase's large blocks need whole
+      // segments, and memory cut into smaller cached blocks cannot hold them (the iteration
+      // simulator ran out of memory in backward with residents sized to the live bytes).
+      const std::uint64_t unreserved = std::min(free, sat_sub(allocator_.limit(), w.peak_reserved) + loans);
       b.phase_min_free[p] = b.phase_seen[p] ? std::min(b.phase_min_free[p], free) : free;
+      b.phase_min_unreserved[p] = b.phase_seen[p] ? std::min(b.phase_min_unreserved[p], unreserved) : unreserved;
       b.phase_seen[p] = true;
       any_seen = any_seen || p != static_cast<int>(Phase::other);
     }
@@ -190,7 +206,7 @@ EngineBudget UpdateEngine::measure_budget(const Workload& work) const {
   std::uint64_t iteration_cap = free_now;
   for (int p = 0; p < kPhaseCount; ++p) {
     if (!b.phase_seen[p]) continue;
-    iteration_cap = std::min(iteration_cap, b.phase_min_free[p]);
+    iteration_cap = std::min(iteration_cap, b.phase_min_unreserved[p]);
     // Slots live from the update phase until the next forward begins.
     if (p == static_cast<int>(Phase::update) || p == static_cast<int>(Phase::other)) {
       update_cap = std::min(update_cap, b.phase_min_free[p]);
@@ -277,8 +293,13 @@ EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::option
   grad_keep_bytes_ = 0;
   if (out.budget.phase_seen[bwd] && out.budget.phase_seen[upd] && device_ops_available(device_)) {
     const std::uint64_t margin = allocator_.headroom_margin();
-    const std::uint64_t upd_left = sat_sub(out.budget.phase_min_free[upd], out.budget.slots_taken);
-    grad_keep_bytes_ = sat_sub(std::min(out.budget.phase_min_free[bwd], upd_left), margin);
+    // The plan's residents stay through backward and the update phase, its slots through the
+    // update phase: kept gradients get what is left of both (the phase figures count the
+    // engine's loans as free).
+    const std::uint64_t residents = out.budget.residents_taken;
+    const std::uint64_t bwd_left = sat_sub(out.budget.phase_min_unreserved[bwd], residents);
+    const std::uint64_t upd_left = sat_sub(out.budget.phase_min_free[upd], out.budget.slots_taken + residents);
+    grad_keep_bytes_ = sat_sub(std::min(bwd_left, upd_left), margin);
   }
   return out;
 }

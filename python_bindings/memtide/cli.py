@@ -697,6 +697,151 @@ def _add_plan_parser(sub) -> None:
     plan.set_defaults(func=_cmd_plan)
 
 
+# ---- simulate ------------------------------------------------------------------------------------
+
+# GPUs the simulator knows: memory, the achieved FLOP/s of the model's kernels (a tenth of the dense
+# bf16 peak, which makes ZeRO-3 reach the paper's ~30 TFLOP/s per H100 over whole iterations; see
+# NodeSpec::gpu_flops), PCIe each way (pinned), collective bandwidth per GPU over NVLink.
+_SIM_GPUS = {
+    "h100": {"capacity_bytes": 80 * 2**30, "gpu_flops": 100e12, "h2d_bytes_per_s": 55e9, "d2h_bytes_per_s": 55e9,
+             "link_bytes_per_s": 300e9},
+    "h200": {"capacity_bytes": 141 * 10**9, "gpu_flops": 100e12, "h2d_bytes_per_s": 55e9, "d2h_bytes_per_s": 55e9,
+             "link_bytes_per_s": 300e9},
+    "a100": {"capacity_bytes": 80 * 2**30, "gpu_flops": 31e12, "h2d_bytes_per_s": 25e9, "d2h_bytes_per_s": 25e9,
+             "link_bytes_per_s": 200e9},
+}
+_CONTENDERS = ("zero3_offload", "twinflow", "memtide")
+
+
+def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
+    shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "micro_batch", "micro_batches", "vocab")
+             if getattr(args, k) is not None}
+    model = args.model
+    if model is not None and model.lower() == "custom":
+        model = None
+    if model is None and not {"layers", "hidden", "heads"} <= shape.keys():
+        raise _UsageError("--model custom needs --layers, --hidden and --heads")
+    node = dict(_SIM_GPUS[args.gpu])
+    node["gpus"] = args.gpus_per_node
+    flags = {"gpu_mem": ("capacity_bytes", 1), "gpu_flops": ("gpu_flops", 1e12), "link": ("link_bytes_per_s", 1e9),
+             "flush": ("pageable_flush_bytes_per_s", 1e9), "h2d": ("h2d_bytes_per_s", 1e9),
+             "d2h": ("d2h_bytes_per_s", 1e9), "cpu_update": ("cpu_update_params_per_s", 1e9),
+             "gpu_update": ("gpu_update_params_per_s", 1e9), "dram": ("host_dram_bytes_per_s", 1e9),
+             "subgroup_size": ("subgroup_params", 1)}
+    for flag, (key, scale) in flags.items():
+        value = getattr(args, flag)
+        if value is not None:
+            node[key] = value * scale
+    results = {}
+    checkpoint = not args.no_checkpointing
+    tokens = (args.seq or 2048) * (args.micro_batch or 1) * (args.micro_batches or 1)
+    for name in _CONTENDERS:
+        if not args.json:
+            print(f"simulating {name}...", file=sys.stderr, flush=True)
+        r = memtide.simulate_iteration(model=model, shape=shape or None, contender=name, node=node,
+                                       checkpointing=not args.no_checkpointing, iterations=args.iterations)
+        sim, pred = r["simulated"], r["predicted"]
+        results[name] = {
+            "iteration_s": sim["iteration_s"], "forward_s": sim["forward_s"], "backward_s": sim["backward_s"],
+            "update_s": sim["update_s"], "predicted": pred, "peak_bytes": r["peak_bytes"],
+            "peak_reserved_bytes": r["peak_reserved_bytes"],
+            # Data parallel: every rank runs the whole model on its own micro-batches (2 FLOPs per
+            # param per token forward, twice that backward, once more to recompute).
+            "tflops": (4 if checkpoint else 3) * 2 * r["params"] * tokens / 1e12 / sim["iteration_s"],
+            "update_bound_s": r["update_bound_s"],
+            "update_vs_bound": r["update_bound_s"] / sim["update_s"] if sim["update_s"] > 0 else None,
+            "grad_bytes_to_host": r["grad_bytes_to_host"], "plan": {k: r["plan"][k] for k in (
+                "k", "gpu_streamed", "static_residents", "gpu_slots")},
+        }
+        params, model_name, capacity = r["params"], r["model"], r["capacity_bytes"]
+    zero, mt = results["zero3_offload"], results["memtide"]
+    # The speed-up in two steps, as the paper splits it: memtide's backward first, then its update.
+    after_backward = zero["iteration_s"] - zero["backward_s"] + mt["backward_s"]
+    speedup = {
+        "memtide_over_zero3": zero["iteration_s"] / mt["iteration_s"],
+        "twinflow_over_zero3": zero["iteration_s"] / results["twinflow"]["iteration_s"],
+        "from_backward": zero["iteration_s"] / after_backward,
+        "update_adds": after_backward / mt["iteration_s"] - 1,
+        "paper": {"memtide_over_zero3": [2.0, 2.5], "from_backward": 1.9, "update_adds": 0.6},
+    }
+    return {"model": model_name, "params": params, "shape": shape, "gpu": args.gpu, "node": node,
+            "checkpointing": not args.no_checkpointing, "capacity_bytes": capacity, "contenders": results,
+            "speedup": speedup}
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    result = _simulate(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    n = result["node"]
+    print(f"model     {result['model']}: {_format_count(result['params'])} params"
+          + (f" ({', '.join(f'{k} {v}' for k, v in result['shape'].items())})" if result["shape"] else ""))
+    print(f"node      one rank of ZeRO-3 over {n['gpus']} x {result['gpu']}: {format_bytes(int(n['capacity_bytes']))}, "
+          f"{n['gpu_flops'] / 1e12:.0f} TFLOP/s achieved, links {n['link_bytes_per_s'] / 1e9:.0f} GB/s, "
+          f"activation checkpointing {'on' if result['checkpointing'] else 'off'}")
+    print(f"{'':15}{'forward':>9}{'backward':>10}{'update':>9}{'iteration':>11}{'speed-up':>10}{'predicted':>11}"
+          f"{'update/bound':>14}   peak forward / backward / update")
+    zero = result["contenders"]["zero3_offload"]["iteration_s"]
+    for name, c in result["contenders"].items():
+        peaks = " / ".join(format_bytes(int(c["peak_bytes"][p])) for p in ("forward", "backward", "update"))
+        bound = f"{c['update_vs_bound'] * 100:.0f}%" if c["update_vs_bound"] is not None else "-"
+        print(f"{name:15}{c['forward_s']:8.2f}s{c['backward_s']:9.2f}s{c['update_s']:8.2f}s{c['iteration_s']:10.2f}s"
+              f"{zero / c['iteration_s']:9.2f}x{c['predicted']['iteration_s']:10.2f}s{bound:>14}   {peaks}")
+    sp = result["speedup"]
+    print(f"memtide over ZeRO-3 offload: {sp['memtide_over_zero3']:.2f}x = {sp['from_backward']:.2f}x from the "
+          f"backward pass, then +{sp['update_adds'] * 100:.0f}% from the update phase "
+          f"(paper, 20B on 4 x H100: 2-2.5x = 1.9x, then +60%)")
+    tf = ", ".join(f"{name} {c['tflops']:.0f}" for name, c in result["contenders"].items())
+    print(f"TFLOP/s   per GPU over the whole iteration (model FLOPs, recomputation counted): {tf}; the paper measured "
+          "~30 for ZeRO-3 offload")
+    print(f"capacity  {format_bytes(int(result['capacity_bytes']))} per GPU; the peaks are the bytes allocated in each "
+          "phase (memtide's residents, slots and kept gradients included)")
+    return 0
+
+
+def _add_simulate_parser(sub) -> None:
+    sim = sub.add_parser(
+        "simulate",
+        help="whole training iterations of a ZeRO-3 rank on the simulated device: ZeRO-3 offload, TwinFlow, memtide",
+        description="Simulates whole iterations (forward, backward, update) of one rank of a ZeRO-3 data-parallel "
+        "group on a phantom SimDevice, driving memtide's real allocator, phase tracker, gradient path, planner and "
+        "scheduler; the model's kernels and collectives are intervals timed from FLOPs and link rates. Prints "
+        "each contender's phases, its speed-up over ZeRO-3 with the optimizer offloaded, the predicted iteration, "
+        "the update against its resource bound and the peak memory per phase. docs/simulator.md lists the "
+        "assumptions.",
+    )
+    names = ", ".join(row["name"] for row in memtide.simulation_defaults()["models"])
+    sim.add_argument("--model", default="20B", metavar="NAME",
+                     help=f"a Table 2 model ({names}; default 20B), or custom with --layers --hidden --heads")
+    for flag, what in (("layers", "transformer blocks"), ("hidden", "hidden size"), ("heads", "attention heads"),
+                       ("seq", "sequence length (default 2048)"), ("micro-batch", "micro-batch (default 1)"),
+                       ("micro-batches", "micro-batches per step (default 1)"), ("vocab", "vocabulary (default 50304)")):
+        sim.add_argument("--" + flag, type=_positive_int, default=None, metavar="N", help=what)
+    sim.add_argument("--gpus-per-node", type=_positive_int, default=4, metavar="N",
+                     help="the ZeRO-3 data-parallel degree (default: 4, as in the paper)")
+    sim.add_argument("--gpu", choices=sorted(_SIM_GPUS), default="h100", help="GPU figures (default: h100)")
+    sim.add_argument("--gpu-mem", type=_positive_size, default=None, metavar="SIZE", help="GPU memory")
+    sim.add_argument("--gpu-flops", type=_rate, default=None, metavar="TFLOP/s", help="achieved dense bf16 FLOP/s")
+    sim.add_argument("--link", type=_rate, default=None, metavar="GB/s", help="collective bandwidth per GPU")
+    sim.add_argument("--flush", type=_rate, default=None, metavar="GB/s",
+                     help="ZeRO-3's pageable gradient flush (default: 2.5, the paper's Figure 6)")
+    sim.add_argument("--h2d", type=_rate, default=None, metavar="GB/s", help="pinned host-to-device rate")
+    sim.add_argument("--d2h", type=_rate, default=None, metavar="GB/s", help="pinned device-to-host rate")
+    sim.add_argument("--cpu-update", type=_rate, default=None, metavar="G/s",
+                     help="CPU optimizer step per GPU, G params/s (default: 2)")
+    sim.add_argument("--gpu-update", type=_rate, default=None, metavar="G/s",
+                     help="GPU optimizer step, G params/s (default: 25)")
+    sim.add_argument("--dram", type=_rate, default=None, metavar="GB/s", help="host DRAM bandwidth per GPU")
+    sim.add_argument("--subgroup-size", type=_param_count, default=None, metavar="N",
+                     help="parameters per optimizer subgroup (default: 100M)")
+    sim.add_argument("--no-checkpointing", action="store_true", help="keep every activation (the paper: checkpointing)")
+    sim.add_argument("--iterations", type=_positive_int, default=3, metavar="N",
+                     help="iterations simulated; the last is reported (default: 3)")
+    sim.add_argument("--json", action="store_true", help="print JSON instead of text")
+    sim.set_defaults(func=_cmd_simulate)
+
+
 # ---- observe -------------------------------------------------------------------------------------
 
 
@@ -861,6 +1006,7 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
 
     _add_plan_parser(sub)
+    _add_simulate_parser(sub)
 
     observe = sub.add_parser(
         "observe",

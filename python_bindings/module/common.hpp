@@ -17,6 +17,7 @@
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
+#include "memtide/tiering/perf_model.hpp"
 
 namespace nb = nanobind;
 
@@ -59,5 +60,12 @@ void bind_host(nb::module_& m);
 void bind_kernels(nb::module_& m);
 /// The PerfModel and the UpdateEngine.
 void bind_tiering(nb::module_& m);
+/// The iteration simulator.
+void bind_simulator(nb::module_& m);
+
+// Shared by the tiering and simulator bindings (tiering.cpp).
+nb::dict rates_dict(const tiering::Rates& r);
+nb::dict prediction_dict(const tiering::Prediction& p);
+nb::dict plan_dict(const tiering::Plan& p);
 
 }  // namespace memtide::bindings

@@ -15,7 +15,6 @@
 #include "common.hpp"
 
 namespace memtide::bindings {
-namespace {
 
 // ---- update-phase PerfModel ------------------------------------------------------------------
 
@@ -149,6 +148,8 @@ nb::dict plan_dict(const tiering::Plan& p) {
   d["prediction"] = prediction_dict(p.prediction);
   return d;
 }
+
+namespace {
 
 nb::dict plan_update(const std::vector<std::int64_t>& subgroup_params, const std::string& policy,
                      const std::optional<nb::dict>& rates, double static_fraction, std::optional<double> k,

@@ -17,6 +17,7 @@
 /// (`host_work`, `advance_host`). An event has completed when the host clock has reached it.
 
 #include <map>
+#include <vector>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -55,6 +56,15 @@ struct SimEngineStats {
   std::uint64_t ops = 0;
 };
 
+/// One operation the simulated machine ran (recorded when record_ops is on): for tests that
+/// check when work happened, and for timelines.
+struct SimOp {
+  const char* engine = "";  ///< "h2d", "d2h", "compute", "link" or "host"
+  double start_ns = 0;
+  double end_ns = 0;
+  double bytes = 0;
+};
+
 class SimDevice final : public Device {
  public:
   explicit SimDevice(SimConfig config = {});
@@ -75,6 +85,16 @@ class SimDevice final : public Device {
   /// When the last operation queued on `stream` completes, in virtual ns.
   [[nodiscard]] double stream_ready_ns(Stream stream);
 
+  /// A collective (all-gather, reduce-scatter) among the node's GPUs on `stream`: `bytes` sent
+  /// at `bytes_per_s` over the GPU links, an engine of its own (NVLink: it overlaps compute and
+  /// PCIe). Returns the virtual end time.
+  double enqueue_collective(Stream stream, double bytes, double bytes_per_s);
+
+  /// Starts (or stops) recording every operation; take_ops() hands over what was recorded.
+  void record_ops(bool on);
+  [[nodiscard]] std::vector<SimOp> take_ops();
+
+  [[nodiscard]] SimEngineStats link_stats();
   [[nodiscard]] SimEngineStats h2d_stats();
   [[nodiscard]] SimEngineStats d2h_stats();
   [[nodiscard]] SimEngineStats compute_stats();
@@ -92,6 +112,8 @@ class SimDevice final : public Device {
     double time_ns = 0;
   };
   struct Engine {
+    explicit Engine(const char* n) : name(n) {}
+    const char* name;
     double free_ns = 0;
     SimEngineStats stats;
   };
@@ -159,7 +181,10 @@ class SimDevice final : public Device {
   SimStream default_stream_;
   std::unordered_map<void*, std::unique_ptr<SimStream>> streams_;
   std::unordered_map<void*, std::unique_ptr<SimEvent>> events_;
-  Engine h2d_, d2h_, compute_;
+  Engine h2d_{"h2d"}, d2h_{"d2h"}, compute_{"compute"}, link_{"link"};
+  std::multimap<double, double> compute_busy_;  // the compute engine's kernels not yet done: start -> end
+  bool recording_ = false;
+  std::vector<SimOp> ops_;
   DramTimeline dram_;
 };
 

@@ -59,21 +59,29 @@ class Calibration {
   /// positive and finite.
   double observe_update_phase(double predicted_ns, double measured_ns);
 
-  /// The remembered prediction errors, oldest first.
+  /// One whole iteration (forward, backward, update) was predicted to take `predicted_ns`
+  /// (PerfModel::predict_iteration) and took `measured_ns`: as observe_update_phase, kept apart.
+  double observe_iteration(double predicted_ns, double measured_ns);
+
+  /// The remembered update-phase prediction errors, oldest first.
   [[nodiscard]] std::vector<double> recent_errors() const;
-  [[nodiscard]] PredictionErrors error_summary() const;
+  [[nodiscard]] PredictionErrors error_summary() const { return summarize(kUpdatePhase); }
+  [[nodiscard]] PredictionErrors iteration_error_summary() const { return summarize(kIteration); }
 
  private:
   enum Kind : std::size_t { kH2d, kD2h, kCpuUpdate, kGpuUpdate, kCpuDownscale, kKinds };
+  enum Span : std::size_t { kUpdatePhase, kIteration, kSpans };
 
   void observe(Kind kind, const char* what, double amount, double ns);
+  double observe_error(Span span, const char* fn, const char* what, double predicted_ns, double measured_ns);
+  [[nodiscard]] PredictionErrors summarize(Span span) const;
   double& field(Kind kind);
 
   CalibrationConfig config_;
   mutable std::mutex mutex_;
   Rates rates_;
   bool seen_[kKinds] = {};
-  std::deque<double> errors_;
+  std::deque<double> errors_[kSpans];
 };
 
 }  // namespace memtide::tiering

@@ -116,6 +116,25 @@ struct Plan {
   std::size_t gpu_streamed = 0;      ///< subgroups placed Placement::gpu
 };
 
+/// The GPU's work in one forward or backward pass, for the whole-iteration prediction. Every
+/// field is a time in ns on the resource named.
+struct PassWork {
+  double compute_ns = 0;     ///< kernels on the compute stream (recomputation included)
+  double comm_ns = 0;        ///< collectives on their own link, overlapped with compute
+  double lead_ns = 0;        ///< what must finish before the first kernel (the first all-gather)
+  double stall_ns = 0;       ///< work that stalls the compute stream (a blocking gradient flush)
+  double async_ns = 0;       ///< work that overlaps the pass and must end with it (asynchronous flushes)
+  double tail_ns = 0;        ///< of async_ns, what can only start after the last kernel (the last flush)
+};
+
+/// A whole iteration, predicted.
+struct IterationPrediction {
+  double forward_ns = 0;
+  double backward_ns = 0;
+  double update_ns = 0;
+  double total_ns = 0;
+};
+
 /// Stateless and cheap to copy; safe to use from several threads at once.
 class PerfModel {
  public:
@@ -148,6 +167,13 @@ class PerfModel {
   /// below 1 or not finite.
   [[nodiscard]] Plan plan(const Workload& work, const Rates& rates, Policy policy, double static_fraction = 0,
                           std::optional<double> k = std::nullopt) const;
+
+  /// A whole iteration: each pass takes lead + max(compute + stall + tail, comm, async), the
+  /// busiest of the streams that overlap (collectives and asynchronous flushes run beside the
+  /// kernels; a blocking flush and the flush of the last gradients do not); the update phase is
+  /// `update`'s total. Throws InvalidArgument for a negative or non-finite time.
+  [[nodiscard]] IterationPrediction predict_iteration(const PassWork& forward, const PassWork& backward,
+                                                      const Prediction& update) const;
 };
 
 }  // namespace memtide::tiering

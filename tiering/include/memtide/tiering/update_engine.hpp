@@ -59,6 +59,10 @@ struct EngineBudget {
   /// Lowest free memory seen per phase over the remembered iterations (forward, backward,
   /// update, other; engine loans added back), 0 where a phase was not seen.
   std::uint64_t phase_min_free[kPhaseCount] = {};
+  /// As phase_min_free, but beside the peak reserved bytes (cached blocks count as taken): what
+  /// memory held across phases (residents, kept gradients) may use, since a phase's large blocks
+  /// need whole segments.
+  std::uint64_t phase_min_unreserved[kPhaseCount] = {};
   bool phase_seen[kPhaseCount] = {};
 };
 
@@ -89,7 +93,9 @@ class UpdateEngine {
  public:
   /// Host state for `n` params from `arena` (zeroed), cut into `subgroups` ([start, end),
   /// consecutive, covering [0, n)). `pool`: the CPU step's threads (null: the caller only).
-  /// Throws InvalidArgument naming the bad subgroup or value, and for a device that stores no data.
+  /// On a device that stores no data (a phantom SimDevice) the arrays are phantom addresses,
+  /// never dereferenced, and the engine only times its work (the iteration simulator).
+  /// Throws InvalidArgument naming the bad subgroup or value.
   UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::size_t n,
                std::vector<std::pair<std::size_t, std::size_t>> subgroups, ThreadPool* pool, EngineConfig config = {});
   /// Drops device copies, gives the host arrays back to the arena.
@@ -160,6 +166,12 @@ class UpdateEngine {
 
   [[nodiscard]] Rates rates() const { return calibration_.rates(); }
   [[nodiscard]] PredictionErrors prediction_errors() const { return calibration_.error_summary(); }
+  /// A whole iteration was predicted to take `predicted_ns` (PerfModel::predict_iteration) and
+  /// took `measured_ns`: remembered beside the update phase's errors. Returns the error.
+  double observe_iteration(double predicted_ns, double measured_ns) {
+    return calibration_.observe_iteration(predicted_ns, measured_ns);
+  }
+  [[nodiscard]] PredictionErrors iteration_errors() const { return calibration_.iteration_error_summary(); }
   /// Bytes of device memory the engine holds between steps (static residents, small buffers).
   [[nodiscard]] std::uint64_t resident_bytes() const;
 
@@ -199,6 +211,8 @@ class UpdateEngine {
   std::uint64_t last_kept_bytes_ = 0;  // kept in the last backward (an engine loan, like slots)
   DType model_dtype_ = DType::none;
   std::size_t current_statics_ = 0;    // static residents of the last plan
+  void* phantom_host_ = nullptr;       // the arrays' phantom range on a phantom device
+  std::size_t phantom_bytes_ = 0;
 };
 
 }  // namespace memtide::tiering

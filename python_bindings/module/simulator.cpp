@@ -1,0 +1,178 @@
+// memtide._memtide: the iteration simulator (whole ZeRO-3 iterations on a phantom SimDevice).
+
+#include <optional>
+#include <string>
+
+#include "memtide/tiering/iteration_sim.hpp"
+#include "common.hpp"
+
+namespace memtide::bindings {
+namespace {
+
+using tiering::Contender;
+using tiering::ModelShape;
+using tiering::NodeSpec;
+
+// The node's knobs by name, for overrides from Python and for simulation_defaults().
+struct NodeField {
+  const char* key;
+  double (*get)(const NodeSpec&);
+  void (*set)(NodeSpec&, double);
+};
+#define MEMTIDE_NODE_FIELD(key, expr) \
+  {key, [](const NodeSpec& n) { return static_cast<double>(n.expr); }, [](NodeSpec& n, double v) { n.expr = static_cast<decltype(n.expr)>(v); }}
+const NodeField kNodeFields[] = {
+    MEMTIDE_NODE_FIELD("gpus", gpus),
+    MEMTIDE_NODE_FIELD("gpu_flops", gpu_flops),
+    MEMTIDE_NODE_FIELD("link_bytes_per_s", link_bytes_per_s),
+    MEMTIDE_NODE_FIELD("pageable_flush_bytes_per_s", pageable_flush_bytes_per_s),
+    MEMTIDE_NODE_FIELD("subgroup_params", subgroup_params),
+    MEMTIDE_NODE_FIELD("twinflow_static_fraction", twinflow_static_fraction),
+    MEMTIDE_NODE_FIELD("capacity_bytes", device.capacity),
+    MEMTIDE_NODE_FIELD("h2d_bytes_per_s", device.h2d_bytes_per_s),
+    MEMTIDE_NODE_FIELD("d2h_bytes_per_s", device.d2h_bytes_per_s),
+    MEMTIDE_NODE_FIELD("cpu_update_params_per_s", device.cpu_update_params_per_s),
+    MEMTIDE_NODE_FIELD("gpu_update_params_per_s", device.gpu_update_params_per_s),
+    MEMTIDE_NODE_FIELD("host_dram_bytes_per_s", device.host_dram_bytes_per_s),
+};
+#undef MEMTIDE_NODE_FIELD
+
+NodeSpec node_arg(const std::optional<nb::dict>& overrides, bool checkpointing) {
+  NodeSpec n;
+  n.checkpointing = checkpointing;
+  if (!overrides) return n;
+  for (auto [key, value] : *overrides) {
+    const std::string name = nb::cast<std::string>(key);
+    const NodeField* field = nullptr;
+    for (const NodeField& f : kNodeFields) {
+      if (name == f.key) field = &f;
+    }
+    if (field == nullptr) {
+      std::string keys;
+      for (const NodeField& f : kNodeFields) keys += std::string(keys.empty() ? "" : ", ") + f.key;
+      value_error("node: unknown key \"" + name + "\"; known keys: " + keys);
+    }
+    const double v = nb::cast<double>(value);
+    if (!(v >= 0) || !std::isfinite(v) || v > 1e18) {
+      value_error("node: " + name + " = " + std::to_string(v) + " is not accepted: expected a finite number >= 0");
+    }
+    field->set(n, v);
+  }
+  return n;
+}
+
+nb::dict times_dict(const tiering::PhaseTimes& t) {
+  nb::dict d;
+  d["forward_s"] = t.forward_s;
+  d["backward_s"] = t.backward_s;
+  d["update_s"] = t.update_s;
+  d["iteration_s"] = t.iteration_s;
+  return d;
+}
+
+Contender contender_arg(const std::string& name) {
+  for (Contender c : tiering::kContenders) {
+    if (name == tiering::to_string(c)) return c;
+  }
+  value_error("contender \"" + name + "\" is not accepted: expected zero3_offload, twinflow or memtide");
+}
+
+nb::dict simulate(const std::optional<std::string>& model, const std::optional<nb::dict>& shape,
+                  const std::string& contender, const std::optional<nb::dict>& node, bool checkpointing,
+                  int iterations, bool record_ops) {
+  ModelShape m;
+  if (model) m = ModelShape::table2(*model);
+  if (shape) {
+    for (auto [key, value] : *shape) {
+      const std::string k = nb::cast<std::string>(key);
+      int* field = k == "layers"          ? &m.layers
+                   : k == "hidden"        ? &m.hidden
+                   : k == "heads"         ? &m.heads
+                   : k == "seq"           ? &m.seq
+                   : k == "micro_batch"   ? &m.micro_batch
+                   : k == "micro_batches" ? &m.micro_batches
+                   : k == "vocab"         ? &m.vocab
+                                          : nullptr;
+      if (field == nullptr) {
+        value_error("shape: unknown key \"" + k + "\"; known keys: layers, hidden, heads, seq, micro_batch, "
+                    "micro_batches, vocab");
+      }
+      const auto v = nb::cast<long long>(value);
+      if (v <= 0 || v > (1LL << 30)) value_error("shape: " + k + " = " + std::to_string(v) + " must be 1 to 2^30");
+      *field = static_cast<int>(v);
+    }
+    if (!model) m.name = "custom";
+  }
+  const NodeSpec n = node_arg(node, checkpointing);
+  const Contender c = contender_arg(contender);
+  tiering::IterationResult r;
+  {
+    nb::gil_scoped_release nogil;
+    r = tiering::simulate_iteration(m, n, c, tiering::SimulationOptions{iterations, record_ops});
+  }
+  nb::dict d;
+  d["contender"] = contender;
+  d["model"] = m.name;
+  d["params"] = m.params();
+  d["simulated"] = times_dict(r.simulated);
+  d["predicted"] = times_dict(r.predicted);
+  nb::dict peaks, reserved;
+  for (Phase p : {Phase::forward, Phase::backward, Phase::update}) {
+    peaks[phase_name(p)] = r.peak_bytes[static_cast<int>(p)];
+    reserved[phase_name(p)] = r.peak_reserved_bytes[static_cast<int>(p)];
+  }
+  d["peak_bytes"] = peaks;
+  d["peak_reserved_bytes"] = reserved;
+  d["capacity_bytes"] = r.capacity_bytes;
+  d["plan"] = plan_dict(r.plan);
+  d["update_bound_s"] = r.update_bound_s;
+  d["grad_bytes_to_host"] = r.grad_bytes_to_host;
+  d["phase_start_s"] = nb::make_tuple(r.phase_start_s[0], r.phase_start_s[1], r.phase_start_s[2]);
+  d["end_s"] = r.end_s;
+  if (record_ops) {
+    nb::list ops;
+    for (const SimOp& op : r.ops) ops.append(nb::make_tuple(op.engine, op.start_ns / 1e9, op.end_ns / 1e9, op.bytes));
+    d["ops"] = ops;
+  }
+  return d;
+}
+
+nb::dict simulation_defaults() {
+  const NodeSpec n;
+  nb::dict d;
+  for (const NodeField& f : kNodeFields) d[f.key] = f.get(n);
+  d["checkpointing"] = n.checkpointing;
+  nb::list models;
+  for (const std::string& name : ModelShape::table2_names()) {
+    const ModelShape m = ModelShape::table2(name);
+    nb::dict row;
+    row["name"] = name;
+    row["layers"] = m.layers;
+    row["hidden"] = m.hidden;
+    row["heads"] = m.heads;
+    row["seq"] = m.seq;
+    row["micro_batch"] = m.micro_batch;
+    row["vocab"] = m.vocab;
+    row["params"] = m.params();
+    models.append(row);
+  }
+  d["models"] = models;
+  return d;
+}
+
+}  // namespace
+
+void bind_simulator(nb::module_& m) {
+  m.def("simulate_iteration", &simulate, "model"_a = nb::none(), "shape"_a = nb::none(), "contender"_a = "memtide",
+        "node"_a = nb::none(), "checkpointing"_a = true, "iterations"_a = 3, "record_ops"_a = false,
+        "Whole ZeRO-3 training iterations of one rank on a phantom SimDevice, with memtide's real allocator,\n"
+        "phase tracker, gradient path, planner and scheduler (see iteration_sim.hpp).\n\n"
+        "`model`: a Table 2 name (7B, 8.3B, 10B, 13B, 20B); `shape` overrides or gives its fields (layers,\n"
+        "hidden, heads, seq, micro_batch, micro_batches, vocab). `contender`: zero3_offload, twinflow or\n"
+        "memtide. `node` overrides simulation_defaults(). Returns the last iteration: simulated and\n"
+        "predicted phase times, peak bytes per phase, capacity, the update plan and its bound.");
+  m.def("simulation_defaults", &simulation_defaults,
+        "The node the simulator assumes unless told otherwise (the paper's 4 x H100), and the Table 2 models.");
+}
+
+}  // namespace memtide::bindings

@@ -1,0 +1,126 @@
+#pragma once
+/// @file
+/// Whole training iterations on a phantom SimDevice, with the same engine code a GPU run uses:
+/// the real CachingAllocator and its PhaseTracker see every allocation of forward and backward,
+/// the UpdateEngine's gradient path takes the gradients during backward, and its plan and the
+/// real UpdateScheduler run the update phase. Only the model's kernels and collectives are
+/// stand-ins (intervals of the right length on the right engines), so that a 20B-parameter
+/// iteration simulates in well under a second with no GPU and no host memory for the state.
+///
+/// One rank of a ZeRO-3 data-parallel group is simulated: it holds 1/N of the parameters (fp16)
+/// and of the optimizer state (fp32, in host memory), all-gathers each layer's parameters
+/// before using it (forward, and again in backward) and reduce-scatters each layer's gradients.
+///
+/// Three contenders run on the same model and node, each as its published behaviour says (the
+/// assumptions are written next to each in iteration_sim.cpp and docs/simulator.md):
+/// - zero3_offload: DeepSpeed ZeRO-3 with the optimizer offloaded. Gradients are flushed as
+///   Deep Optimizer States' Figure 6 measured: fp16 through pageable staging with a CPU upcast,
+///   2.5 GB/s, stalling the GPU. Every update on the CPU, then the fp16 params uploaded.
+/// - twinflow: ZeRO-3 with a static 20% of the optimizer state resident on the GPU (updated
+///   there, its gradients kept on the GPU); the rest as zero3_offload.
+/// - memtide: gradients upcast on the GPU and flushed asynchronously in fp32 by the engine's
+///   gradient path; the update phase planned by the PerfModel (policy auto) and run by the
+///   UpdateScheduler.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memtide/allocator/phase_tracker.hpp"
+#include "memtide/device/sim_device.hpp"
+#include "memtide/tiering/perf_model.hpp"
+
+namespace memtide::tiering {
+
+/// A GPT-shaped decoder: `layers` blocks of 12 h^2 + 13 h parameters and a tied embedding.
+struct ModelShape {
+  std::string name = "custom";
+  int layers = 0;
+  int hidden = 0;
+  int heads = 0;
+  int seq = 2048;          ///< the paper's sequence length
+  int micro_batch = 1;     ///< the paper's micro-batch (1: no configuration runs out of memory)
+  int micro_batches = 1;   ///< per optimizer step (gradient accumulation)
+  int vocab = 50304;       ///< GPT-NeoX's padded vocabulary
+
+  [[nodiscard]] double layer_params() const;
+  [[nodiscard]] double params() const;
+  /// Throws InvalidArgument naming the first field that is not positive, or hidden not a
+  /// multiple of heads.
+  void validate() const;
+  /// The Table 2 models of Deep Optimizer States: "7B", "8.3B", "10B", "13B", "20B". Throws
+  /// InvalidArgument naming the accepted names.
+  static ModelShape table2(const std::string& name);
+  static const std::vector<std::string>& table2_names();
+};
+
+/// The node, and what is assumed of it. The defaults are the paper's 4 x H100 testbed.
+struct NodeSpec {
+  int gpus = 4;  ///< the ZeRO-3 data-parallel degree: GPUs per node
+  /// Achieved FLOP/s of the model's kernels per GPU. 100 TFLOP/s (a tenth of an H100 SXM's dense
+  /// bf16 peak: micro-batch 1 keeps the GEMMs small, and ZeRO-3's fetch hooks sit between them)
+  /// makes the simulated ZeRO-3 baseline reach the ~30 TFLOP/s per GPU over whole iterations that
+  /// the paper measured for it (Figure 15, 0% on the GPU).
+  double gpu_flops = 100e12;
+  /// Achieved bandwidth of a ring all-gather or reduce-scatter per GPU (NVLink 4 carries 450 GB/s
+  /// each way; collectives reach about two thirds of it).
+  double link_bytes_per_s = 300e9;
+  /// DeepSpeed's fp16 gradient flush through pageable staging (Figure 6: allocate pageable
+  /// memory, D2H, upcast on the CPU, one after another): 2.5 GB/s, and the GPU waits for it.
+  double pageable_flush_bytes_per_s = 2.5e9;
+  bool checkpointing = true;              ///< activation checkpointing (the paper: on)
+  std::size_t subgroup_params = 100'000'000;  ///< the paper's subgroup size
+  double twinflow_static_fraction = 0.2;  ///< the paper's TwinFlow ratio
+  /// One GPU and its share of the host: capacity, PCIe, update rates, host DRAM (phantom is set
+  /// by the simulator).
+  SimConfig device;
+  /// Throws InvalidArgument naming the first field out of range.
+  void validate() const;
+};
+
+enum class Contender { zero3_offload, twinflow, memtide };
+/// "zero3_offload", "twinflow", "memtide".
+const char* to_string(Contender c) noexcept;
+inline constexpr Contender kContenders[] = {Contender::zero3_offload, Contender::twinflow, Contender::memtide};
+
+struct PhaseTimes {
+  double forward_s = 0;
+  double backward_s = 0;
+  double update_s = 0;
+  double iteration_s = 0;
+};
+
+/// One contender's last simulated iteration.
+struct IterationResult {
+  Contender contender = Contender::memtide;
+  PhaseTimes simulated;
+  PhaseTimes predicted;  ///< PerfModel::predict_iteration, from the same inputs
+  /// Peak allocated device memory per phase (forward, backward, update, other): what the phase
+  /// needs at once, the engine's loans (residents, slots, kept gradients) included.
+  std::uint64_t peak_bytes[kPhaseCount] = {};
+  /// Peak reserved per phase: the allocator's segments, cached free blocks included.
+  std::uint64_t peak_reserved_bytes[kPhaseCount] = {};
+  std::uint64_t capacity_bytes = 0;
+  Plan plan;                     ///< the update's placement
+  double update_bound_s = 0;     ///< the resource bound of that placement
+  double grad_bytes_to_host = 0; ///< gradient bytes sent to host memory in the iteration
+  /// When forward, backward and update began and when the update ended, in s on the virtual clock.
+  double phase_start_s[3] = {};
+  double end_s = 0;
+  std::vector<SimOp> ops;        ///< every operation of the iteration (SimulationOptions::record_ops)
+};
+
+struct SimulationOptions {
+  /// Iterations run; the last is reported. The first ones fill the phase tracker's history and
+  /// the calibration, as on a GPU.
+  int iterations = 3;
+  bool record_ops = false;
+};
+
+/// Simulates `options.iterations` iterations of `contender`. Deterministic: the same inputs give
+/// the same result. Throws InvalidArgument for a bad shape or node, and OutOfMemory when the
+/// model does not fit the device (with the phase and the bytes).
+IterationResult simulate_iteration(const ModelShape& model, const NodeSpec& node, Contender contender,
+                                   const SimulationOptions& options = {});
+
+}  // namespace memtide::tiering
