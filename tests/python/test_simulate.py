@@ -1,0 +1,91 @@
+"""memtide simulate and memtide.simulate_iteration: whole ZeRO-3 iterations on the simulated device."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import memtide
+from memtide_testing import clean_env
+
+SMALL = {"layers": 4, "hidden": 1024, "heads": 8, "seq": 512, "vocab": 8192}
+SMALL_NODE = {"subgroup_params": 2_000_000, "capacity_bytes": 2**30}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "memtide.cli", "simulate", *args], env=clean_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_20b_model_json_has_every_contender_with_times_and_peaks_under_capacity():
+    p = cli("--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["model"] == "20B" and r["node"]["gpus"] == 4
+    cap = r["capacity_bytes"]
+    assert set(r["contenders"]) == {"zero3_offload", "twinflow", "memtide"}
+    for name, c in r["contenders"].items():
+        assert c["iteration_s"] == pytest.approx(c["forward_s"] + c["backward_s"] + c["update_s"])
+        for phase in ("forward", "backward", "update"):
+            assert 0 < c["peak_bytes"][phase] <= c["peak_reserved_bytes"][phase] <= cap, (name, phase)
+    assert r["speedup"]["memtide_over_zero3"] > 2  # the paper's 2x-2.5x
+    assert r["speedup"]["memtide_over_zero3"] == pytest.approx(
+        r["speedup"]["from_backward"] * (1 + r["speedup"]["update_adds"]))
+
+
+def test_text_output_names_the_contenders_and_the_papers_figures():
+    p = cli("--model", "7B")
+    assert p.returncode == 0, p.stderr
+    for word in ("zero3_offload", "twinflow", "memtide", "speed-up", "update/bound", "paper"):
+        assert word in p.stdout
+
+
+def test_a_custom_shape_and_the_rate_flags_change_the_result():
+    base = cli("--model", "custom", "--layers", "8", "--hidden", "2048", "--heads", "16", "--json")
+    assert base.returncode == 0, base.stderr
+    slow_cpu = cli("--model", "custom", "--layers", "8", "--hidden", "2048", "--heads", "16", "--cpu-update", "0.5",
+                   "--json")
+    assert slow_cpu.returncode == 0, slow_cpu.stderr
+    a, b = json.loads(base.stdout), json.loads(slow_cpu.stdout)
+    assert a["shape"] == {"layers": 8, "hidden": 2048, "heads": 16}
+    assert b["contenders"]["zero3_offload"]["update_s"] > a["contenders"]["zero3_offload"]["update_s"] * 3
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "30B"], ["30B", "20B"]),
+    (["--model", "custom", "--layers", "4"], ["--layers", "--hidden", "--heads"]),
+    (["--gpus-per-node", "0"], ["--gpus-per-node"]),
+    (["--model", "custom", "--layers", "2", "--hidden", "100", "--heads", "3"], ["100", "heads 3"]),
+    (["--gpu", "tpu"], ["tpu"]),
+    (["--gpu-mem", "1GiB"], ["out of memory"]),
+])
+def test_bad_flags_are_named_without_a_traceback(args, words):
+    p = cli(*args)
+    assert p.returncode in (1, 2), (p.returncode, p.stdout[-1000:])
+    assert "Traceback" not in p.stderr
+    for w in words:
+        assert w.lower() in p.stderr.lower(), (w, p.stderr)
+
+
+def test_the_python_api_is_deterministic_and_records_ops_on_request():
+    a = memtide.simulate_iteration(shape=SMALL, node=SMALL_NODE, contender="memtide", record_ops=True)
+    b = memtide.simulate_iteration(shape=SMALL, node=SMALL_NODE, contender="memtide")
+    assert a["simulated"] == b["simulated"] and a["plan"]["placement"] == b["plan"]["placement"]
+    engines = {op[0] for op in a["ops"]}
+    assert {"compute", "link", "d2h"} <= engines
+    t_forward, t_backward, t_update = a["phase_start_s"]
+    assert t_forward < t_backward < t_update < a["end_s"]
+
+
+def test_the_python_api_refuses_unknown_keys_and_contenders():
+    with pytest.raises(ValueError, match="warp"):
+        memtide.simulate_iteration(shape=SMALL, node={"warp": 1})
+    with pytest.raises(ValueError, match="zero3_offload, twinflow or memtide"):
+        memtide.simulate_iteration(shape=SMALL, contender="deepspeed")
+    with pytest.raises(ValueError, match="hidden"):
+        memtide.simulate_iteration(shape={"hidden": 0})
+    defaults = memtide.simulation_defaults()
+    assert defaults["gpus"] == 4 and [m["name"] for m in defaults["models"]] == ["7B", "8.3B", "10B", "13B", "20B"]
