@@ -439,11 +439,7 @@ def _subgroups(params: int, size: int) -> List[int]:
 def _plan(args: argparse.Namespace) -> Dict[str, Any]:
     defaults = memtide.default_rates()
     rates = dict(defaults)
-    flag_rates = {
-        "h2d": ("h2d_bytes_per_s", 1e9), "d2h": ("d2h_bytes_per_s", 1e9),
-        "cpu_update": ("cpu_update_params_per_s", 1e9), "gpu_update": ("gpu_update_params_per_s", 1e9),
-        "cpu_downscale": ("cpu_downscale_params_per_s", 1e9), "dram": ("host_dram_bytes_per_s", 1e9),
-    }
+    flag_rates = dict(_RATE_FLAGS, cpu_downscale=("cpu_downscale_params_per_s", 1e9))
     overridden = []
     for flag, (key, scale) in flag_rates.items():
         value = getattr(args, flag)
@@ -660,6 +656,25 @@ class _UsageError(ValueError):
     """A combination of flags that argparse cannot check on its own."""
 
 
+# The PerfModel's rates as flags (memtide plan and memtide simulate): flag -> (rate key, unit).
+_RATE_FLAGS = {
+    "h2d": ("h2d_bytes_per_s", 1e9), "d2h": ("d2h_bytes_per_s", 1e9),
+    "cpu_update": ("cpu_update_params_per_s", 1e9), "gpu_update": ("gpu_update_params_per_s", 1e9),
+    "dram": ("host_dram_bytes_per_s", 1e9),
+}
+
+
+def _add_rate_flags(parser) -> None:
+    parser.add_argument("--h2d", type=_rate, default=None, metavar="GB/s", help="pinned host-to-device rate")
+    parser.add_argument("--d2h", type=_rate, default=None, metavar="GB/s", help="pinned device-to-host rate")
+    parser.add_argument("--cpu-update", type=_rate, default=None, metavar="G/s",
+                        help="CPU optimizer step, G params/s per GPU (U_c)")
+    parser.add_argument("--gpu-update", type=_rate, default=None, metavar="G/s",
+                        help="GPU optimizer step, G params/s (U_g)")
+    parser.add_argument("--dram", type=_rate, default=None, metavar="GB/s",
+                        help="host DRAM bandwidth shared by CPU updates and DMA")
+
+
 def _add_plan_parser(sub) -> None:
     plan = sub.add_parser(
         "plan",
@@ -677,16 +692,9 @@ def _add_plan_parser(sub) -> None:
                       help="host memory for optimizer state, e.g. 512GB (default: 512GB)")
     plan.add_argument("--margin", type=_size, default=2 * 2**30, metavar="SIZE",
                       help="GPU memory kept free: CUDA context, workspaces, fragmentation (default: 2GiB)")
-    plan.add_argument("--h2d", type=_rate, default=None, metavar="GB/s", help="pinned host-to-device rate")
-    plan.add_argument("--d2h", type=_rate, default=None, metavar="GB/s", help="pinned device-to-host rate")
-    plan.add_argument("--cpu-update", type=_rate, default=None, metavar="G/s",
-                      help="CPU optimizer step, G params/s (U_c)")
-    plan.add_argument("--gpu-update", type=_rate, default=None, metavar="G/s",
-                      help="GPU optimizer step, G params/s (U_g)")
+    _add_rate_flags(plan)
     plan.add_argument("--cpu-downscale", type=_rate_or_zero, default=None, metavar="G/s",
                       help="separate fp32->16-bit pass on the CPU, G params/s (D_c); 0 = fused into the step")
-    plan.add_argument("--dram", type=_rate, default=None, metavar="GB/s",
-                      help="host DRAM bandwidth shared by CPU updates and DMA")
     plan.add_argument("--static-fraction", type=_fraction, default=0.2, metavar="F",
                       help="GPU-resident share for the static policy (default: 0.2)")
     plan.add_argument("--k", type=_stride, default=2.0, metavar="K",
@@ -723,11 +731,9 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         raise _UsageError("--model custom needs --layers, --hidden and --heads")
     node = dict(_SIM_GPUS[args.gpu])
     node["gpus"] = args.gpus_per_node
-    flags = {"gpu_mem": ("capacity_bytes", 1), "gpu_flops": ("gpu_flops", 1e12), "link": ("link_bytes_per_s", 1e9),
-             "flush": ("pageable_flush_bytes_per_s", 1e9), "h2d": ("h2d_bytes_per_s", 1e9),
-             "d2h": ("d2h_bytes_per_s", 1e9), "cpu_update": ("cpu_update_params_per_s", 1e9),
-             "gpu_update": ("gpu_update_params_per_s", 1e9), "dram": ("host_dram_bytes_per_s", 1e9),
-             "subgroup_size": ("subgroup_params", 1)}
+    flags = dict(_RATE_FLAGS, gpu_mem=("capacity_bytes", 1), gpu_flops=("gpu_flops", 1e12),
+                 link=("link_bytes_per_s", 1e9), flush=("pageable_flush_bytes_per_s", 1e9),
+                 subgroup_size=("subgroup_params", 1))
     for flag, (key, scale) in flags.items():
         value = getattr(args, flag)
         if value is not None:
@@ -826,13 +832,7 @@ def _add_simulate_parser(sub) -> None:
     sim.add_argument("--link", type=_rate, default=None, metavar="GB/s", help="collective bandwidth per GPU")
     sim.add_argument("--flush", type=_rate, default=None, metavar="GB/s",
                      help="ZeRO-3's pageable gradient flush (default: 2.5, the paper's Figure 6)")
-    sim.add_argument("--h2d", type=_rate, default=None, metavar="GB/s", help="pinned host-to-device rate")
-    sim.add_argument("--d2h", type=_rate, default=None, metavar="GB/s", help="pinned device-to-host rate")
-    sim.add_argument("--cpu-update", type=_rate, default=None, metavar="G/s",
-                     help="CPU optimizer step per GPU, G params/s (default: 2)")
-    sim.add_argument("--gpu-update", type=_rate, default=None, metavar="G/s",
-                     help="GPU optimizer step, G params/s (default: 25)")
-    sim.add_argument("--dram", type=_rate, default=None, metavar="GB/s", help="host DRAM bandwidth per GPU")
+    _add_rate_flags(sim)
     sim.add_argument("--subgroup-size", type=_param_count, default=None, metavar="N",
                      help="parameters per optimizer subgroup (default: 100M)")
     sim.add_argument("--no-checkpointing", action="store_true", help="keep every activation (the paper: checkpointing)")
