@@ -6,8 +6,10 @@
 #include <cctype>
 #include <charconv>
 #include <sys/wait.h>
+#include <fcntl.h>
 #include <unistd.h>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -479,6 +481,11 @@ Topology Topology::from_xml(const std::string& path) {
   // hwloc 2.9 dereferences null on some corrupt files (found by tests/fuzz): a user's file is
   // loaded in a child first, so a file that crashes hwloc is an error here, not a dead process.
   if (const pid_t child = ::fork(); child == 0) {
+    // The child may die by design: not through the parent's fatal-signal handlers (Python's
+    // faulthandler, a sanitizer's or a fuzzer's would report a crash that is not one), and not
+    // with hwloc's complaints on the user's terminal (the parent says what went wrong).
+    for (int sig : {SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL}) ::signal(sig, SIG_DFL);
+    if (const int devnull = ::open("/dev/null", O_WRONLY); devnull >= 0) ::dup2(devnull, STDERR_FILENO);
     HwlocTopology h;
     ::_exit(load(h) ? 0 : 1);
   } else if (child > 0) {

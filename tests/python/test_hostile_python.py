@@ -174,3 +174,14 @@ def test_a_variable_that_is_no_option_is_named_once_with_the_nearest_option(name
     assert p.stderr.count(f"{name} is not a memtide option") == 1, p.stderr[-2000:]
     if nearest:
         assert f"did you mean {nearest}?" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_topology_file_that_crashes_hwloc_is_an_error_without_a_crash_report():
+    # The file is loaded in a forked child first; the child's death must not run the parent's
+    # fatal-signal handlers (faulthandler here) nor print hwloc's complaints.
+    corrupt = os.path.join(os.path.dirname(__file__), "..", "data", "topology", "corrupt_crashes_hwloc.xml")
+    p = run_python(["-X", "faulthandler", "-c", f"import memtide; memtide.topology({corrupt!r})"],
+                   env=clean_env(MEMTIDE_DEVICE="sim"))
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "corrupt_crashes_hwloc.xml" in p.stderr and "crash" in p.stderr
+    assert "Fatal Python error" not in p.stderr and "Segmentation fault" not in p.stderr, p.stderr[-2000:]
