@@ -103,16 +103,20 @@ class Rank {
     out.capacity_bytes = device_.config().capacity;
     device_.record_ops(record);
     (void)device_.take_ops();
+    recording_ = record;
+    memory_.clear();
     const double bytes_before = engine_->grad_bytes_to_host();
 
     const double t0 = now_s();
     allocator_.mark_phase(Phase::forward);
+    sample();
     PassWork forward, backward;
     std::vector<std::vector<void*>> kept(static_cast<std::size_t>(model_.micro_batches));
     for (int mb = 0; mb < model_.micro_batches; ++mb) this->forward(kept[mb], forward);
     device_.synchronize();
     const double t1 = now_s();
     allocator_.mark_phase(Phase::backward);
+    sample();
     for (int mb = 0; mb < model_.micro_batches; ++mb) this->backward(kept[mb], backward);
     if (pushed_) (void)engine_->finish_grads();
     pushed_ = false;
@@ -120,6 +124,7 @@ class Rank {
     const double t2 = now_s();
 
     allocator_.mark_phase(Phase::update);
+    sample();
     const Policy policy = contender_ == Contender::memtide ? Policy::automatic
                           : contender_ == Contender::twinflow ? Policy::static_split
                                                               : Policy::cpu;
@@ -138,6 +143,7 @@ class Rank {
                         plan.plan.prediction.total_ns, true);
     device_.synchronize();
     const double t3 = now_s();
+    sample();
     last_placement_ = plan.plan.placement;
 
     out.simulated = PhaseTimes{t1 - t0, t2 - t1, t3 - t2, t3 - t0};
@@ -158,7 +164,11 @@ class Rank {
     out.phase_start_s[1] = t1;
     out.phase_start_s[2] = t2;
     out.end_s = t3;
-    if (record) out.ops = device_.take_ops();
+    if (record) {
+      out.ops = device_.take_ops();
+      out.memory = std::move(memory_);
+    }
+    recording_ = false;
     device_.record_ops(false);
     return out;
   }
@@ -201,7 +211,14 @@ class Rank {
   // The host runs at most two units ahead of the GPU, as ZeRO-3's prefetch does: it waits for
   // the unit before the previous one. (A host that ran a whole pass ahead would hold every
   // gathered unit at once, which no runtime does.)
+  void sample() {
+    if (!recording_) return;
+    const AllocatorStats st = allocator_.stats();
+    memory_.push_back({device_.now_ns(), static_cast<std::uint64_t>(st.allocated_bytes[0].current),
+                       static_cast<std::uint64_t>(st.reserved_bytes[0].current)});
+  }
   void throttle() {
+    sample();
     Event done = device_.create_event();
     device_.record_event(done, compute_);
     in_flight_.push_back(done);
@@ -341,6 +358,8 @@ class Rank {
   std::size_t n_ = 0;
   std::unique_ptr<UpdateEngine> engine_;
   std::vector<Placement> last_placement_;
+  bool recording_ = false;
+  std::vector<IterationResult::MemorySample> memory_;
   std::vector<Event> in_flight_;  // compute of the units the host has run ahead by
   double blocking_bytes_ = 0;  // fp16 gradient bytes flushed the blocking way this iteration
   bool pushed_ = false;

@@ -775,8 +775,38 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
             "speedup": speedup}
 
 
+def _simulation_trace(args: argparse.Namespace, shape, model, node) -> Dict[str, Any]:
+    """Writes the memtide contender's last simulated iteration as a trace, then its report."""
+    from . import timeline
+
+    r = memtide.simulate_iteration(model=model, shape=shape or None, contender="memtide", node=node,
+                                   checkpointing=not args.no_checkpointing, iterations=args.iterations,
+                                   record_ops=True)
+    html_path = args.timeline
+    base = html_path[:-5] if html_path.endswith(".html") else html_path
+    trace = base + ".trace.jsonl"
+    with timeline.TraceWriter(trace, source="memtide simulate", clock="virtual", model=r["model"],
+                              contender="memtide", capacity_bytes=r["capacity_bytes"]) as w:
+        for t, phase in zip(r["phase_start_s"], ("forward", "backward", "update")):
+            w.phase(t, phase)
+        w.phase(r["end_s"], "other")
+        for t, allocated, reserved in r["memory"]:
+            w.memory(t, allocated, reserved)
+        for engine, start, end, nbytes in r["ops"]:
+            w.op(engine, start, end, nbytes)
+    return timeline.render(trace, html_path, chrome=base + ".chrome.json", png=base + ".png")
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     result = _simulate(args)
+    if args.timeline:
+        report = _simulation_trace(args, result["shape"], None if result["model"] == "custom" else result["model"],
+                                   result["node"])
+        result["timeline"] = {k: report[k] for k in ("html", "chrome", "png", "events")}
+        if not args.json:
+            print(f"timeline  {report['html']} ({report['events']:,} events; trace {report['html'][:-5]}.trace.jsonl, "
+                  f"Chrome trace {report['chrome']}" + (f", plot {report['png']}" if report.get("png") else "") + ")",
+                  file=sys.stderr)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -838,8 +868,48 @@ def _add_simulate_parser(sub) -> None:
     sim.add_argument("--no-checkpointing", action="store_true", help="keep every activation (the paper: checkpointing)")
     sim.add_argument("--iterations", type=_positive_int, default=3, metavar="N",
                      help="iterations simulated; the last is reported (default: 3)")
+    sim.add_argument("--timeline", metavar="REPORT.html",
+                     help="also write memtide's simulated iteration as a trace (REPORT.trace.jsonl) and its "
+                     "timeline report (REPORT.html, REPORT.chrome.json, REPORT.png)")
     sim.add_argument("--json", action="store_true", help="print JSON instead of text")
     sim.set_defaults(func=_cmd_simulate)
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from . import timeline
+
+    try:
+        report = timeline.render(args.trace, args.output, chrome=args.chrome, png=args.png, progress=not args.json)
+    except timeline.TraceError as e:
+        raise _UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"wrote {report['html']} ({report['events']:,} events)")
+    if args.chrome:
+        print(f"wrote {report['chrome']} ({report['chrome_events']:,} Chrome trace events)")
+    if args.png:
+        print(f"wrote {report['png']}" if report.get("png") else "no PNG: matplotlib is not installed")
+    for r in report["summary"]:
+        print(f"  {r['phase']:<9} {r['duration_s']:.4g} s, peak {format_bytes(int(r['peak_allocated']))}, "
+              f"H2D {format_bytes(int(r['h2d_bytes']))} at {r['h2d_gbs']:.1f} GB/s, "
+              f"D2H {format_bytes(int(r['d2h_bytes']))} at {r['d2h_gbs']:.1f} GB/s")
+    return 0
+
+
+def _add_timeline_parser(sub) -> None:
+    tl = sub.add_parser(
+        "timeline", help="render a memtide trace: an HTML report that opens offline, a Chrome trace, a PNG",
+        description="Reads a memtide trace (JSON Lines; see memtide/timeline.py for the format) and writes a "
+        "single-file HTML report (memory over time per phase, the PCIe lanes, the engines as a Gantt chart, a "
+        "summary per phase) that opens offline, and on request a Chrome/Perfetto trace and a PNG.")
+    tl.add_argument("trace", help="the trace file (e.g. from memtide simulate --timeline)")
+    tl.add_argument("-o", "--output", default="memtide_timeline.html", metavar="REPORT.html",
+                    help="the HTML report (default: memtide_timeline.html)")
+    tl.add_argument("--chrome", metavar="FILE.json", help="also write a Chrome trace (chrome://tracing, Perfetto)")
+    tl.add_argument("--png", metavar="FILE.png", help="also draw a PNG (needs matplotlib)")
+    tl.add_argument("--json", action="store_true", help="print what was written as JSON")
+    tl.set_defaults(func=_cmd_timeline)
 
 
 # ---- observe -------------------------------------------------------------------------------------
@@ -1007,6 +1077,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_plan_parser(sub)
     _add_simulate_parser(sub)
+    _add_timeline_parser(sub)
 
     observe = sub.add_parser(
         "observe",

@@ -133,6 +133,9 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
     nb::list ops;
     for (const SimOp& op : r.ops) ops.append(nb::make_tuple(op.engine, op.start_ns / 1e9, op.end_ns / 1e9, op.bytes));
     d["ops"] = ops;
+    nb::list memory;
+    for (const auto& sample : r.memory) memory.append(nb::make_tuple(sample.t_ns / 1e9, sample.allocated, sample.reserved));
+    d["memory"] = memory;
   }
   return d;
 }

@@ -108,6 +108,14 @@ struct IterationResult {
   double phase_start_s[3] = {};
   double end_s = 0;
   std::vector<SimOp> ops;        ///< every operation of the iteration (SimulationOptions::record_ops)
+  /// Device memory over the iteration (SimulationOptions::record_ops): sampled by the host at
+  /// every phase mark and block, on the virtual clock.
+  struct MemorySample {
+    double t_ns = 0;
+    std::uint64_t allocated = 0;
+    std::uint64_t reserved = 0;
+  };
+  std::vector<MemorySample> memory;
 };
 
 struct SimulationOptions {

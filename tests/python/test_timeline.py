@@ -1,0 +1,103 @@
+"""The trace format and the timeline report: round trip, the HTML's charts (drawn, offline), the
+Chrome trace, bad traces and targets, and memtide simulate --timeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from memtide import timeline
+from memtide_testing import clean_env
+
+
+def make_trace(path, ops=200, phases=("forward", "backward", "update")):
+    with timeline.TraceWriter(str(path), source="test", clock="virtual", capacity_bytes=8 << 30) as w:
+        t = 0.0
+        for phase in phases:
+            w.phase(t, phase)
+            for i in range(ops):
+                engine = ("compute", "h2d", "d2h", "link")[i % 4]
+                w.op(engine, t + i * 1e-3, t + i * 1e-3 + 5e-4, 1 << 20)
+                w.memory(t + i * 1e-3, (1 << 30) + i * 4096, 2 << 30)
+            t += ops * 1e-3
+    return path
+
+
+def test_the_trace_round_trips_event_for_event(tmp_path):
+    path = make_trace(tmp_path / "t.jsonl", ops=10)
+    header, events = timeline.read_trace(str(path))
+    events = list(events)
+    assert header["memtide_trace"] == timeline.VERSION and header["source"] == "test"
+    assert sum(e["type"] == "op" for e in events) == 30 and sum(e["type"] == "phase" for e in events) == 3
+    first_op = next(e for e in events if e["type"] == "op")
+    assert first_op == {"type": "op", "engine": "compute", "start": 0.0, "end": 5e-4, "bytes": 1 << 20}
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_the_report_draws_every_chart_and_opens_offline(tmp_path):
+    path = make_trace(tmp_path / "t.jsonl")
+    out = timeline.render(str(path), str(tmp_path / "r.html"), chrome=str(tmp_path / "r.json"))
+    doc = (tmp_path / "r.html").read_text()
+    assert "<script" not in doc and "src=" not in doc and "href=" not in doc  # nothing to fetch
+    charts = {m: doc.split(f'<svg id="{m}"')[1].split("</svg>")[0] for m in ("memory", "pcie", "gantt")}
+    assert len(re.findall(r"<polyline", charts["memory"])) == 2
+    assert charts["memory"].count(",") > 300  # the allocated series has its 600 samples drawn
+    assert len(re.findall(r'class="phase"', charts["pcie"])) == 3
+    assert len(re.findall(r'class="busy"', charts["pcie"])) >= 2  # both directions drawn
+    assert len(re.findall(r'class="busy"', charts["gantt"])) >= 4
+    assert doc.count("<tr>") == 1 + 3  # header and one row per phase
+    assert out["events"] == 3 * (1 + 2 * 200)
+    chrome = json.loads((tmp_path / "r.json").read_text())
+    spans = [e for e in chrome["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 600 and all(e["dur"] == pytest.approx(500.0) for e in spans)
+    assert sum(e["ph"] == "C" for e in chrome["traceEvents"]) == 600
+
+
+def test_bad_traces_are_named(tmp_path):
+    (tmp_path / "junk").write_text("hello\n")
+    with pytest.raises(timeline.TraceError, match="junk.*not a memtide trace"):
+        timeline.read_trace(str(tmp_path / "junk"))
+    (tmp_path / "new").write_text(json.dumps({"memtide_trace": 99}) + "\n")
+    with pytest.raises(timeline.TraceError, match="format 99"):
+        timeline.read_trace(str(tmp_path / "new"))
+    cut = make_trace(tmp_path / "cut.jsonl", ops=5)
+    cut.write_text(cut.read_text()[:-20])
+    header, events = timeline.read_trace(str(cut))
+    with pytest.raises(timeline.TraceError, match=r"line \d+ is not JSON"):
+        list(events)
+    with pytest.raises(timeline.TraceError, match="cannot read"):
+        timeline.read_trace(str(tmp_path / "missing"))
+
+
+def test_targets_that_are_not_regular_files_are_refused(tmp_path):
+    path = make_trace(tmp_path / "t.jsonl", ops=5)
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    os.symlink(victim, tmp_path / "link.html")
+    with pytest.raises(timeline.TraceError, match="symbolic link"):
+        timeline.render(str(path), str(tmp_path / "link.html"))
+    assert victim.read_text() == "keep me"
+    with pytest.raises(timeline.TraceError, match="folder"):
+        timeline.render(str(path), str(tmp_path))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".memtide-")]  # no temp file left
+
+
+def test_memtide_simulate_writes_the_trace_and_its_report(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "simulate", "--model", "custom", "--layers", "4",
+                        "--hidden", "1024", "--heads", "8", "--timeline", str(tmp_path / "sim.html")],
+                       env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    for name in ("sim.html", "sim.trace.jsonl", "sim.chrome.json"):
+        assert (tmp_path / name).stat().st_size > 1000, name
+    header, events = timeline.read_trace(str(tmp_path / "sim.trace.jsonl"))
+    kinds = {e["type"] for e in events}
+    assert header["source"] == "memtide simulate" and {"phase", "memory", "op"} <= kinds
+    q = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", str(tmp_path / "nope.jsonl")],
+                       env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert q.returncode in (1, 2) and "nope.jsonl" in q.stderr and "Traceback" not in q.stderr
