@@ -525,8 +525,18 @@ void CachingAllocator::reset_accumulated_stats() {
 
 void CachingAllocator::mark_phase(Phase phase) {
   std::lock_guard lock(mutex_);
+  const double now = wall_ns();
   tracker_.mark(phase, static_cast<std::uint64_t>(stats_.allocated_bytes[0].current),
-                static_cast<std::uint64_t>(stats_.reserved_bytes[0].current), wall_ns());
+                static_cast<std::uint64_t>(stats_.reserved_bytes[0].current), now);
+  if (config_.record_history) {
+    phase_marks_.push_back({static_cast<std::int64_t>(now / 1e3), phase});
+    while (phase_marks_.size() > std::max<std::size_t>(config_.history_entries / 16, 1)) phase_marks_.pop_front();
+  }
+}
+
+std::vector<CachingAllocator::PhaseMark> CachingAllocator::phase_marks() const {
+  std::lock_guard lock(mutex_);
+  return {phase_marks_.begin(), phase_marks_.end()};
 }
 
 Phase CachingAllocator::phase() const {
@@ -555,6 +565,7 @@ void CachingAllocator::set_record_history(bool enabled) {
   config_.record_history = enabled;
   if (!enabled) {
     trace_.clear();
+    phase_marks_.clear();
     trace_next_ = 0;
     trace_wrapped_ = false;
   }

@@ -255,6 +255,8 @@ def _print_run(result: Dict[str, Any], shape: Dict[str, int]) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    if args.trace and args.timeline:
+        raise _UsageError("--timeline records a training run; --trace replays a trace without one")
     return _cmd_replay(args) if args.trace else _cmd_train(args)
 
 
@@ -307,8 +309,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
     progress(f"training a {shape['layers']}-layer GPT-style model (hidden {shape['hidden']}, heads {shape['heads']}, "
              f"seq {shape['seq']}, batch {shape['batch']}, vocab {shape['vocab']}) for {shape['iterations']} steps "
              f"with memtide.optim.TieredAdamW(policy={args.policy}) on {where} ...")
+    if args.timeline:
+        from . import timeline
+
+        timeline._safe_target(args.timeline)  # refused before training, not after
+        memtide.record_history(True)
+        base = memtide.stats()
     result = train_job.train(shape, device, args.policy, args.subgroup_size, args.k, args.gpu_static_fraction,
                              progress)
+    if args.timeline:
+        base_name = args.timeline[:-5] if args.timeline.endswith(".html") else args.timeline
+        trace = base_name + ".trace.jsonl"
+        timeline.trace_from_allocator(memtide.allocator_events(), trace,
+                                      base_allocated=base.get("allocated_bytes.all.current", 0),
+                                      base_reserved=base.get("reserved_bytes.all.current", 0),
+                                      source="memtide run", device=result["device"]["kind"])
+        memtide.dump_snapshot(base_name + ".pickle")  # for torch's memory_viz
+        report = timeline.render(trace, args.timeline, chrome=base_name + ".chrome.json", png=base_name + ".png")
+        result["timeline"] = {"html": args.timeline, "trace": trace, "memory_viz": base_name + ".pickle",
+                              "events": report["events"]}
+        progress(f"timeline: {args.timeline} ({report['events']:,} events; trace {trace}, memory_viz pickle "
+                 f"{base_name}.pickle)")
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         print()
@@ -999,6 +1020,15 @@ def _cmd_observe(args: argparse.Namespace) -> int:
     else:
         summary = _read_timeline(log)
     summary["exit_code"] = rc
+    if args.timeline and os.path.exists(log):
+        from . import timeline
+
+        base_name = args.timeline[:-5] if args.timeline.endswith(".html") else args.timeline
+        trace = base_name + ".trace.jsonl"
+        timeline.trace_from_observer(log, trace, source="memtide observe", program=" ".join(command))
+        report = timeline.render(trace, args.timeline, chrome=base_name + ".chrome.json")
+        summary["timeline"] = {"html": args.timeline, "trace": trace, "events": report["events"]}
+        print(f"memtide observe: timeline report {args.timeline} ({report['events']:,} events)", file=sys.stderr)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         print()
@@ -1072,6 +1102,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="share of subgroups kept on the GPU (static, interleaved, auto; default 0)")
     run.add_argument("--device", choices=("auto", "cuda", "sim"), default=None,
                      help="device backend (default: MEMTIDE_DEVICE, else auto); sim trains on CPU tensors")
+    run.add_argument("--timeline", metavar="REPORT.html",
+                     help="record the allocator and the phases and write the timeline report (REPORT.html), its "
+                     "trace (REPORT.trace.jsonl), a memory_viz pickle (REPORT.pickle) and a Chrome trace")
     run.add_argument("--json", action="store_true", help="print JSON instead of text")
     run.set_defaults(func=_cmd_run)
 
@@ -1089,6 +1122,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     observe.add_argument("--log", default="memtide_observe.jsonl", metavar="FILE",
                          help="timeline file (default: memtide_observe.jsonl; replaced if it exists)")
+    observe.add_argument("--timeline", metavar="REPORT.html",
+                         help="also write the timeline report (REPORT.html), its trace and a Chrome trace")
     observe.add_argument("--json", action="store_true", help="print the summary as JSON")
     observe.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- PROGRAM [ARGS]")
     observe.set_defaults(func=_cmd_observe)

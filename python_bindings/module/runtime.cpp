@@ -315,6 +315,32 @@ void bind_runtime(nb::module_& m) {
         if (rc != MEMTIDE_OK) throw std::runtime_error(memtide_last_error());
       },
       "path"_a, "Writes a pickle that pytorch.org/memory_viz and torch.cuda._memory_viz read.");
+  m.def(
+      "allocator_events",
+      [](int device) {
+        CachingAllocator& a = allocator(device);
+        const Snapshot snap = a.snapshot();
+        nb::list trace;
+        if (!snap.device_traces.empty()) {
+          for (const TraceEntry& e : snap.device_traces.front()) {
+            trace.append(nb::make_tuple(trace_action_name(e.action), static_cast<double>(e.time_us) / 1e6, e.addr,
+                                        e.size, e.stream));
+          }
+        }
+        nb::list marks;
+        for (const CachingAllocator::PhaseMark& mark : a.phase_marks()) {
+          marks.append(nb::make_tuple(static_cast<double>(mark.time_us) / 1e6, phase_name(mark.phase)));
+        }
+        nb::dict d;
+        d["trace"] = trace;
+        d["phases"] = marks;
+        d["limit_bytes"] = a.limit();
+        return d;
+      },
+      "device"_a = 0,
+      "What the allocator recorded since record_history(True): its trace, (action, t_s, addr, size,\n"
+      "stream) with action alloc, free_requested, free_completed, segment_alloc, segment_free or oom, and\n"
+      "the phase marks (t_s, phase), on one clock; and its limit.");
   m.def("phase_report", [](int device) { return phase_report_dict(allocator(device).phase_report()); },
         "device"_a = 0, "Current phase, finished iterations and per-phase watermarks (running + remembered).");
   m.def("library_path", &library_path, "Absolute path of the loaded libmemtide.so (for CUDAPluggableAllocator).");

@@ -152,3 +152,18 @@ def test_a_cut_last_line_is_reported_not_fatal(tmp_path, fake_cudart):
 def test_observe_names_a_log_folder_it_cannot_write(tmp_path):
     p = observe(tmp_path, "--log", str(tmp_path / "no-such-dir" / "t.jsonl"), "--", sys.executable, "-c", "pass")
     assert p.returncode == 2 and "does not exist" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_observe_timeline_draws_the_programs_memory(tmp_path, fake_cudart):
+    from memtide import timeline
+
+    p = observe(tmp_path, "--log", "t.jsonl", "--timeline", "obs.html", "--", sys.executable, "-c", PROGRAM,
+                fake_cudart, "0")
+    assert p.returncode == 0, p.stderr
+    header, events = timeline.read_trace(str(tmp_path / "obs.trace.jsonl"))
+    events = list(events)
+    assert header["source"] == "memtide observe"
+    assert [e["type"] for e in events if e["type"] in ("alloc", "free")] == ["alloc", "alloc", "free"]
+    assert [e["allocated"] for e in events if e["type"] == "memory"] == [64 << 20, 96 << 20, 32 << 20]
+    doc = (tmp_path / "obs.html").read_text()
+    assert doc.count("<polyline") == 2 and "96.0 MiB" in doc

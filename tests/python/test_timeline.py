@@ -101,3 +101,27 @@ def test_memtide_simulate_writes_the_trace_and_its_report(tmp_path):
     q = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", str(tmp_path / "nope.jsonl")],
                        env=clean_env(), capture_output=True, text=True, timeout=300)
     assert q.returncode in (1, 2) and "nope.jsonl" in q.stderr and "Traceback" not in q.stderr
+
+
+def test_memtide_run_timeline_records_the_phases_and_a_memory_viz_pickle(tmp_path):
+    torch = pytest.importorskip("torch")
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "run", "--iterations", "3", "--layers", "2", "--hidden",
+                        "64", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "128", "--subgroup-size",
+                        "4096", "--timeline", str(tmp_path / "run.html")],
+                       env=clean_env(MEMTIDE_DEVICE="sim"), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    header, events = timeline.read_trace(str(tmp_path / "run.trace.jsonl"))
+    events = list(events)
+    phases = [e["phase"] for e in events if e["type"] == "phase"]
+    assert header["source"] == "memtide run"
+    assert phases.count("forward") >= 3 and phases.count("backward") >= 3 and phases.count("update") >= 3
+    assert sum(e["type"] == "alloc" for e in events) > 0 and sum(e["type"] == "memory" for e in events) > 0
+    # torch's own memory_viz reads the pickle written beside the report (its text views: its
+    # HTML views fetch their viewer from a CDN, which is why memtide draws its own report).
+    from torch.cuda import _memory_viz
+
+    with open(tmp_path / "run.pickle", "rb") as f:
+        snap = __import__("pickle").load(f)
+    assert "segments:" in _memory_viz.segsum(snap)
+    assert "alloc" in _memory_viz.trace(snap)
+    del torch

@@ -98,6 +98,14 @@ class CachingAllocator final : public DeviceMemoryResource {
   /// Segments, blocks and (when recording) the trace, in memory_viz's model.
   [[nodiscard]] Snapshot snapshot() const;
   void set_record_history(bool enabled);
+  /// A phase mark while recording: when (microseconds, the trace's clock) and which phase.
+  struct PhaseMark {
+    std::int64_t time_us;
+    Phase phase;
+  };
+  /// The phase marks made while recording history, oldest first (at most history_entries / 16;
+  /// the oldest go first), to put the trace's allocations into their phases.
+  [[nodiscard]] std::vector<PhaseMark> phase_marks() const;
 
   /// Size of the block holding `ptr` (rounded), or nullopt when `ptr` is not allocated here.
   [[nodiscard]] std::optional<std::size_t> allocation_size(void* ptr) const;
@@ -181,6 +189,7 @@ class CachingAllocator final : public DeviceMemoryResource {
   AllocatorStats stats_;
   PhaseTracker tracker_;
   std::vector<TraceEntry> trace_;  ///< ring buffer when full
+  std::deque<PhaseMark> phase_marks_;
   std::size_t trace_next_ = 0;
   bool trace_wrapped_ = false;
 };
