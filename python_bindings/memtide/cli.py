@@ -105,8 +105,16 @@ def _info() -> Dict[str, Any]:
         "backend": memtide.backend(),
         "device_count": memtide.device_count(),
         "cuda": memtide.cuda_status(),
+        "cupti": _cupti_probe(),
         "options": table,
     }
+
+
+def _cupti_probe() -> Dict[str, Any]:
+    """Whether CUPTI activity tracing would start here (it is started and stopped at once)."""
+    status = memtide._memtide.device_trace_start()
+    memtide._memtide.device_trace_stop()
+    return status
 
 
 def _print_info(info: Dict[str, Any]) -> None:
@@ -123,6 +131,9 @@ def _print_info(info: Dict[str, Any]) -> None:
     else:
         built = f"built with CUDA {_cuda_version(cuda['runtime_version'])}" if cuda["compiled"] else "built without CUDA"
         print(f"GPUs      {cuda['device_count']} found, CUDA not usable: {cuda['reason']}; memtide {built}")
+    cupti = info["cupti"]
+    print(f"CUPTI     {cupti['status']}" + (f": {cupti['detail']}" if cupti["detail"] else "")
+          + (f" ({cupti['library']})" if cupti["library"] else ""))
     print()
     print("options (environment variable, current value, accepted values):")
     env_w = max(len(row["env"]) for row in info["options"])
@@ -315,15 +326,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
         timeline._safe_target(args.timeline)  # refused before training, not after
         memtide.record_history(True)
         base = memtide.stats()
+        cupti = memtide._memtide.device_trace_start()
+        progress(f"timeline: CUPTI tracing {cupti['status']}" + (f" ({cupti['detail']})" if cupti["detail"] else ""))
     result = train_job.train(shape, device, args.policy, args.subgroup_size, args.k, args.gpu_static_fraction,
                              progress)
     if args.timeline:
         base_name = args.timeline[:-5] if args.timeline.endswith(".html") else args.timeline
         trace = base_name + ".trace.jsonl"
+        if device["kind"] == "cuda":
+            import torch
+
+            torch.cuda.synchronize()  # CUPTI's last records are flushed after the device is idle
+        activities = memtide._memtide.device_trace_stop()
         timeline.trace_from_allocator(memtide.allocator_events(), trace,
                                       base_allocated=base.get("allocated_bytes.all.current", 0),
                                       base_reserved=base.get("reserved_bytes.all.current", 0),
-                                      source="memtide run", device=result["device"]["kind"])
+                                      activities=activities, source="memtide run", device=result["device"]["kind"],
+                                      cupti=cupti["status"])
         memtide.dump_snapshot(base_name + ".pickle")  # for torch's memory_viz
         report = timeline.render(trace, args.timeline, chrome=base_name + ".chrome.json", png=base_name + ".png")
         result["timeline"] = {"html": args.timeline, "trace": trace, "memory_viz": base_name + ".pickle",

@@ -168,13 +168,16 @@ def read_trace(path: str, progress: bool = False) -> Tuple[Dict[str, Any], Itera
 
 
 def trace_from_allocator(events: Dict[str, Any], path: str, base_allocated: int = 0, base_reserved: int = 0,
-                         **header: Any) -> int:
+                         activities: Iterable[Tuple] = (), **header: Any) -> int:
     """`memtide.allocator_events()` as a trace: the phase marks, every allocation and completed
     free, and the device memory they add up to (from `base_*`, what was in use when recording
-    began). Returns the number of events written."""
+    began); plus the device's activities from CUPTI (`device_trace_stop()`: engine, start, end,
+    bytes, ...) on the same clock. Returns the number of events written."""
     with TraceWriter(path, clock="steady", capacity_bytes=events.get("limit_bytes"), **header) as w:
         for t, phase in events["phases"]:
             w.phase(t, phase)
+        for engine, start, end, nbytes, *_ in activities:
+            w.op(engine, start, end, nbytes)
         allocated, reserved = int(base_allocated), int(base_reserved)
         for action, t, addr, size, stream in events["trace"]:
             if action == "alloc":

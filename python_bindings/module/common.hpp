@@ -62,6 +62,8 @@ void bind_kernels(nb::module_& m);
 void bind_tiering(nb::module_& m);
 /// The iteration simulator.
 void bind_simulator(nb::module_& m);
+/// CUPTI activity tracing.
+void bind_tracing(nb::module_& m);
 
 // Shared by the tiering and simulator bindings (tiering.cpp).
 nb::dict rates_dict(const tiering::Rates& r);

@@ -125,3 +125,15 @@ def test_memtide_run_timeline_records_the_phases_and_a_memory_viz_pickle(tmp_pat
     assert "segments:" in _memory_viz.segsum(snap)
     assert "alloc" in _memory_viz.trace(snap)
     del torch
+
+
+def test_cupti_tracing_reports_a_status_instead_of_failing():
+    import memtide
+
+    status = memtide._memtide.device_trace_start()
+    assert status["status"] in ("active", "partial", "no_gpu", "no_cupti", "busy")
+    if status["status"] != "active":
+        assert status["detail"]  # says why
+    if memtide.cuda_status()["device_count"] == 0:
+        assert status["status"] == "no_gpu"
+    assert isinstance(memtide._memtide.device_trace_stop(), list)
