@@ -11,6 +11,9 @@ log() { printf '\033[1m[deps]\033[0m %s\n' "$*"; }
 # clang + libclang-rt-14-dev: libFuzzer for scripts/fuzz.sh.
 APT_PACKAGES=(cmake ninja-build g++ pkg-config libgtest-dev libgmock-dev libbenchmark-dev
   libnuma-dev libhwloc-dev hwloc libjemalloc-dev libmimalloc-dev liburing-dev clang libclang-rt-14-dev)
+# What only one script needs (scripts/test.sh: chromium, the headless browser of the timeline test).
+read -r -a extra <<< "${MEMTIDE_EXTRA_APT:-}"
+APT_PACKAGES+=("${extra[@]}")
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

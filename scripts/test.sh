@@ -4,6 +4,7 @@
 # and are skipped (with the reason) otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export MEMTIDE_EXTRA_APT="chromium"  # the timeline report is opened in a headless browser
 source scripts/deps.sh
 jobs=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 t0=$(date +%s)

@@ -304,7 +304,7 @@ class Timeline:
         rows = []
         for name in PHASES:
             p = self.per_phase.get(name)
-            if not p:
+            if not p or (p["duration"] <= 0 and not p["peak_allocated"] and name == "other"):
                 continue
             row = {"phase": name, "duration_s": p["duration"], "peak_allocated": int(p["peak_allocated"])}
             for e in ("h2d", "d2h"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -137,3 +138,66 @@ def test_cupti_tracing_reports_a_status_instead_of_failing():
     if memtide.cuda_status()["device_count"] == 0:
         assert status["status"] == "no_gpu"
     assert isinstance(memtide._memtide.device_trace_stop(), list)
+
+
+def _png_colors(path) -> int:
+    """Distinct pixel values of an 8-bit RGB(A) PNG (decoded with zlib: no imaging library)."""
+    import struct
+    import zlib
+
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width, height, channels = 8, b"", 0, 0, 0
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        if kind == b"IHDR":
+            width, height, depth, ctype = struct.unpack(">IIBB", body[:10])
+            assert depth == 8 and ctype in (2, 6)
+            channels = 3 if ctype == 2 else 4
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    raw = zlib.decompress(idat)
+    stride = width * channels
+    prev = bytearray(stride)
+    colors = set()
+    for y in range(height):
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - channels] if i >= channels else 0
+            b, c = prev[i], prev[i - channels] if i >= channels else 0
+            if f == 1:
+                line[i] = (line[i] + a) & 255
+            elif f == 2:
+                line[i] = (line[i] + b) & 255
+            elif f == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif f == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        prev = line
+        if y % 8 == 0:
+            colors.update(bytes(line[i:i + 3]) for i in range(0, stride, channels * 8))
+    return len(colors)
+
+
+def test_a_headless_browser_draws_the_report_with_the_network_off(tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium (scripts/test.sh installs it from Debian)")
+    path = make_trace(tmp_path / "t.jsonl")
+    timeline.render(str(path), str(tmp_path / "r.html"))
+    offline = ["--headless=new", "--no-sandbox", "--disable-gpu", "--host-resolver-rules=MAP * ~NOTFOUND",
+               "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=<-loopback>", "--window-size=1200,1000"]
+    url = (tmp_path / "r.html").as_uri()
+    dom = subprocess.run([chromium, *offline, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    drawn = {m: dom.stdout.split(f'<svg id="{m}"')[1].split("</svg>")[0] for m in ("memory", "pcie", "gantt")}
+    assert drawn["memory"].count("<polyline") == 2
+    assert drawn["pcie"].count('class="busy"') >= 2 and drawn["gantt"].count('class="busy"') >= 4
+    shot = tmp_path / "shot.png"
+    p = subprocess.run([chromium, *offline, f"--screenshot={shot}", url], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and shot.stat().st_size > 10_000, p.stderr[-2000:]
+    assert _png_colors(shot) >= 8  # phase bands, series, lanes: a drawn page, not a blank one
