@@ -7,10 +7,11 @@ cd "$(dirname "$0")/.."
 
 log() { printf '\033[1m[deps]\033[0m %s\n' "$*"; }
 
-# libnuma/hwloc: host-tier placement; jemalloc/mimalloc: PinnedHeap backends; liburing: NVMe tier.
+# libnuma/hwloc: host-tier placement; jemalloc/mimalloc: PinnedHeap backends; liburing + xxHash:
+# the NVMe tier (io_uring, checksums).
 # clang + libclang-rt-14-dev: libFuzzer for scripts/fuzz.sh.
 APT_PACKAGES=(cmake ninja-build g++ pkg-config libgtest-dev libgmock-dev libbenchmark-dev
-  libnuma-dev libhwloc-dev hwloc libjemalloc-dev libmimalloc-dev liburing-dev clang libclang-rt-14-dev)
+  libnuma-dev libhwloc-dev hwloc libjemalloc-dev libmimalloc-dev liburing-dev libxxhash-dev clang libclang-rt-14-dev)
 # What only one script needs (scripts/test.sh: chromium, the headless browser of the timeline test).
 read -r -a extra <<< "${MEMTIDE_EXTRA_APT:-}"
 APT_PACKAGES+=("${extra[@]}")

@@ -19,7 +19,7 @@ die() { printf '[gpu-bundle] error: %s\n' "$*" >&2; exit 1; }
 # Each -dev package with the runtime library it links to. GoogleTest and Google Benchmark: the
 # C++ suites and benchmarks; hwloc (+ libudev1, which libhwloc.so.15 needs): GPU/NUMA topology;
 # libnuma: NUMA-bound host slabs; jemalloc and mimalloc: PinnedHeap's backends (dlopen'ed);
-# liburing: the NVMe tier. Add a package here when the build starts to need it.
+# liburing and xxHash: the NVMe tier. Add a package here when the build starts to need it.
 DEB_PACKAGES=(
   libgtest-dev libgmock-dev
   libbenchmark-dev libbenchmark1debian
@@ -28,6 +28,7 @@ DEB_PACKAGES=(
   libjemalloc-dev libjemalloc2
   libmimalloc-dev libmimalloc2.0
   liburing-dev liburing2
+  libxxhash-dev libxxhash0
 )
 
 # Python packages the GPU image lacks, as NAME==VERSION (the image already has torch, numpy,
