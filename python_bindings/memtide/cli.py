@@ -224,7 +224,34 @@ def _print_probe(topo: Dict[str, Any]) -> None:
         print(f"  node {node['os_index']}  {memory:>12}  cpus {format_cpu_list(node['cpus']) or 'none'}")
 
 
+def _cmd_probe_nvme(args: argparse.Namespace) -> int:
+    if not getattr(memtide._memtide, "HAVE_NVME", False):
+        raise _UsageError("memtide probe --nvme: this memtide was built without the NVMe tier "
+                          "(needs liburing-dev and libxxhash-dev)")
+    if not args.json:
+        print(f"memtide probe: writing and reading {format_bytes(args.nvme_bytes)} in {args.nvme} "
+              "(io_uring, O_DIRECT, queue depth 32, 1 MiB requests) ...", file=sys.stderr, flush=True)
+    try:
+        r = memtide._memtide.nvme_probe(args.nvme, args.nvme_bytes)
+    except OSError as e:
+        raise _UsageError(f"memtide probe --nvme: {e}") from None
+    r["stale_spills"] = [{"path": p, "bytes": b, "age_s": a} for p, b, a in r["stale_spills"]]
+    if args.json:
+        json.dump(r, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"nvme      {r['dir']}: write {r['write_bytes_per_s'] / 1e9:.2f} GB/s, read "
+          f"{r['read_bytes_per_s'] / 1e9:.2f} GB/s ({format_bytes(r['bytes'])}, direct I/O, queue depth "
+          f"{r['queue_depth']}, {format_bytes(r['block_bytes'])} requests)")
+    for s in r["stale_spills"]:
+        print(f"stale     {s['path']}: {format_bytes(s['bytes'])}, {s['age_s'] / 3600:.1f} h old, left by a process "
+              "that is gone (remove it to free the space)")
+    return 0
+
+
 def _cmd_probe(args: argparse.Namespace) -> int:
+    if args.nvme is not None:
+        return _cmd_probe_nvme(args)
     if args.topology is not None and not os.path.isfile(args.topology):
         what = "is not a file" if os.path.exists(args.topology) else "does not exist"
         print(f"memtide probe: --topology {args.topology!r} {what}; expected an hwloc XML file (lstopo --of xml)",
@@ -1094,6 +1121,11 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--json", action="store_true", help="print JSON instead of text")
     probe.add_argument("--topology", metavar="FILE", default=None,
                        help="an hwloc XML file (lstopo --of xml) to show instead of this machine")
+    probe.add_argument("--nvme", metavar="DIR", default=None,
+                       help="measure DIR's sequential write and read rates as the NVMe tier uses it (io_uring, "
+                       "O_DIRECT), and list spills that crashed runs left there")
+    probe.add_argument("--nvme-bytes", type=_positive_size, default=1 << 30, metavar="SIZE",
+                       help="bytes written and read by --nvme (default: 1GiB)")
     probe.set_defaults(func=_cmd_probe)
 
     run = sub.add_parser(

@@ -2,6 +2,8 @@
 // UpdateEngine that TieredAdamW drives.
 
 #include <algorithm>
+#include <cstring>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -11,6 +13,10 @@
 #include "memtide/core/thread_pool.hpp"
 #include "memtide/tiering/calibration.hpp"
 #include "memtide/tiering/perf_model.hpp"
+#include "memtide/core/error.hpp"
+#if MEMTIDE_HAVE_NVME
+#include "memtide/tiering/nvme_store.hpp"
+#endif
 #include "memtide/tiering/update_engine.hpp"
 #include "common.hpp"
 
@@ -410,7 +416,64 @@ class PyUpdateEngine {
 
 }  // namespace
 
+#if MEMTIDE_HAVE_NVME
+// Sequential write then read of `bytes` through NvmeStore in `dir` (direct I/O, the store's
+// queue depth and block size), with the spills other processes left there.
+nb::dict nvme_probe(const std::string& dir, std::uint64_t bytes, std::size_t queue_depth, std::size_t block_bytes) {
+  if (bytes < tiering::NvmeStore::kAlign || bytes > (std::uint64_t{1} << 40)) {
+    value_error("nvme_probe: bytes must be 4 KiB to 1 TiB, got " + std::to_string(bytes));
+  }
+  nb::list stale;
+  for (const tiering::StaleSpill& s : tiering::SpillDir::find_stale(dir)) {
+    stale.append(nb::make_tuple(s.path.string(), s.bytes, s.age_s));
+  }
+  double write_s = 0, read_s = 0;
+  std::uint64_t moved = 0;
+  std::string file;
+  {
+    nb::gil_scoped_release nogil;
+    tiering::SpillDir spill(dir);
+    tiering::NvmeConfig config;
+    config.queue_depth = queue_depth;
+    config.block_bytes = block_bytes;
+    // Extents of 256 MiB, one buffer reused: the rate of the store, not of the page cache.
+    const std::uint64_t extent = std::min<std::uint64_t>(bytes, std::uint64_t{256} << 20);
+    const std::size_t n = static_cast<std::size_t>((bytes + extent - 1) / extent);
+    tiering::NvmeStore store(spill, std::vector<std::uint64_t>(n, extent), config);
+    file = store.file().string();
+    void* buffer = nullptr;
+    if (posix_memalign(&buffer, tiering::NvmeStore::kAlign, extent) != 0) throw memtide::OutOfMemory("nvme_probe: no buffer");
+    std::unique_ptr<void, decltype(&std::free)> owned(buffer, &std::free);
+    std::memset(buffer, 0x5a, extent);
+    for (std::size_t i = 0; i < n; ++i) store.write(i, buffer, extent);
+    for (std::size_t i = 0; i < n; ++i) store.read(i, buffer);
+    const auto c = store.counters();
+    write_s = c.write_s;
+    read_s = c.read_s;
+    moved = c.bytes_written;
+  }
+  nb::dict d;
+  d["dir"] = dir;
+  d["bytes"] = moved;
+  d["write_bytes_per_s"] = write_s > 0 ? static_cast<double>(moved) / write_s : 0.0;
+  d["read_bytes_per_s"] = read_s > 0 ? static_cast<double>(moved) / read_s : 0.0;
+  d["queue_depth"] = queue_depth;
+  d["block_bytes"] = block_bytes;
+  d["stale_spills"] = stale;
+  return d;
+}
+#endif
+
 void bind_tiering(nb::module_& m) {
+#if MEMTIDE_HAVE_NVME
+  m.def("nvme_probe", &nvme_probe, "dir"_a, "bytes"_a = std::uint64_t{1} << 30, "queue_depth"_a = 32,
+        "block_bytes"_a = std::size_t{1} << 20,
+        "Measures sequential write and read rates of `dir` through NvmeStore (io_uring, O_DIRECT,\n"
+        "checksummed extents), and lists spill directories that dead processes left there.");
+  m.attr("HAVE_NVME") = true;
+#else
+  m.attr("HAVE_NVME") = false;
+#endif
   m.def("default_rates", [] { return rates_dict(tiering::Rates{}); },
         "The update-phase PerfModel's default rates (bytes/s, params/s, bytes/param), keyed by field.");
   m.def("plan_update", &plan_update, "subgroup_params"_a, "policy"_a = "auto", "rates"_a = nb::none(),

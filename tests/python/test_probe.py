@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import memtide
+from memtide_testing import clean_env
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "topology"
 FOUR = str(DATA / "two_socket_4gpu.xml")
@@ -130,3 +133,23 @@ def test_a_topology_file_that_crashes_hwloc_is_an_error_not_a_crash(cli):
     r = cli("probe", "--topology", path)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert path in r.stderr and "Traceback" not in r.stderr
+
+
+def test_probe_nvme_measures_the_directory_and_names_a_bad_one(tmp_path):
+    import memtide
+
+    if not getattr(memtide._memtide, "HAVE_NVME", False):
+        pytest.skip("built without the NVMe tier")
+    stale = tmp_path / "memtide-spill-999999999-zzzzzz"
+    stale.mkdir()
+    (stale / "state.spill").write_bytes(b"x" * 5000)
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "probe", "--nvme", str(tmp_path), "--nvme-bytes", "64MiB",
+                        "--json"], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["bytes"] == 64 << 20 and r["write_bytes_per_s"] > 0 and r["read_bytes_per_s"] > 0
+    assert [s["bytes"] for s in r["stale_spills"]] == [5000]
+    assert sorted(os.listdir(tmp_path)) == [stale.name]  # its own spill directory is gone
+    q = subprocess.run([sys.executable, "-m", "memtide.cli", "probe", "--nvme", str(tmp_path / "nope")],
+                       env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert q.returncode == 2 and "nope" in q.stderr and "Traceback" not in q.stderr
