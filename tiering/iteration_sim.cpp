@@ -139,8 +139,8 @@ class Rank {
     }
     // The gradients were checked on their way (the engine's path) or are taken as finite (the
     // baselines'): nothing to scan in a phantom host array.
-    (void)engine_->step(plan.plan.placement, plan.plan.gpu_slots, segments, 1.0, 1.0, false, false,
-                        plan.plan.prediction.total_ns, true);
+    const EngineStep step = engine_->step(plan.plan.placement, plan.plan.gpu_slots, segments, 1.0, 1.0, false,
+                                          false, plan.plan.prediction.total_ns, true);
     device_.synchronize();
     const double t3 = now_s();
     sample();
@@ -167,6 +167,11 @@ class Rank {
     if (record) {
       out.ops = device_.take_ops();
       out.memory = std::move(memory_);
+      for (TieringOp op : step.total.ops) {
+        op.start_ns += step.total.phase_start_ns;
+        op.end_ns += step.total.phase_start_ns;
+        out.tiering.push_back(op);
+      }
     }
     recording_ = false;
     device_.record_ops(false);

@@ -415,6 +415,13 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     used.push_back(&scheduler);
     ++out.runs;
     StepReport& t = out.total;
+    if (out.runs == 1) t.phase_start_ns = r.phase_start_ns;
+    for (TieringOp op : r.ops) {  // scheduler-local subgroup -> the engine's, on the first run's clock
+      op.subgroup = list[op.subgroup]->subgroup;
+      op.start_ns += r.phase_start_ns - t.phase_start_ns;
+      op.end_ns += r.phase_start_ns - t.phase_start_ns;
+      t.ops.push_back(op);
+    }
     t.phase_ns += r.phase_ns;
     add_use(t.cpu, r.cpu);
     add_use(t.gpu, r.gpu);

@@ -107,14 +107,15 @@ Event UpdateScheduler::take_event() {
 }
 
 template <typename Work>
-Event UpdateScheduler::enqueue(OpKind kind, Stream stream, Event after, double bytes, double params, Work&& work) {
+Event UpdateScheduler::enqueue(OpKind kind, const char* what, std::size_t subgroup, Stream stream, Event after,
+                               double bytes, double params, Work&& work) {
   if (after.valid()) device_.stream_wait_event(stream, after);
   const Event start = take_event();
   const Event end = take_event();
   device_.record_event(start, stream);
   work();
   device_.record_event(end, stream);
-  ops_.push_back(Op{kind, start, end, bytes, params});
+  ops_.push_back(Op{kind, start, end, bytes, params, what, subgroup});
   return end;
 }
 
@@ -236,6 +237,8 @@ StepReport UpdateScheduler::run(const Plan& plan, const StepParams& params) {
     throw InvalidArgument("UpdateScheduler::run: the plan streams subgroups to the GPU but gpu_slots = 0; accepted: >= 1");
   }
   const double phase_start_ns = host_now_ns();
+  phase_start_ns_ = phase_start_ns;
+  cpu_log_.clear();
   if (!check_gradients(params)) {
     StepReport skipped;
     skipped.skipped = true;
@@ -339,7 +342,7 @@ void UpdateScheduler::prefetch_in(std::size_t j) {
   const Arrays& s = slots_[slot];
   const std::size_t bytes = g.n * sizeof(float);
   const bool grad = g.device_grad == nullptr;
-  prefetched_[j] = enqueue(OpKind::h2d, prefetch_, slot_free_[slot], static_cast<double>(bytes * (grad ? 4 : 3)), 0, [&] {
+  prefetched_[j] = enqueue(OpKind::h2d, "prefetch", i, prefetch_, slot_free_[slot], static_cast<double>(bytes * (grad ? 4 : 3)), 0, [&] {
     device_.copy_async(s.p, g.param, bytes, CopyKind::host_to_device, prefetch_);
     device_.copy_async(s.m, g.exp_avg, bytes, CopyKind::host_to_device, prefetch_);
     device_.copy_async(s.v, g.exp_avg_sq, bytes, CopyKind::host_to_device, prefetch_);
@@ -359,10 +362,10 @@ void UpdateScheduler::gpu_update(std::size_t j, const StepParams& params) {
   a.exp_avg_sq = s.v;
   a.grad = g.device_grad != nullptr ? static_cast<const void*>(g.device_grad) : s.g;
   const double n = static_cast<double>(g.n);
-  const Event stepped = enqueue(OpKind::gpu, compute_, prefetched_[j], n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype),
+  const Event stepped = enqueue(OpKind::gpu, "gpu update", i, compute_, prefetched_[j], n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype),
                                 n, [&] { adamw_step_async(device_, compute_, a); });
   const std::size_t bytes = g.n * sizeof(float);
-  slot_free_[slot] = enqueue(OpKind::d2h, flush_, stepped, static_cast<double>(3 * bytes), 0, [&] {
+  slot_free_[slot] = enqueue(OpKind::d2h, "flush", i, flush_, stepped, static_cast<double>(3 * bytes), 0, [&] {
     device_.copy_async(g.param, s.p, bytes, CopyKind::device_to_host, flush_);
     device_.copy_async(g.exp_avg, s.m, bytes, CopyKind::device_to_host, flush_);
     device_.copy_async(g.exp_avg_sq, s.v, bytes, CopyKind::device_to_host, flush_);
@@ -378,7 +381,7 @@ void UpdateScheduler::static_update(std::size_t i, const StepParams& params) {
   const std::size_t bytes = g.n * sizeof(float);
   Event grad_ready{};
   if (g.device_grad == nullptr) {
-    grad_ready = enqueue(OpKind::h2d, upload_, Event{}, static_cast<double>(bytes), 0, [&] {
+    grad_ready = enqueue(OpKind::h2d, "grad upload", i, upload_, Event{}, static_cast<double>(bytes), 0, [&] {
       device_.copy_async(r.g, g.grad, bytes, CopyKind::host_to_device, upload_);
     });
   }
@@ -388,7 +391,7 @@ void UpdateScheduler::static_update(std::size_t i, const StepParams& params) {
   a.exp_avg_sq = r.v;
   a.grad = g.device_grad != nullptr ? static_cast<const void*>(g.device_grad) : r.g;
   const double n = static_cast<double>(g.n);
-  enqueue(OpKind::gpu, compute_, grad_ready, n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype), n,
+  enqueue(OpKind::gpu, "gpu update", i, compute_, grad_ready, n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype), n,
           [&] { adamw_step_async(device_, compute_, a); });
   params_[static_cast<int>(Placement::gpu_static)] += g.n;
 }
@@ -402,7 +405,7 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
   // before the CPU overwrites it, and a gradient kept on the GPU must be on the host.
   if (staging_free_[b].valid()) device_.event_synchronize(staging_free_[b]);
   if (g.device_grad != nullptr) {
-    enqueue(OpKind::d2h, flush_, Event{}, static_cast<double>(bytes), 0, [&] {
+    enqueue(OpKind::d2h, "grad to host", i, flush_, Event{}, static_cast<double>(bytes), 0, [&] {
       device_.copy_async(g.grad, g.device_grad, bytes, CopyKind::device_to_host, flush_);
     });
     device_.stream_synchronize(flush_);
@@ -415,8 +418,11 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
   if (a.param_out != nullptr) a.param_out = staging_[b].data();
 
   const double n = static_cast<double>(g.n);
+  const double cpu_start = host_now_ns() - phase_start_ns_;
   cpu_busy_ns_ += device_.run_host_work(HostWork{n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype), n},
                                         [&] { adamw_step(a, pool_, config_.isa); });
+  cpu_log_.push_back(TieringOp{"cpu update", i, cpu_start, host_now_ns() - phase_start_ns_,
+                               n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype)});
   cpu_params_ += static_cast<double>(g.n);
   ++cpu_ops_;
   params_[static_cast<int>(Placement::cpu)] += g.n;
@@ -424,7 +430,7 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
   if (g.model_param != nullptr) {
     const std::size_t out_bytes = g.n * dtype_size(a.param_out_dtype);
     void* staged = staging_[b].data();
-    staging_free_[b] = enqueue(OpKind::h2d, upload_, Event{}, static_cast<double>(out_bytes), 0, [&] {
+    staging_free_[b] = enqueue(OpKind::h2d, "param upload", i, upload_, Event{}, static_cast<double>(out_bytes), 0, [&] {
       device_.copy_async(g.model_param, staged, out_bytes, CopyKind::host_to_device, upload_);
     });
   }
@@ -448,12 +454,15 @@ StepReport UpdateScheduler::end_phase(double phase_start_ns) {
     const double t0 = static_cast<double>(device_.event_elapsed_ms(phase_start_, op.start)) * 1e6;
     const double t1 = static_cast<double>(device_.event_elapsed_ms(phase_start_, op.end)) * 1e6;
     spans[k].push_back(Interval{t0, t1});
+    r.ops.push_back(TieringOp{op.what, op.subgroup, t0, t1, op.bytes});
     use[k]->bytes += op.bytes;
     use[k]->params += op.params;
     use[k]->ops += 1;
   }
   for (int k = 0; k < 3; ++k) use[k]->busy_ns = merge(spans[k]);
   r.h2d_d2h_overlap_ns = overlap(spans[0], spans[1]);
+  r.ops.insert(r.ops.end(), cpu_log_.begin(), cpu_log_.end());
+  r.phase_start_ns = phase_start_ns;
   r.cpu.busy_ns = cpu_busy_ns_;
   r.cpu.params = cpu_params_;
   r.cpu.ops = cpu_ops_;

@@ -861,6 +861,8 @@ def _simulation_trace(args: argparse.Namespace, shape, model, node) -> Dict[str,
             w.memory(t, allocated, reserved)
         for engine, start, end, nbytes in r["ops"]:
             w.op(engine, start, end, nbytes)
+        for what, subgroup, start, end, nbytes in r["tiering"]:
+            w.event(type="tiering", what=what, subgroup=subgroup, start=start, end=end, bytes=nbytes)
     return timeline.render(trace, html_path, chrome=base + ".chrome.json", png=base + ".png")
 
 

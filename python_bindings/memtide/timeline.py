@@ -14,7 +14,10 @@ one). Times are seconds on the trace's clock. Event types:
 - ``memory``: device memory allocated and reserved at time t;
 - ``op``: work on one engine from start to end: ``h2d``, ``d2h`` (PCIe), ``compute``, ``link``
   (collectives between GPUs), ``host`` (CPU work), ``nvme``; ``bytes`` moved;
-- ``alloc`` / ``free``: one allocation (``bytes``, ``addr``, ``stream``), as the observer logs them.
+- ``alloc`` / ``free``: one allocation (``bytes``, ``addr``, ``stream``), as the observer logs them;
+- ``tiering``: one operation of the update phase for one optimizer subgroup (``what``: prefetch,
+  gpu update, flush, cpu update, param upload, grad upload, grad to host; ``subgroup``; ``start``,
+  ``end``, ``bytes``).
 
 Unknown event types are skipped by readers, so a newer writer's extra events do not break an
 older report. ``memtide timeline TRACE -o report.html`` renders a single HTML file that opens
@@ -227,13 +230,17 @@ def trace_from_observer(log: str, path: str, **header: Any) -> int:
 class Timeline:
     """What a report needs from a trace, gathered in one pass with bounded memory: events are
     binned into `bins` time columns per engine (busy time) and memory (max), so a trace of
-    millions of events draws as fast as a small one."""
+    millions of events draws as fast as a small one. Tiering operations are drawn one by one
+    (the update phase's schedule), up to MAX_TIERING of them."""
+
+    MAX_TIERING = 20_000
 
     def __init__(self, header: Dict[str, Any], events: Iterable[Dict[str, Any]], bins: int = 800):
         self.header = header
         phases: List[Tuple[float, str]] = []
         memory: List[Tuple[float, int, int]] = []
         ops: List[Tuple[str, float, float, float]] = []
+        tiering: List[Tuple[str, int, float, float]] = []
         self.counts: Dict[str, int] = defaultdict(int)
         # Two passes over memory would double the reading time: keep the ops compactly, bin later.
         for ev in events:
@@ -245,6 +252,8 @@ class Timeline:
                 memory.append((float(ev["t"]), int(ev["allocated"]), int(ev["reserved"])))
             elif kind == "op":
                 ops.append((str(ev["engine"]), float(ev["start"]), float(ev["end"]), float(ev.get("bytes", 0))))
+            elif kind == "tiering" and len(tiering) < self.MAX_TIERING:
+                tiering.append((str(ev["what"]), int(ev.get("subgroup", -1)), float(ev["start"]), float(ev["end"])))
         phases.sort()
         memory.sort()
         times = [t for t, _ in phases] + [t for t, _, _ in memory] + [o[1] for o in ops] + [o[2] for o in ops]
@@ -252,7 +261,7 @@ class Timeline:
         self.t1 = max(times) if times else 1.0
         if self.t1 <= self.t0:
             self.t1 = self.t0 + 1e-9
-        self.phases, self.memory, self.bins = phases, memory, bins
+        self.phases, self.memory, self.bins, self.tiering = phases, memory, bins, tiering
         # Per phase: duration, peak allocated, bytes and busy time per engine.
         spans = []
         for i, (t, name) in enumerate(phases):
@@ -392,6 +401,36 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline") -> None
         out.append("</svg>")
         return out
 
+    schedule: List[str] = []
+    if tl.tiering:
+        kinds = sorted({t[0] for t in tl.tiering}, key=lambda k: ("cpu update", "prefetch", "gpu update", "flush",
+                                                                   "param upload", "grad upload",
+                                                                   "grad to host").index(k) if k in (
+            "cpu update", "prefetch", "gpu update", "flush", "param upload", "grad upload", "grad to host") else 99)
+        a0 = min(t[2] for t in tl.tiering)
+        a1 = max(t[3] for t in tl.tiering)
+        a1 = a1 if a1 > a0 else a0 + 1e-9
+
+        def xs(t: float) -> float:
+            return L + (t - a0) / (a1 - a0) * width
+
+        row_h = 22
+        h = row_h * len(kinds) + 10
+        colors = {"cpu update": _COLORS["host"], "prefetch": _COLORS["h2d"], "gpu update": _COLORS["compute"],
+                  "flush": _COLORS["d2h"], "param upload": "#e5ae38", "grad upload": "#8c8c8c",
+                  "grad to host": "#b07aa1"}
+        schedule = [f'<svg id="schedule" width="{W}" height="{h}" xmlns="http://www.w3.org/2000/svg">']
+        for r_i, k in enumerate(kinds):
+            top = 4 + r_i * row_h
+            schedule.append(f'<text x="4" y="{top + 13}" font-size="11">{html.escape(k)}</text>')
+        for what, sg, a, b in tl.tiering:
+            top = 4 + kinds.index(what) * row_h
+            schedule.append(f'<rect class="op" x="{xs(a):.1f}" y="{top}" width="{max(xs(b) - xs(a), 0.6):.1f}" '
+                            f'height="{row_h - 6}" fill="{colors.get(what, "#999")}"><title>{html.escape(what)} '
+                            f'subgroup {sg}: {(b - a) * 1e3:.3f} ms</title></rect>')
+        schedule.append("</svg>")
+        schedule.insert(0, f"<h2>Update-phase schedule per subgroup ({len(tl.tiering):,} operations, "
+                           f"{(a1 - a0) * 1e3:.1f} ms; hover for the subgroup)</h2>")
     rows = []
     for r in tl.summary():
         rows.append(f"<tr><td>{r['phase']}</td><td>{r['duration_s']:.4g} s</td><td>{_fmt_bytes(r['peak_allocated'])}</td>"
@@ -410,7 +449,7 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline") -> None
         f"{tl.t1 - tl.t0:.4g} s. Phases: {legend}</p>",
         "<h2>Device memory (allocated, reserved; dashed: capacity)</h2>", *mem,
         "<h2>PCIe lanes</h2>", *lanes("pcie", ("h2d", "d2h")),
-        "<h2>Engines</h2>", *lanes("gantt", tuple(e for e in ENGINES if any(tl.busy[e]))),
+        "<h2>Engines</h2>", *lanes("gantt", tuple(e for e in ENGINES if any(tl.busy[e]))), *schedule,
         "<h2>Per phase</h2>",
         "<table id='summary'><tr><th>phase</th><th>time</th><th>peak allocated</th><th>H2D</th><th>D2H</th></tr>",
         *rows, "</table>", "</body></html>",

@@ -136,6 +136,11 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
     nb::list memory;
     for (const auto& sample : r.memory) memory.append(nb::make_tuple(sample.t_ns / 1e9, sample.allocated, sample.reserved));
     d["memory"] = memory;
+    nb::list tiering;
+    for (const tiering::TieringOp& op : r.tiering) {
+      tiering.append(nb::make_tuple(op.what, op.subgroup, op.start_ns / 1e9, op.end_ns / 1e9, op.bytes));
+    }
+    d["tiering"] = tiering;
   }
   return d;
 }

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
 
 #include "memtide/core/error.hpp"
@@ -214,4 +215,33 @@ TEST(PerfModel, PredictIterationAddsThePassesAndTheUpdate) {
   EXPECT_DOUBLE_EQ(PerfModel{}.predict_iteration(fwd, bwd, upd).backward_ns, 310);
   bwd.compute_ns = -1;
   EXPECT_THROW((void)PerfModel{}.predict_iteration(fwd, bwd, upd), InvalidArgument);
+}
+
+TEST(IterationSim, TheUpdatePhasesOperationsNameTheirSubgroupsAndFallInsideIt) {
+  NodeSpec tight = small_node();
+  tight.device.capacity = 1ULL << 30;  // too small for every subgroup to stay: some are streamed
+  const IterationResult mt = simulate_iteration(small(), tight, Contender::memtide, SimulationOptions{3, true});
+  const IterationResult zero = simulate_iteration(small(), tight, Contender::zero3_offload, SimulationOptions{3, true});
+  const std::size_t n = mt.plan.placement.size();
+  for (const IterationResult* r : {&mt, &zero}) {
+    ASSERT_FALSE(r->tiering.empty()) << to_string(r->contender);
+    for (const TieringOp& op : r->tiering) {
+      EXPECT_LT(op.subgroup, n) << op.what;
+      EXPECT_GE(op.start_ns, r->phase_start_s[2] * 1e9 - 1) << op.what;
+      EXPECT_LE(op.end_ns, r->end_s * 1e9 + 1) << op.what;
+      EXPECT_LE(op.start_ns, op.end_ns) << op.what;
+    }
+  }
+  std::map<std::string, std::size_t> zero_ops, mt_ops;
+  for (const TieringOp& op : zero.tiering) ++zero_ops[op.what];
+  for (const TieringOp& op : mt.tiering) ++mt_ops[op.what];
+  // ZeRO-3: every subgroup updated on the CPU and its 16-bit params uploaded, nothing else.
+  EXPECT_EQ(zero_ops["cpu update"], n);
+  EXPECT_EQ(zero_ops["param upload"], n);
+  EXPECT_EQ(zero_ops.size(), 2U);
+  // memtide: one update per subgroup, wherever it ran; a streamed one is prefetched and flushed.
+  EXPECT_EQ(mt_ops["cpu update"] + mt_ops["gpu update"], n);
+  EXPECT_GT(mt.plan.gpu_streamed, 0U);
+  EXPECT_EQ(mt_ops["prefetch"], mt.plan.gpu_streamed);
+  EXPECT_EQ(mt_ops["flush"], mt.plan.gpu_streamed);
 }

@@ -29,6 +29,7 @@
 #include "memtide/allocator/phase_tracker.hpp"
 #include "memtide/device/sim_device.hpp"
 #include "memtide/tiering/perf_model.hpp"
+#include "memtide/tiering/update_scheduler.hpp"
 
 namespace memtide::tiering {
 
@@ -116,6 +117,9 @@ struct IterationResult {
     std::uint64_t reserved = 0;
   };
   std::vector<MemorySample> memory;
+  /// The update phase's operations with their subgroups (record_ops), start and end in ns on the
+  /// virtual clock.
+  std::vector<TieringOp> tiering;
 };
 
 struct SimulationOptions {

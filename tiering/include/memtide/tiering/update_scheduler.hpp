@@ -71,8 +71,23 @@ struct Measurements {
   double phase_ns = 0;
 };
 
+/// One operation of an update phase, for the timeline: what it was ("prefetch", "gpu update",
+/// "flush", "cpu update", "param upload", "grad upload", "grad to host"), the subgroup it served,
+/// when it ran (ns from the phase start) and the bytes it moved (for an update: through memory).
+struct TieringOp {
+  const char* what = "";
+  std::size_t subgroup = 0;
+  double start_ns = 0;
+  double end_ns = 0;
+  double bytes = 0;
+};
+
 struct StepReport {
   bool skipped = false;  ///< a gradient was not finite: nothing was stepped
+  /// Every operation of the phase (device ops on the device's clock from the phase start event,
+  /// CPU updates on the host clock from the phase start).
+  std::vector<TieringOp> ops;
+  double phase_start_ns = 0;  ///< host clock at the phase start
   double phase_ns = 0;   ///< from the phase start to the last transfer's end (host clock)
   ResourceUse cpu, gpu, h2d, d2h;
   double h2d_d2h_overlap_ns = 0;  ///< time both PCIe directions were busy at once
@@ -126,6 +141,8 @@ class UpdateScheduler {
     Event start, end;
     double bytes;
     double params;
+    const char* what;
+    std::size_t subgroup;
   };
   struct Arrays {  ///< p, m, v, g of one subgroup in device memory
     void* block = nullptr;
@@ -146,7 +163,8 @@ class UpdateScheduler {
 
   // Stream ordering, in one place: `work` runs on `stream` after `after`, between timing events.
   template <typename Work>
-  Event enqueue(OpKind kind, Stream stream, Event after, double bytes, double params, Work&& work);
+  Event enqueue(OpKind kind, const char* what, std::size_t subgroup, Stream stream, Event after, double bytes,
+                double params, Work&& work);
 
   void place_residents(const std::vector<Placement>& placement);
   Arrays carve(void* block, std::size_t n, bool with_grad) const;
@@ -183,6 +201,8 @@ class UpdateScheduler {
   std::int64_t setup_allocations_ = 0;
   std::size_t cpu_count_ = 0;
   double cpu_busy_ns_ = 0;
+  double phase_start_ns_ = 0;       // host clock at the running phase's start
+  std::vector<TieringOp> cpu_log_;  // the running phase's CPU updates
   double cpu_params_ = 0;
   std::uint64_t cpu_ops_ = 0;
   std::size_t params_[3] = {0, 0, 0};
