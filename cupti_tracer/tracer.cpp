@@ -111,46 +111,45 @@ Api Api::load() {
 #endif
 }
 
+#if MEMTIDE_HAVE_CUPTI_H
+namespace {
+// The fields every record kind memtide reads has under the same names.
+template <class Record>
+Activity timed(const Record* r, Activity::Kind kind) {
+  Activity a;
+  a.kind = kind;
+  a.start_ns = r->start;
+  a.end_ns = r->end;
+  a.device = r->deviceId;
+  a.stream = r->streamId;
+  return a;
+}
+}  // namespace
+#endif
+
 std::optional<Activity> decode(const void* record) {
 #if MEMTIDE_HAVE_CUPTI_H
-  const auto* base = static_cast<const CUpti_Activity*>(record);
-  Activity a;
-  switch (base->kind) {
+  switch (static_cast<const CUpti_Activity*>(record)->kind) {
     case CUPTI_ACTIVITY_KIND_MEMCPY: {
       const auto* r = static_cast<const CUpti_ActivityMemcpy6*>(record);
-      a.kind = r->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_HTOD   ? Activity::Kind::h2d
-               : r->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOH ? Activity::Kind::d2h
-               : r->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOD ? Activity::Kind::d2d
-                                                                : Activity::Kind::other_copy;
+      Activity a = timed(r, r->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_HTOD   ? Activity::Kind::h2d
+                            : r->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOH ? Activity::Kind::d2h
+                            : r->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOD ? Activity::Kind::d2d
+                                                                             : Activity::Kind::other_copy);
       const auto host_side = a.kind == Activity::Kind::h2d ? r->srcKind : r->dstKind;
       a.pinned = host_side != CUPTI_ACTIVITY_MEMORY_KIND_PAGEABLE;
-      a.start_ns = r->start;
-      a.end_ns = r->end;
       a.bytes = r->bytes;
-      a.device = r->deviceId;
-      a.stream = r->streamId;
       return a;
     }
     case CUPTI_ACTIVITY_KIND_MEMSET: {
       const auto* r = static_cast<const CUpti_ActivityMemset4*>(record);
-      a.kind = Activity::Kind::memset;
-      a.start_ns = r->start;
-      a.end_ns = r->end;
+      Activity a = timed(r, Activity::Kind::memset);
       a.bytes = r->bytes;
-      a.device = r->deviceId;
-      a.stream = r->streamId;
       return a;
     }
     case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
-    case CUPTI_ACTIVITY_KIND_KERNEL: {
-      const auto* r = static_cast<const CUpti_ActivityKernel10*>(record);
-      a.kind = Activity::Kind::kernel;
-      a.start_ns = r->start;
-      a.end_ns = r->end;
-      a.device = r->deviceId;
-      a.stream = r->streamId;
-      return a;
-    }
+    case CUPTI_ACTIVITY_KIND_KERNEL:
+      return timed(static_cast<const CUpti_ActivityKernel10*>(record), Activity::Kind::kernel);
     default:
       return std::nullopt;
   }

@@ -358,8 +358,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     result = train_job.train(shape, device, args.policy, args.subgroup_size, args.k, args.gpu_static_fraction,
                              progress)
     if args.timeline:
-        base_name = args.timeline[:-5] if args.timeline.endswith(".html") else args.timeline
-        trace = base_name + ".trace.jsonl"
+        files = timeline.companions(args.timeline)
+        trace = files["trace"]
         if device["kind"] == "cuda":
             import torch
 
@@ -370,12 +370,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                       base_reserved=base.get("reserved_bytes.all.current", 0),
                                       activities=activities, source="memtide run", device=result["device"]["kind"],
                                       cupti=cupti["status"])
-        memtide.dump_snapshot(base_name + ".pickle")  # for torch's memory_viz
-        report = timeline.render(trace, args.timeline, chrome=base_name + ".chrome.json", png=base_name + ".png")
-        result["timeline"] = {"html": args.timeline, "trace": trace, "memory_viz": base_name + ".pickle",
+        memtide.dump_snapshot(files["pickle"])  # for torch's memory_viz
+        report = timeline.render(trace, args.timeline, chrome=files["chrome"], png=files["png"])
+        result["timeline"] = {"html": args.timeline, "trace": trace, "memory_viz": files["pickle"],
                               "events": report["events"]}
         progress(f"timeline: {args.timeline} ({report['events']:,} events; trace {trace}, memory_viz pickle "
-                 f"{base_name}.pickle)")
+                 f"{files['pickle']})")
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         print()
@@ -850,8 +850,8 @@ def _simulation_trace(args: argparse.Namespace, shape, model, node) -> Dict[str,
                                    checkpointing=not args.no_checkpointing, iterations=args.iterations,
                                    record_ops=True)
     html_path = args.timeline
-    base = html_path[:-5] if html_path.endswith(".html") else html_path
-    trace = base + ".trace.jsonl"
+    files = timeline.companions(html_path)
+    trace = files["trace"]
     with timeline.TraceWriter(trace, source="memtide simulate", clock="virtual", model=r["model"],
                               contender="memtide", capacity_bytes=r["capacity_bytes"]) as w:
         for t, phase in zip(r["phase_start_s"], ("forward", "backward", "update")):
@@ -863,7 +863,7 @@ def _simulation_trace(args: argparse.Namespace, shape, model, node) -> Dict[str,
             w.op(engine, start, end, nbytes)
         for what, subgroup, start, end, nbytes in r["tiering"]:
             w.event(type="tiering", what=what, subgroup=subgroup, start=start, end=end, bytes=nbytes)
-    return timeline.render(trace, html_path, chrome=base + ".chrome.json", png=base + ".png")
+    return timeline.render(trace, html_path, chrome=files["chrome"], png=files["png"])
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -1071,10 +1071,10 @@ def _cmd_observe(args: argparse.Namespace) -> int:
     if args.timeline and os.path.exists(log):
         from . import timeline
 
-        base_name = args.timeline[:-5] if args.timeline.endswith(".html") else args.timeline
-        trace = base_name + ".trace.jsonl"
+        files = timeline.companions(args.timeline)
+        trace = files["trace"]
         timeline.trace_from_observer(log, trace, source="memtide observe", program=" ".join(command))
-        report = timeline.render(trace, args.timeline, chrome=base_name + ".chrome.json")
+        report = timeline.render(trace, args.timeline, chrome=files["chrome"])
         summary["timeline"] = {"html": args.timeline, "trace": trace, "events": report["events"]}
         print(f"memtide observe: timeline report {args.timeline} ({report['events']:,} events)", file=sys.stderr)
     if args.json:

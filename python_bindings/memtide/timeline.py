@@ -44,6 +44,14 @@ _COLORS = {"forward": "#dbe7f6", "backward": "#fbe3d2", "update": "#dcefdc", "ot
            "nvme": "#937860"}
 
 
+def companions(report: str) -> Dict[str, str]:
+    """The files that go with a report: REPORT.html -> REPORT.trace.jsonl, .chrome.json, .png,
+    .pickle (a memory_viz snapshot)."""
+    base = report[:-5] if report.endswith(".html") else report
+    return {"trace": base + ".trace.jsonl", "chrome": base + ".chrome.json", "png": base + ".png",
+            "pickle": base + ".pickle"}
+
+
 class TraceError(ValueError):
     """A trace file memtide cannot read, or a target it will not write."""
 
