@@ -350,7 +350,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.timeline:
         from . import timeline
 
-        timeline._safe_target(args.timeline)  # refused before training, not after
+        try:
+            timeline.check_report_target(args.timeline)  # refused before training, not after
+        except timeline.TraceError as e:
+            raise _UsageError(str(e)) from None
         memtide.record_history(True)
         base = memtide.stats()
         cupti = memtide._memtide.device_trace_start()
@@ -867,6 +870,13 @@ def _simulation_trace(args: argparse.Namespace, shape, model, node) -> Dict[str,
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    if args.timeline:
+        from . import timeline
+
+        try:
+            timeline.check_report_target(args.timeline)  # before the simulation, not after
+        except timeline.TraceError as e:
+            raise _UsageError(str(e)) from None
     result = _simulate(args)
     if args.timeline:
         report = _simulation_trace(args, result["shape"], None if result["model"] == "custom" else result["model"],
@@ -1051,6 +1061,13 @@ def _cmd_observe(args: argparse.Namespace) -> int:
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
         raise _UsageError(f"memtide observe: cannot write the timeline {log}: its folder "
                           f"{'does not exist' if not os.path.isdir(folder) else 'is not writable'}")
+    if args.timeline:
+        from . import timeline
+
+        try:
+            timeline.check_report_target(args.timeline)  # before the program runs, not after
+        except timeline.TraceError as e:
+            raise _UsageError(f"memtide observe: {e}") from None
     env = dict(os.environ)
     env["LD_PRELOAD"] = lib + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
     env["MEMTIDE_PRELOAD_LOG"] = log

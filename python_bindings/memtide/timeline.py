@@ -52,8 +52,30 @@ def companions(report: str) -> Dict[str, str]:
             "pickle": base + ".pickle"}
 
 
+# The fields each event type must have, and their types; other fields are free.
+_NUMBER = (int, float)
+_FIELDS = {
+    "phase": (("t", _NUMBER), ("phase", str)),
+    "memory": (("t", _NUMBER), ("allocated", _NUMBER), ("reserved", _NUMBER)),
+    "op": (("engine", str), ("start", _NUMBER), ("end", _NUMBER)),
+    "tiering": (("what", str), ("start", _NUMBER), ("end", _NUMBER)),
+    "alloc": (("t", _NUMBER),),
+    "free": (("t", _NUMBER),),
+}
+
+
 class TraceError(ValueError):
     """A trace file memtide cannot read, or a target it will not write."""
+
+
+def check_report_target(report: str) -> None:
+    """Refuses a report path (and its companions) that cannot be written, before any work is
+    done for it: a missing folder, or a link, device or folder where a file would go."""
+    folder = os.path.dirname(os.path.abspath(report))
+    if not os.path.isdir(folder):
+        raise TraceError(f"cannot write {report}: folder {folder} does not exist")
+    for path in [report, *companions(report).values()]:
+        _safe_target(path)
 
 
 def _safe_target(path: str) -> None:
@@ -140,10 +162,9 @@ def read_trace(path: str, progress: bool = False) -> Tuple[Dict[str, Any], Itera
         f = open(path, encoding="utf-8")
     except OSError as e:
         raise TraceError(f"cannot read trace {path}: {e.strerror or e}") from None
-    first = f.readline()
     try:
-        header = json.loads(first)
-    except ValueError:
+        header = json.loads(f.readline())
+    except ValueError:  # not JSON, or not text at all (UnicodeDecodeError is a ValueError)
         f.close()
         raise TraceError(f"{path} is not a memtide trace: line 1 is not JSON") from None
     if not isinstance(header, dict) or "memtide_trace" not in header:
@@ -157,20 +178,29 @@ def read_trace(path: str, progress: bool = False) -> Tuple[Dict[str, Any], Itera
     def events() -> Iterator[Dict[str, Any]]:
         with f:
             shown = 0
-            for n, line in enumerate(f, 2):
-                if not line.strip():
-                    continue
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    raise TraceError(f"{path}: line {n} is not JSON (a trace cut short?)") from None
-                if isinstance(ev, dict):
+            n = 1
+            try:
+                for n, line in enumerate(f, 2):
+                    if not line.strip():
+                        continue
+                    try:
+                        ev = json.loads(line)
+                    except ValueError:
+                        raise TraceError(f"{path}: line {n} is not JSON (a trace cut short?)") from None
+                    if not isinstance(ev, dict):
+                        continue
+                    for field, kind in _FIELDS.get(ev.get("type"), ()):
+                        if not isinstance(ev.get(field), kind) or isinstance(ev.get(field), bool):
+                            raise TraceError(f"{path}: line {n}: a {ev.get('type')} event needs {field!r} as "
+                                             f"{'a number' if kind != str else 'text'}, got {ev.get(field)!r}")
                     yield ev
-                if progress and n % 200_000 == 0:
-                    done = f.tell() * 100 // max(size, 1)
-                    if done >= shown + 10:
-                        shown = done
-                        print(f"timeline: read {n:,} events ({done}%)", file=sys.stderr, flush=True)
+                    if progress and n % 200_000 == 0:
+                        done = f.tell() * 100 // max(size, 1)
+                        if done >= shown + 10:
+                            shown = done
+                            print(f"timeline: read {n:,} events ({done}%)", file=sys.stderr, flush=True)
+            except UnicodeDecodeError:
+                raise TraceError(f"{path}: line {n + 1} is not text") from None
 
     return header, events()
 

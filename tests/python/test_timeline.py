@@ -74,6 +74,15 @@ def test_bad_traces_are_named(tmp_path):
         list(events)
     with pytest.raises(timeline.TraceError, match="cannot read"):
         timeline.read_trace(str(tmp_path / "missing"))
+    (tmp_path / "binary").write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(timeline.TraceError, match="binary is not a memtide trace"):
+        timeline.read_trace(str(tmp_path / "binary"))
+    for name, line, words in (("nostart", {"type": "op", "engine": "h2d"}, "'start' as a number"),
+                              ("badt", {"type": "memory", "t": "abc", "allocated": 1, "reserved": 2}, "'t'")):
+        (tmp_path / name).write_text(json.dumps({"memtide_trace": 1}) + "\n" + json.dumps(line) + "\n")
+        header, events = timeline.read_trace(str(tmp_path / name))
+        with pytest.raises(timeline.TraceError, match=rf"{name}: line 2: .*{re.escape(words)}"):
+            list(events)
 
 
 def test_targets_that_are_not_regular_files_are_refused(tmp_path):
@@ -86,6 +95,11 @@ def test_targets_that_are_not_regular_files_are_refused(tmp_path):
     assert victim.read_text() == "keep me"
     with pytest.raises(timeline.TraceError, match="folder"):
         timeline.render(str(path), str(tmp_path))
+    with pytest.raises(timeline.TraceError, match="does not exist"):
+        timeline.check_report_target(str(tmp_path / "no" / "r.html"))
+    os.symlink(victim, tmp_path / "r.trace.jsonl")
+    with pytest.raises(timeline.TraceError, match="symbolic link"):
+        timeline.check_report_target(str(tmp_path / "r.html"))  # a companion file is a link
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".memtide-")]  # no temp file left
 
 
