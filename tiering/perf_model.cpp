@@ -8,6 +8,7 @@
 
 #include "memtide/core/assert.hpp"
 #include "memtide/core/error.hpp"
+#include "memtide/core/format.hpp"
 #include "memtide/device/sim_device.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
 
@@ -72,6 +73,21 @@ void validate(const Workload& work, const Rates& r) {
     throw InvalidArgument("PerfModel: workload.grad_on_device has " + std::to_string(work.grad_on_device.size()) +
                           " entries, there are " + std::to_string(work.subgroup_params.size()) + " subgroups");
   }
+  require_non_negative("nvme_read_bytes_per_s", r.nvme_read_bytes_per_s);
+  require_non_negative("nvme_write_bytes_per_s", r.nvme_write_bytes_per_s);
+  if (!work.on_nvme.empty()) {
+    if (work.on_nvme.size() != work.subgroup_params.size()) {
+      throw InvalidArgument("PerfModel: workload.on_nvme has " + std::to_string(work.on_nvme.size()) +
+                            " entries, there are " + std::to_string(work.subgroup_params.size()) + " subgroups");
+    }
+    if (std::find(work.on_nvme.begin(), work.on_nvme.end(), true) != work.on_nvme.end()) {
+      require_rate("nvme_read_bytes_per_s", r.nvme_read_bytes_per_s);
+      require_rate("nvme_write_bytes_per_s", r.nvme_write_bytes_per_s);
+      if (work.nvme_read_ahead == 0) {
+        throw InvalidArgument("PerfModel: workload.nvme_read_ahead = 0 is not accepted: expected at least 1");
+      }
+    }
+  }
   if (work.low_precision_bytes == 0 || work.low_precision_bytes > 4) {
     throw InvalidArgument("PerfModel: workload.low_precision_bytes = " + std::to_string(work.low_precision_bytes) +
                           " is not accepted: expected 1 to 4");
@@ -110,20 +126,29 @@ struct Loads {
   double gpu_params = 0;       // updated on the GPU (streamed and static)
   double streamed_params = 0;  // state streamed H2D and flushed D2H
   double grad_bytes = 0;       // fp32 gradients uploaded for GPU updates
+  double nvme_params = 0;      // read from and written back to the NVMe tier
 };
+
+// Whether subgroup `i`'s state lives on the NVMe tier.
+bool spilled(const Workload& w, std::size_t i) { return !w.on_nvme.empty() && w.on_nvme[i]; }
 
 // The busy time of each resource and the busiest one.
 void busy_times(const Loads& l, const Rates& r, const Costs& c, Prediction& out) {
   out.h2d_bytes = l.cpu_params * c.lp_bytes_per_param + l.streamed_params * kStateBytesPerParam + l.grad_bytes;
   out.d2h_bytes = l.streamed_params * c.out_per_param;
-  out.dram_bytes = l.cpu_params * c.cpu_dram_per_param + out.h2d_bytes + out.d2h_bytes;
+  out.nvme_bytes = 2 * l.nvme_params * kStateBytesPerParam;
+  out.dram_bytes = l.cpu_params * c.cpu_dram_per_param + out.h2d_bytes + out.d2h_bytes + out.nvme_bytes;
   out.cpu_ns = l.cpu_params * c.cpu_s_per_param * 1e9;
   out.gpu_ns = l.gpu_params / r.gpu_update_params_per_s * 1e9;
   out.h2d_ns = out.h2d_bytes / r.h2d_bytes_per_s * 1e9;
   out.d2h_ns = out.d2h_bytes / r.d2h_bytes_per_s * 1e9;
   out.dram_ns = out.dram_bytes / r.host_dram_bytes_per_s * 1e9;
-  const std::pair<double, const char*> resources[] = {
-      {out.cpu_ns, "cpu"}, {out.gpu_ns, "gpu"}, {out.h2d_ns, "h2d"}, {out.d2h_ns, "d2h"}, {out.dram_ns, "dram"}};
+  out.nvme_ns = l.nvme_params > 0 ? l.nvme_params * kStateBytesPerParam *
+                                        (1 / r.nvme_read_bytes_per_s + 1 / r.nvme_write_bytes_per_s) * 1e9
+                                  : 0;
+  const std::pair<double, const char*> resources[] = {{out.cpu_ns, "cpu"}, {out.gpu_ns, "gpu"},
+                                                      {out.h2d_ns, "h2d"}, {out.d2h_ns, "d2h"},
+                                                      {out.dram_ns, "dram"}, {out.nvme_ns, "nvme"}};
   out.bound_ns = 0;
   out.busiest = "cpu";
   for (const auto& [ns, name] : resources) {
@@ -139,6 +164,7 @@ void busy_times(const Workload& w, const Rates& r, const Costs& c, const std::ve
   Loads l;
   for (std::size_t i = 0; i < placement.size(); ++i) {
     const auto p = static_cast<double>(w.subgroup_params[i]);
+    if (spilled(w, i) && placement[i] != Placement::gpu_static) l.nvme_params += p;
     switch (placement[i]) {
       case Placement::cpu: l.cpu_params += p; break;
       case Placement::gpu: l.streamed_params += p; l.gpu_params += p; l.grad_bytes += p * grad_upload(w, c, i); break;
@@ -165,7 +191,9 @@ class Walk {
         if (placement[i] == Placement::gpu) streamed_subgroups_.push_back(i);
         gpu_tasks_.push_back({i, placement[i] == Placement::gpu});
       }
+      if (spilled(w, i) && placement[i] != Placement::gpu_static) nvme_order_.push_back(i);
     }
+    if (!nvme_order_.empty()) read_done_at_.assign(placement.size(), kInf);
     lp_ready_at_.reserve(cpu_tasks_.size());
     input_ready_at_.assign(gpu_tasks_.size(), kInf);
     input_done_.assign(gpu_tasks_.size(), false);
@@ -175,16 +203,17 @@ class Walk {
 
   /// Runs every task; returns when the last one ends, in seconds.
   double run() {
-    std::size_t guard = 8 * (cpu_tasks_.size() + gpu_tasks_.size()) + 16;
+    std::size_t guard = 8 * (cpu_tasks_.size() + gpu_tasks_.size() + nvme_order_.size()) + 16;
     for (;;) {
       start_ready();
-      if (!cpu_job_.active && !h2d_job_.active && !gpu_job_.active && !d2h_job_.active) break;
+      if (!cpu_job_.active && !h2d_job_.active && !gpu_job_.active && !d2h_job_.active && !nvme_job_.active) break;
       // Every step ends at least one task; more steps than tasks would be a bug in the walk.
       if (guard-- == 0) throw Error("PerfModel: internal error: the pipeline walk did not finish");
       step();
     }
     MEMTIDE_ASSERT(cpu_next_ == cpu_tasks_.size() && lp_next_ == cpu_tasks_.size());
     MEMTIDE_ASSERT(gpu_next_ == gpu_tasks_.size() && flush_next_ == flush_queue_.size());
+    MEMTIDE_ASSERT(reads_started_ == nvme_order_.size() && writes_next_ == nvme_order_.size());
     return t_;
   }
 
@@ -232,6 +261,9 @@ class Walk {
       const std::size_t j = input_issued_;
       double ready = j == 0 ? 0.0 : input_ready_at_[j - 1];
       double issued = 0;
+      // A subgroup on NVMe goes NVMe -> pinned host -> GPU: its read comes first.
+      if (!read_done(gpu_tasks_[j].subgroup)) return;
+      if (!read_done_at_.empty()) ready = std::max(ready, read_done_at_[gpu_tasks_[j].subgroup]);
       if (gpu_tasks_[j].streamed) {
         if (streamed_issued_ >= slots_) {
           const std::size_t holder = streamed_issued_ - slots_;  // the flush that frees our slot
@@ -250,7 +282,7 @@ class Walk {
   }
 
   void start_ready() {
-    if (!cpu_job_.active && cpu_next_ < cpu_tasks_.size()) {
+    if (!cpu_job_.active && cpu_next_ < cpu_tasks_.size() && read_done(cpu_tasks_[cpu_next_])) {
       const std::size_t k = cpu_next_++;
       cpu_job_ = {true, params(cpu_tasks_[k]), k, false};
     }
@@ -276,6 +308,27 @@ class Walk {
       const std::size_t j = flush_queue_[flush_next_++];
       d2h_job_ = {true, params(gpu_tasks_[j].subgroup) * c_.out_per_param, j, false};
     }
+    // The NVMe drive: write-backs first (they free a staging buffer), else the next read in
+    // update order while fewer than nvme_read_ahead subgroups hold staging.
+    if (!nvme_job_.active) {
+      if (writes_next_ < write_queue_.size()) {
+        const std::size_t sg = write_queue_[writes_next_++];
+        nvme_job_ = {true, params(sg) * kStateBytesPerParam, sg, false};
+      } else if (reads_started_ < nvme_order_.size() && staged_ < w_.nvme_read_ahead) {
+        const std::size_t sg = nvme_order_[reads_started_++];
+        ++staged_;
+        nvme_job_ = {true, params(sg) * kStateBytesPerParam, sg, true};
+      }
+    }
+  }
+
+  // Whether `subgroup`'s state is in host memory: not on NVMe, or read back already.
+  [[nodiscard]] bool read_done(std::size_t subgroup) const {
+    return read_done_at_.empty() || !spilled(w_, subgroup) || read_done_at_[subgroup] < kInf;
+  }
+  // The update of `subgroup` is done (CPU) or its state flushed (GPU): on NVMe, it goes back.
+  void written_back_after(std::size_t subgroup) {
+    if (!read_done_at_.empty() && spilled(w_, subgroup)) write_queue_.push_back(subgroup);
   }
 
   // Advances the clock to the next completion and handles what completes there.
@@ -284,17 +337,19 @@ class Walk {
     // them); the CPU update gets what is left.
     double h2d_rate = h2d_job_.active ? r_.h2d_bytes_per_s : 0;
     double d2h_rate = d2h_job_.active ? r_.d2h_bytes_per_s : 0;
-    const double dma = h2d_rate + d2h_rate;
+    double nvme_rate = !nvme_job_.active ? 0 : nvme_job_.is_input ? r_.nvme_read_bytes_per_s : r_.nvme_write_bytes_per_s;
+    const double dma = h2d_rate + d2h_rate + nvme_rate;
     if (dma > r_.host_dram_bytes_per_s) {
       const double scale = r_.host_dram_bytes_per_s / dma;
       h2d_rate *= scale;
       d2h_rate *= scale;
+      nvme_rate *= scale;
     }
     double cpu_rate = 0;  // params/s
     if (cpu_job_.active) {
       cpu_rate = 1 / c_.cpu_s_per_param;
       if (c_.cpu_dram_per_param > 0) {
-        const double left = std::max(0.0, r_.host_dram_bytes_per_s - h2d_rate - d2h_rate);
+        const double left = std::max(0.0, r_.host_dram_bytes_per_s - h2d_rate - d2h_rate - nvme_rate);
         cpu_rate = std::min(cpu_rate, left / c_.cpu_dram_per_param);
       }
     }
@@ -307,7 +362,8 @@ class Walk {
     const double t_h2d = finish_in(h2d_job_, h2d_rate);
     const double t_gpu = finish_in(gpu_job_, gpu_rate);
     const double t_d2h = finish_in(d2h_job_, d2h_rate);
-    const double dt = std::min({t_cpu, t_h2d, t_gpu, t_d2h});
+    const double t_nvme = finish_in(nvme_job_, nvme_rate);
+    const double dt = std::min({t_cpu, t_h2d, t_gpu, t_d2h, t_nvme});
     MEMTIDE_ASSERT(dt < kInf);
     t_ += dt;
     // Jobs ending within rounding of this step end now, not after a step of a few ulps.
@@ -321,12 +377,25 @@ class Walk {
       job.remaining -= rate * dt;
       return false;
     };
-    if (advance(cpu_job_, cpu_rate, t_cpu)) lp_ready_at_.push_back(t_);
+    if (advance(cpu_job_, cpu_rate, t_cpu)) {
+      lp_ready_at_.push_back(t_);
+      written_back_after(cpu_tasks_[cpu_job_.task]);
+    }
     if (advance(h2d_job_, h2d_rate, t_h2d) && h2d_job_.is_input) input_done_[h2d_job_.task] = true;
     if (advance(gpu_job_, gpu_rate, t_gpu) && gpu_tasks_[gpu_job_.task].streamed) {
       flush_queue_.push_back(gpu_job_.task);
     }
-    if (advance(d2h_job_, d2h_rate, t_d2h)) flush_done_at_.push_back(t_);
+    if (advance(d2h_job_, d2h_rate, t_d2h)) {
+      flush_done_at_.push_back(t_);
+      written_back_after(gpu_tasks_[d2h_job_.task].subgroup);
+    }
+    if (advance(nvme_job_, nvme_rate, t_nvme)) {
+      if (nvme_job_.is_input) {
+        read_done_at_[nvme_job_.task] = t_;
+      } else {
+        --staged_;  // written back: its staging buffer is free
+      }
+    }
   }
 
   const Workload& w_;
@@ -339,6 +408,7 @@ class Walk {
 
   double t_ = 0;  // seconds
   Job cpu_job_, h2d_job_, gpu_job_, d2h_job_;
+  Job nvme_job_;  // task: the subgroup; is_input: a read (else a write-back)
 
   std::size_t cpu_next_ = 0;          // next CPU task to start
   std::vector<double> lp_ready_at_;   // when each finished CPU task's copy became ready
@@ -356,6 +426,13 @@ class Walk {
   std::vector<std::size_t> flush_queue_;  // streamed GPU tasks done, awaiting their flush
   std::size_t flush_next_ = 0;
   std::vector<double> flush_done_at_;     // when each flush ended (frees a slot)
+
+  std::vector<std::size_t> nvme_order_;   // subgroups on NVMe (not residents), in update order
+  std::vector<double> read_done_at_;      // per subgroup: when its read ended; empty: no NVMe
+  std::size_t reads_started_ = 0;
+  std::size_t staged_ = 0;                // subgroups read and not yet written back
+  std::vector<std::size_t> write_queue_;  // updated subgroups waiting for their write-back
+  std::size_t writes_next_ = 0;
 };
 
 std::size_t useful_slots(const Workload& w) { return std::min(w.gpu_slot_limit, kUsefulSlots); }
@@ -437,10 +514,12 @@ class BoundEstimate {
     const std::size_t n = w.subgroup_params.size();
     params_.assign(n + 1, 0.0);
     grads_.assign(n + 1, 0.0);
+    nvme_.assign(n + 1, 0.0);
     for (std::size_t i = 0; i < n; ++i) {
       const auto p = static_cast<double>(w.subgroup_params[i]);
       params_[i + 1] = params_[i] + p;
       grads_[i + 1] = grads_[i] + p * grad_upload(w, c, i);
+      nvme_[i + 1] = nvme_[i] + (spilled(w, i) ? p : 0.0);
     }
   }
 
@@ -453,6 +532,7 @@ class BoundEstimate {
     l.cpu_params = params_[s] - l.streamed_params;
     l.gpu_params = l.streamed_params + (params_[n] - params_[s]);
     l.grad_bytes = grads_[s] * share + (grads_[n] - grads_[s]);
+    l.nvme_params = nvme_[s];  // residents (the last t) keep their state on the GPU
     Prediction out;
     busy_times(l, r_, c_, out);
     return out.bound_ns;
@@ -476,20 +556,25 @@ class BoundEstimate {
   const Costs& c_;
   std::vector<double> params_;  // params_[i]: params of subgroups 0..i-1
   std::vector<double> grads_;   // grads_[i]: gradient bytes their GPU updates would upload
+  std::vector<double> nvme_;    // nvme_[i]: params of those on the NVMe tier
 };
 
 // `w` with every `grain` consecutive subgroups merged into one (the last merges what is left):
 // the same work in fewer, larger pieces. A merged subgroup's gradient counts as on the device
-// only when all of its parts' are; residents are limited to what whole merged ones hold.
+// only when all of its parts' are, and its state as on NVMe when any part's is; residents are
+// limited to what whole merged ones hold.
 Workload coarsen(const Workload& w, std::size_t grain) {
   Workload out = w;
   const std::size_t n = w.subgroup_params.size();
   const std::size_t m = (n + grain - 1) / grain;
   out.subgroup_params.assign(m, 0);
   if (!w.grad_on_device.empty()) out.grad_on_device.assign(m, true);
+  if (!w.on_nvme.empty()) out.on_nvme.assign(m, false);
   for (std::size_t i = 0; i < n; ++i) {
     out.subgroup_params[i / grain] += w.subgroup_params[i];
     if (!w.grad_on_device.empty() && !w.grad_on_device[i]) out.grad_on_device[i / grain] = false;
+    // A merged subgroup with a spilled part pays the drive for all of it: the proxy only seeds.
+    if (!w.on_nvme.empty() && w.on_nvme[i]) out.on_nvme[i / grain] = true;
   }
   out.gpu_slot_limit = std::min(w.gpu_slot_limit, m);
   out.gpu_static_limit = std::min(w.gpu_static_limit / grain, m);
@@ -711,6 +796,51 @@ void fit_gpu_budget(Workload& work, const GpuBudget& budget) {
   // A resident keeps a gradient array whatever the gradient path (the scheduler allocates it).
   work.gpu_static_limit =
       static_cast<std::size_t>(std::min(std::min(left, budget.resident_bytes) / gpu_slot_bytes(largest, true), n));
+}
+
+std::size_t fit_host_budget(Workload& work, std::uint64_t host_budget_bytes) {
+  const std::size_t n = work.subgroup_params.size();
+  work.on_nvme.clear();
+  double total = 0, largest = 0;
+  for (std::size_t p : work.subgroup_params) {
+    total += 16.0 * static_cast<double>(p);
+    largest = std::max(largest, static_cast<double>(p));
+  }
+  const auto budget = static_cast<double>(host_budget_bytes);
+  if (total <= budget) return 0;
+  const std::size_t candidates = n - std::min(work.gpu_static_limit, n);
+  // Host memory with m subgroups spilled: their 12 B/param leave, staging for the read-ahead comes.
+  const double staging = static_cast<double>(std::max<std::size_t>(work.nvme_read_ahead, 1)) * kStateBytesPerParam * largest;
+  auto pick = [&](std::size_t m) {
+    std::vector<bool> out(n, false);
+    for (std::size_t k = 0; k < m; ++k) {
+      out[static_cast<std::size_t>((static_cast<double>(k) + 0.5) * static_cast<double>(candidates) /
+                                   static_cast<double>(m))] = true;
+    }
+    return out;
+  };
+  auto host_bytes = [&](const std::vector<bool>& on) {
+    double moved = 0;
+    for (std::size_t i = 0; i < n; ++i) moved += on[i] ? kStateBytesPerParam * static_cast<double>(work.subgroup_params[i]) : 0;
+    return total - moved + staging;
+  };
+  if (candidates == 0 || host_bytes(pick(candidates)) > budget) {
+    const double floor = candidates == 0 ? total : host_bytes(pick(candidates));
+    throw InvalidArgument("host budget " + format_bytes(host_budget_bytes) + " is too small: the optimizer state (" +
+                          format_bytes(static_cast<std::uint64_t>(total)) + ") needs at least " +
+                          format_bytes(static_cast<std::uint64_t>(floor)) +
+                          " of host memory even with every subgroup's params and moments on NVMe (gradients, "
+                          "GPU residents and the read-ahead staging stay in host memory)");
+  }
+  // The fewest evenly spread subgroups that fit: the host bytes fall as m grows.
+  std::size_t lo = 1, hi = candidates;
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    if (host_bytes(pick(mid)) <= budget) hi = mid;
+    else lo = mid + 1;
+  }
+  work.on_nvme = pick(lo);
+  return lo;
 }
 
 Rates sim_rates(const SimConfig& c) {

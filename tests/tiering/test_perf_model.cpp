@@ -535,3 +535,127 @@ TEST(PerfModel, GradientsAlreadyOnTheDeviceAreNotUploaded) {
   w.grad_on_device.assign(3, true);
   expect_invalid([&] { (void)model.predict(w, Rates{}, placement); }, "grad_on_device has 3 entries");
 }
+
+// ---- the NVMe tier --------------------------------------------------------------------------
+
+namespace {
+Rates with_nvme(double read_gbs, double write_gbs) {
+  Rates r;
+  r.nvme_read_bytes_per_s = read_gbs * 1e9;
+  r.nvme_write_bytes_per_s = write_gbs * 1e9;
+  return r;
+}
+}  // namespace
+
+TEST(PerfModelNvme, ReadsAndWritesAreCountedOnTheDriveAndInDram) {
+  const PerfModel model;
+  Workload w = uniform(8, 100'000'000);
+  w.on_nvme.assign(8, true);
+  const Rates r = with_nvme(6, 3);
+  const Prediction p = model.predict(w, r, std::vector<Placement>(8, Placement::cpu));
+  const double state = 8 * 100e6 * 12;
+  EXPECT_NEAR(p.nvme_ns, (state / 6e9 + state / 3e9) * 1e9, 1e-6 * p.nvme_ns);
+  EXPECT_DOUBLE_EQ(p.nvme_bytes, 2 * state);
+  EXPECT_EQ(p.busiest, "nvme");  // 12 B/param each way at 6 and 3 GB/s: slower than the CPU at 2 G/s
+  Workload none = uniform(8, 100'000'000);
+  const Prediction q = model.predict(none, r, std::vector<Placement>(8, Placement::cpu));
+  EXPECT_NEAR(p.dram_bytes - q.dram_bytes, 2 * state, 1);
+  EXPECT_EQ(q.nvme_ns, 0);
+  // A static resident keeps its state on the GPU: nothing on the drive.
+  const Prediction s = model.predict(w, r, std::vector<Placement>(8, Placement::gpu_static));
+  EXPECT_EQ(s.nvme_ns, 0);
+}
+
+TEST(PerfModelNvme, TheDriveOverlapsTheCpuInsteadOfAddingToIt) {
+  // Half the subgroups spilled, all updated on the CPU: the phase takes about the slower of the
+  // CPU and the drive, not their sum (read-ahead and write-behind).
+  const PerfModel model;
+  Workload w = uniform(32, 50'000'000);
+  w.on_nvme.assign(32, false);
+  for (std::size_t i = 0; i < 32; i += 2) w.on_nvme[i] = true;
+  const Rates r = with_nvme(12, 12);
+  const Prediction p = model.predict(w, r, std::vector<Placement>(32, Placement::cpu));
+  const double slower = std::max(p.cpu_ns, p.nvme_ns);
+  EXPECT_LT(p.total_ns, 1.15 * slower) << "cpu " << p.cpu_ns << " nvme " << p.nvme_ns;
+  EXPECT_LT(p.total_ns, 0.8 * (p.cpu_ns + p.nvme_ns));
+  // More read-ahead never hurts; with one buffer the drive and the CPU take turns more often.
+  Workload one = w;
+  one.nvme_read_ahead = 1;
+  EXPECT_GE(model.predict(one, r, std::vector<Placement>(32, Placement::cpu)).total_ns, p.total_ns * (1 - 1e-12));
+}
+
+TEST(PerfModelNvme, AGpuUpdatedSubgroupComesFromTheDriveThroughTheHost) {
+  const PerfModel model;
+  Workload w = uniform(1, 100'000'000);
+  w.on_nvme = {true};
+  const Rates r = with_nvme(10, 10);
+  const Prediction p = model.predict(w, r, {Placement::gpu});
+  const double bytes = 100e6 * 12;
+  // Read, then H2D (state and grads), update, flush, write back: one after another.
+  const double serial = (bytes / r.nvme_read_bytes_per_s + 100e6 * 16 / r.h2d_bytes_per_s +
+                         100e6 / r.gpu_update_params_per_s + bytes / r.d2h_bytes_per_s +
+                         bytes / r.nvme_write_bytes_per_s) * 1e9;
+  EXPECT_NEAR(p.total_ns, serial, 1e-6 * serial);
+}
+
+TEST(PerfModelNvme, AutomaticPlansWithTheDriveAndNeverLosesToTheOtherPolicies) {
+  const PerfModel model;
+  Workload w = uniform(40, 100'000'000);
+  w.gpu_static_limit = 4;
+  // 40% of 16 B/param must leave, 12 B/param per spilled subgroup, plus 2 staging buffers: 24.
+  ASSERT_EQ(fit_host_budget(w, static_cast<std::uint64_t>(40 * 100e6 * 16 * 0.6)), 24U);
+  const Rates r = with_nvme(8, 6);
+  const Plan best = model.plan(w, r, Policy::automatic);
+  for (Policy other : {Policy::cpu, Policy::static_split, Policy::interleaved}) {
+    EXPECT_LE(best.prediction.total_ns, model.plan(w, r, other, 0.1, 2).prediction.total_ns * (1 + 1e-9));
+  }
+  EXPECT_GT(best.prediction.nvme_ns, 0);
+}
+
+TEST(PerfModelNvme, FitHostBudgetSpillsTheFewestEvenlyAndNeverAResident) {
+  Workload w = uniform(20, 10'000'000);
+  w.gpu_static_limit = 5;
+  const double state = 20 * 10e6 * 16;
+  EXPECT_EQ(fit_host_budget(w, static_cast<std::uint64_t>(state)), 0U);  // fits: nothing spilled
+  EXPECT_TRUE(w.on_nvme.empty());
+  const std::size_t m = fit_host_budget(w, static_cast<std::uint64_t>(state * 0.7));
+  ASSERT_EQ(w.on_nvme.size(), 20U);
+  // 30% of 16 B/param must leave, 12 B/param per spilled subgroup, plus 2 staging buffers.
+  EXPECT_EQ(m, static_cast<std::size_t>(std::ceil((0.3 * state + 2 * 12 * 10e6) / (12 * 10e6))));
+  for (std::size_t i = 15; i < 20; ++i) EXPECT_FALSE(w.on_nvme[i]) << i;  // the residents' places
+  std::size_t first = 20, last = 0;
+  for (std::size_t i = 0; i < 20; ++i) {
+    if (w.on_nvme[i]) first = std::min(first, i), last = std::max(last, i);
+  }
+  EXPECT_LE(first, 2U);  // spread over the candidates, not bunched at one end
+  EXPECT_GE(last, 12U);
+  try {
+    fit_host_budget(w, 1000);
+    FAIL() << "a 1000-byte budget was accepted";
+  } catch (const memtide::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("too small"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PerfModelNvme, ASpilledWorkloadWithoutDriveRatesIsRefusedNamingThem) {
+  const PerfModel model;
+  Workload w = uniform(4, 1000);
+  w.on_nvme = {true, false, false, false};
+  try {
+    (void)model.plan(w, Rates{}, Policy::automatic);
+    FAIL();
+  } catch (const memtide::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("nvme_read_bytes_per_s"), std::string::npos) << e.what();
+  }
+  w.on_nvme = {true};
+  EXPECT_THROW((void)model.plan(w, with_nvme(1, 1), Policy::automatic), memtide::InvalidArgument);  // wrong length
+}
+
+TEST(PerfModelNvme, LargeSpilledWorkloadsArePlannedThroughTheProxyToo) {
+  const PerfModel model;
+  Workload w = uniform(10'000, 2'000'000);
+  ASSERT_GT(fit_host_budget(w, static_cast<std::uint64_t>(10'000 * 2e6 * 16 * 0.5)), 0U);
+  const Plan p = model.plan(w, with_nvme(8, 6), Policy::automatic);
+  EXPECT_GT(p.prediction.nvme_ns, 0);
+  EXPECT_LE(p.prediction.total_ns, model.plan(w, with_nvme(8, 6), Policy::cpu).prediction.total_ns * (1 + 1e-9));
+}

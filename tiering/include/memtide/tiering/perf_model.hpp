@@ -49,6 +49,8 @@ struct Rates {
   double cpu_downscale_params_per_s = 0; ///< D_c: a separate fp32 -> 16-bit pass; 0 = fused into U_c
   double host_dram_bytes_per_s = 220e9;  ///< host DRAM, shared by CPU updates and DMA
   double cpu_dram_bytes_per_param = 30;  ///< DRAM traffic of one CPU-updated param
+  double nvme_read_bytes_per_s = 0;      ///< the NVMe tier's reads; 0 = no NVMe tier
+  double nvme_write_bytes_per_s = 0;     ///< the NVMe tier's writes; 0 = no NVMe tier
 };
 
 /// The rates a SimDevice runs at, as the model sees them: comparing the model with the simulator
@@ -67,6 +69,12 @@ struct Workload {
   std::vector<bool> grad_on_device;
   std::size_t gpu_slot_limit = 3;            ///< streamed subgroups that fit in the headroom at once
   std::size_t gpu_static_limit = 0;          ///< subgroups that may stay resident on the GPU
+  /// Per subgroup: its state (fp32 params, exp_avg, exp_avg_sq: 12 B/param) lives on the NVMe
+  /// tier. It is read before its update and written back after it (after the flush when updated
+  /// on the GPU), `nvme_read_ahead` subgroups ahead; a static resident keeps its state on the GPU
+  /// and moves nothing. Empty: none is.
+  std::vector<bool> on_nvme;
+  std::size_t nvme_read_ahead = 2;           ///< NVMe subgroups in host staging at once (>= 1)
 };
 
 /// Streamed subgroups in flight at once: with three, one is being prefetched, one updated and one
@@ -95,12 +103,22 @@ std::uint64_t gpu_slot_bytes(std::size_t largest, bool with_grad = true);
 /// leave of the update budget). Both at most the number of subgroups.
 void fit_gpu_budget(Workload& work, const GpuBudget& budget);
 
+/// The one place that decides which subgroups live on NVMe: the fewest that bring the host
+/// state (16 B/param: fp32 params, exp_avg, exp_avg_sq and gradient) within `host_budget_bytes`,
+/// spread evenly over the update order (so their reads overlap the work on the others) and never
+/// among the last `work.gpu_static_limit` (static residents keep their state on the GPU). Sets
+/// `work.on_nvme`; returns how many. Throws InvalidArgument when even spilling every other
+/// subgroup's state cannot fit the budget (the gradients and staging stay in host memory).
+std::size_t fit_host_budget(Workload& work, std::uint64_t host_budget_bytes);
+
 /// Predicted busy time per resource and the resulting update time.
 struct Prediction {
   double total_ns = 0;  ///< predicted update-phase time
   double bound_ns = 0;  ///< the busiest resource's time: no schedule of this placement beats it
   double cpu_ns = 0, gpu_ns = 0, h2d_ns = 0, d2h_ns = 0, dram_ns = 0;
-  std::string busiest;  ///< "cpu", "gpu", "h2d", "d2h" or "dram"
+  double nvme_ns = 0;   ///< NVMe reads plus writes, one drive serving both
+  std::string busiest;  ///< "cpu", "gpu", "h2d", "d2h", "dram" or "nvme"
+  double nvme_bytes = 0;  ///< bytes the NVMe tier reads and writes
   double h2d_bytes = 0, d2h_bytes = 0;  ///< bytes each copy engine moves
   double dram_bytes = 0;                ///< host DRAM traffic: CPU updates plus all DMA
 };
