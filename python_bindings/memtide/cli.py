@@ -526,11 +526,18 @@ def _plan(args: argparse.Namespace) -> Dict[str, Any]:
     sizes = _subgroups(params, args.subgroup_size)
 
     host_state = _HOST_STATE_BYTES * params
-    if host_state > args.host_mem:
+    nvme_flags = args.nvme_read is not None or args.nvme_write is not None
+    if host_state > args.host_mem and not nvme_flags:
         raise PlanError(
             f"the optimizer state of {_format_count(params)} params needs {format_bytes(host_state)} of host "
             f"memory ({_HOST_STATE_BYTES} B/param: fp32 params, exp_avg, exp_avg_sq, grads), but --host-mem is "
-            f"{format_bytes(args.host_mem)}: an NVMe tier is needed for this model (not planned here)")
+            f"{format_bytes(args.host_mem)}: plan with an NVMe tier (--nvme-read and --nvme-write, measured by "
+            "memtide probe --nvme DIR)")
+    if nvme_flags and (args.nvme_read is None or args.nvme_write is None):
+        raise PlanError("an NVMe tier needs both --nvme-read and --nvme-write (memtide probe --nvme DIR measures them)")
+    if nvme_flags:
+        rates["nvme_read_bytes_per_s"] = args.nvme_read * 1e9
+        rates["nvme_write_bytes_per_s"] = args.nvme_write * 1e9
     persistent = _GPU_PERSISTENT_BYTES * params
     if persistent + args.margin > args.gpu_mem:
         raise PlanError(
@@ -541,6 +548,13 @@ def _plan(args: argparse.Namespace) -> Dict[str, Any]:
     # No iteration is measured here: slots and residents share the update headroom.
     fit = memtide.fit_gpu_budget(sizes, headroom, headroom)
     slot_bytes, slots, static_limit = fit["slot_bytes"], fit["gpu_slot_limit"], fit["gpu_static_limit"]
+    on_nvme = None
+    if host_state > args.host_mem:
+        try:
+            on_nvme = memtide.fit_host_budget(sizes, args.host_mem, gpu_static_limit=static_limit)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+    spilled = sum(on_nvme) if on_nvme else 0
 
     policies = {}
     for name in _POLICIES:
@@ -548,7 +562,8 @@ def _plan(args: argparse.Namespace) -> Dict[str, Any]:
         # auto searches both.
         plan = memtide.plan_update(
             sizes, policy=name, rates=rates, static_fraction=args.static_fraction if name == "static" else 0.0,
-            k=args.k if name == "interleaved" else None, gpu_slot_limit=slots, gpu_static_limit=static_limit)
+            k=args.k if name == "interleaved" else None, gpu_slot_limit=slots, gpu_static_limit=static_limit,
+            on_nvme=on_nvme)
         pred = plan["prediction"]
         seconds = pred["total_ns"] / 1e9
         policies[name] = {
@@ -560,7 +575,7 @@ def _plan(args: argparse.Namespace) -> Dict[str, Any]:
             "bound_s": pred["bound_ns"] / 1e9,
             "throughput_params_per_s": params / seconds if seconds > 0 else 0.0,
             "busiest": pred["busiest"],
-            "busy_s": {r: pred[f"{r}_ns"] / 1e9 for r in ("cpu", "gpu", "h2d", "d2h", "dram")},
+            "busy_s": {r: pred[f"{r}_ns"] / 1e9 for r in ("cpu", "gpu", "h2d", "d2h", "dram", "nvme")},
             "placement": plan["placement"],
         }
     chosen = policies[args.policy]
@@ -580,6 +595,9 @@ def _plan(args: argparse.Namespace) -> Dict[str, Any]:
             "slot_bytes": slot_bytes, "slot_limit": slots, "static_limit": static_limit,
         },
         "host": {"memory": args.host_mem, "optimizer_state": host_state},
+        "nvme": {"subgroups": spilled, "state_bytes": spilled * 12 * args.subgroup_size,
+                 "read_bytes_per_s": rates.get("nvme_read_bytes_per_s", 0),
+                 "write_bytes_per_s": rates.get("nvme_write_bytes_per_s", 0)} if spilled else None,
         "rates": rates,
         "overridden": overridden,
         "defaults": _DEFAULTS_NOTE,
@@ -598,7 +616,14 @@ def _print_plan(result: Dict[str, Any]) -> None:
     print(f"          = {g['slot_limit']} slot(s) of {format_bytes(g['slot_bytes'])} (fp32 p, m, v, grad; "
           f"up to {memtide.USEFUL_SLOTS} used for streaming), up to {g['static_limit']} static resident(s) "
           f"(activations not counted)")
-    print(f"host      {format_bytes(h['memory'])}: optimizer state {format_bytes(h['optimizer_state'])} fits")
+    nv = result.get("nvme")
+    if nv:
+        print(f"host      {format_bytes(h['memory'])}: optimizer state {format_bytes(h['optimizer_state'])} does not "
+              f"fit; {nv['subgroups']} subgroups ({format_bytes(nv['state_bytes'])} of params and moments) live on "
+              f"NVMe, read ahead and written back at {nv['read_bytes_per_s'] / 1e9:.1f} / "
+              f"{nv['write_bytes_per_s'] / 1e9:.1f} GB/s")
+    else:
+        print(f"host      {format_bytes(h['memory'])}: optimizer state {format_bytes(h['optimizer_state'])} fits")
     downscale = ("fused into the CPU step" if r["cpu_downscale_params_per_s"] == 0
                  else f"{r['cpu_downscale_params_per_s'] / 1e9:.2f} G params/s")
     print(f"rates     H2D {r['h2d_bytes_per_s'] / 1e9:.1f} GB/s, D2H {r['d2h_bytes_per_s'] / 1e9:.1f} GB/s, "
@@ -763,6 +788,10 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--margin", type=_size, default=2 * 2**30, metavar="SIZE",
                       help="GPU memory kept free: CUDA context, workspaces, fragmentation (default: 2GiB)")
     _add_rate_flags(plan)
+    plan.add_argument("--nvme-read", type=_rate, default=None, metavar="GB/s",
+                      help="the NVMe tier's read rate (memtide probe --nvme DIR); with --nvme-write, a model whose "
+                      "state exceeds --host-mem is planned with the subgroups that do not fit on NVMe")
+    plan.add_argument("--nvme-write", type=_rate, default=None, metavar="GB/s", help="the NVMe tier's write rate")
     plan.add_argument("--cpu-downscale", type=_rate_or_zero, default=None, metavar="G/s",
                       help="separate fp32->16-bit pass on the CPU, G params/s (D_c); 0 = fused into the step")
     plan.add_argument("--static-fraction", type=_fraction, default=0.2, metavar="F",

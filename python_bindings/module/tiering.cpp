@@ -37,6 +37,8 @@ constexpr RateField kRateFields[] = {
     {"cpu_downscale_params_per_s", &tiering::Rates::cpu_downscale_params_per_s},
     {"host_dram_bytes_per_s", &tiering::Rates::host_dram_bytes_per_s},
     {"cpu_dram_bytes_per_param", &tiering::Rates::cpu_dram_bytes_per_param},
+    {"nvme_read_bytes_per_s", &tiering::Rates::nvme_read_bytes_per_s},
+    {"nvme_write_bytes_per_s", &tiering::Rates::nvme_write_bytes_per_s},
 };
 
 nb::dict rates_dict(const tiering::Rates& r) {
@@ -136,6 +138,8 @@ nb::dict prediction_dict(const tiering::Prediction& p) {
   d["h2d_ns"] = p.h2d_ns;
   d["d2h_ns"] = p.d2h_ns;
   d["dram_ns"] = p.dram_ns;
+  d["nvme_ns"] = p.nvme_ns;
+  d["nvme_bytes"] = p.nvme_bytes;
   d["busiest"] = p.busiest;
   d["h2d_bytes"] = p.h2d_bytes;
   d["d2h_bytes"] = p.d2h_bytes;
@@ -160,9 +164,12 @@ namespace {
 nb::dict plan_update(const std::vector<std::int64_t>& subgroup_params, const std::string& policy,
                      const std::optional<nb::dict>& rates, double static_fraction, std::optional<double> k,
                      std::int64_t low_precision_bytes, bool grads_on_host, std::int64_t gpu_slot_limit,
-                     std::int64_t gpu_static_limit) {
-  const tiering::Workload w =
+                     std::int64_t gpu_static_limit, const std::optional<std::vector<bool>>& on_nvme,
+                     std::int64_t nvme_read_ahead) {
+  tiering::Workload w =
       workload_arg(subgroup_params, low_precision_bytes, grads_on_host, gpu_slot_limit, gpu_static_limit);
+  if (on_nvme) w.on_nvme = *on_nvme;
+  w.nvme_read_ahead = count_arg("nvme_read_ahead", nvme_read_ahead);
   const tiering::Rates r = rates_arg(rates);
   const tiering::Policy pol = policy_arg(policy);
   tiering::Plan plan;
@@ -188,6 +195,14 @@ nb::dict predict_update(const std::vector<std::int64_t>& subgroup_params, const 
 }
 
 // ---- fitting device memory -------------------------------------------------------------------
+
+std::vector<bool> fit_host_budget(const std::vector<std::int64_t>& subgroup_params, std::int64_t host_budget_bytes,
+                                  std::int64_t gpu_static_limit, std::int64_t nvme_read_ahead) {
+  tiering::Workload w = workload_arg(subgroup_params, 2, true, 0, gpu_static_limit);
+  w.nvme_read_ahead = count_arg("nvme_read_ahead", nvme_read_ahead);
+  tiering::fit_host_budget(w, count_arg("host_budget_bytes", host_budget_bytes));
+  return w.on_nvme.empty() ? std::vector<bool>(w.subgroup_params.size(), false) : w.on_nvme;
+}
 
 nb::dict fit_gpu_budget(const std::vector<std::int64_t>& subgroup_params, std::int64_t update_bytes,
                         std::int64_t resident_bytes, bool grads_on_host) {
@@ -478,7 +493,7 @@ void bind_tiering(nb::module_& m) {
         "The update-phase PerfModel's default rates (bytes/s, params/s, bytes/param), keyed by field.");
   m.def("plan_update", &plan_update, "subgroup_params"_a, "policy"_a = "auto", "rates"_a = nb::none(),
         "static_fraction"_a = 0.0, "k"_a = nb::none(), "low_precision_bytes"_a = 2, "grads_on_host"_a = true,
-        "gpu_slot_limit"_a = 3, "gpu_static_limit"_a = 0,
+        "gpu_slot_limit"_a = 3, "gpu_static_limit"_a = 0, "on_nvme"_a = nb::none(), "nvme_read_ahead"_a = 2,
         "The PerfModel's update-phase plan for `policy` (cpu, static, interleaved, auto): the one\n"
         "placement function. `static_fraction`: the GPU-resident share (static, interleaved, auto with k);\n"
         "`k`: the stride, one in every k subgroups on the GPU (interleaved: default 2; auto: None searches).\n\n"
@@ -489,6 +504,10 @@ void bind_tiering(nb::module_& m) {
         "low_precision_bytes"_a = 2, "grads_on_host"_a = true, "gpu_slot_limit"_a = 3,
         "The PerfModel's predicted update phase for `placement` (one letter per subgroup: c, g, s).");
 
+  m.def("fit_host_budget", &fit_host_budget, "subgroup_params"_a, "host_budget_bytes"_a, "gpu_static_limit"_a = 0,
+        "nvme_read_ahead"_a = 2,
+        "Which subgroups must live on NVMe for the host state (16 B/param) to fit `host_budget_bytes`:\n"
+        "the fewest, spread evenly, never among the last `gpu_static_limit` (one bool per subgroup).");
   m.attr("MAX_SUBGROUPS") = tiering::kMaxSubgroups;
   m.attr("USEFUL_SLOTS") = tiering::kUsefulSlots;
   m.def("fit_gpu_budget", &fit_gpu_budget, "subgroup_params"_a, "update_bytes"_a, "resident_bytes"_a,

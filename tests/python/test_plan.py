@@ -200,3 +200,20 @@ def test_plan_refuses_absurdly_small_subgroups_at_once(cli):
     r = cli("plan", "--params", "20B", "--subgroup-size", "1000")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "20000000 subgroups" in r.stderr and f"at most {memtide.MAX_SUBGROUPS}" in r.stderr
+
+
+def test_a_state_larger_than_host_memory_is_planned_with_an_nvme_tier(cli):
+    r = cli("plan", "--params", "20B", "--host-mem", "200GB", "--nvme-read", "6", "--nvme-write", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    nv = out["nvme"]
+    assert nv["subgroups"] > 0 and nv["read_bytes_per_s"] == 6e9
+    # What stays in host memory fits: every spilled subgroup takes its 12 B/param to the drive.
+    assert out["host"]["optimizer_state"] - nv["state_bytes"] <= 200e9
+    auto = out["policies"]["auto"]
+    assert auto["busy_s"]["nvme"] > 0 and auto["predicted_update_s"] >= auto["busy_s"]["nvme"]
+    # Without the drive's rates the same model is refused, naming the flags.
+    q = cli("plan", "--params", "20B", "--host-mem", "200GB")
+    assert q.returncode != 0 and "--nvme-read" in q.stderr and "memtide probe --nvme" in q.stderr
+    z = cli("plan", "--params", "20B", "--host-mem", "10GB", "--nvme-read", "6", "--nvme-write", "3")
+    assert z.returncode != 0 and "too small" in z.stderr and "Traceback" not in z.stderr
