@@ -26,6 +26,7 @@ def test_default_rates_are_the_model_fields():
     assert set(rates) == {
         "h2d_bytes_per_s", "d2h_bytes_per_s", "cpu_update_params_per_s", "gpu_update_params_per_s",
         "cpu_downscale_params_per_s", "host_dram_bytes_per_s", "cpu_dram_bytes_per_param",
+        "nvme_read_bytes_per_s", "nvme_write_bytes_per_s",
     }
     assert all(v >= 0 for v in rates.values())
 
