@@ -532,7 +532,31 @@ void UpdateEngine::observe(const StepReport& r, double predicted_ns) {
   }
   if (predicted_ns > 0 && r.phase_ns > 0 && std::isfinite(predicted_ns)) {
     calibration_.observe_update_phase(predicted_ns, r.phase_ns);
+    observe_iteration_of_this_step(predicted_ns, r.phase_ns);
   }
+}
+
+// On a GPU the phase tracker and the scheduler share the wall clock, so the whole iteration can
+// be checked too: predicted from the passes as the last iteration ran them and the update as
+// planned (PerfModel::predict_iteration), measured as this iteration's passes and its update.
+// (On a SimDevice the scheduler's clock is virtual; the iteration simulator observes it there.)
+void UpdateEngine::observe_iteration_of_this_step(double update_predicted_ns, double update_measured_ns) {
+  if (device_.properties().backend != "cuda") return;
+  const PhaseReport report = allocator_.phase_report();
+  if (report.history.empty()) return;
+  const auto& last = report.history.back().phases;
+  const auto& now = report.running.phases;
+  const auto fwd = static_cast<int>(Phase::forward);
+  const auto bwd = static_cast<int>(Phase::backward);
+  if (!last[fwd].seen || !last[bwd].seen || !now[fwd].seen || !now[bwd].seen) return;
+  PassWork forward, backward;
+  forward.compute_ns = last[fwd].duration_ns;
+  backward.compute_ns = last[bwd].duration_ns;
+  Prediction update;
+  update.total_ns = update_predicted_ns;
+  const double predicted = model_.predict_iteration(forward, backward, update).total_ns;
+  const double measured = now[fwd].duration_ns + now[bwd].duration_ns + update_measured_ns;
+  if (predicted > 0 && measured > 0) calibration_.observe_iteration(predicted, measured);
 }
 
 }  // namespace memtide::tiering

@@ -407,8 +407,7 @@ class PyUpdateEngine {
   }
 
   nb::dict rates() const { return rates_dict(engine_->rates()); }
-  nb::dict errors() const {
-    const tiering::PredictionErrors e = engine_->prediction_errors();
+  static nb::dict errors_dict(const tiering::PredictionErrors& e) {
     nb::dict d;
     d["count"] = e.count;
     d["last"] = e.last;
@@ -416,6 +415,8 @@ class PyUpdateEngine {
     d["max_abs"] = e.max_abs;
     return d;
   }
+  nb::dict errors() const { return errors_dict(engine_->prediction_errors()); }
+  nb::dict iteration_errors() const { return errors_dict(engine_->iteration_errors()); }
   std::uint64_t host_bytes() const { return engine_->host_bytes(); }
   std::uint64_t resident_bytes() const { return engine_->resident_bytes(); }
   std::string device_name() const { return engine_->device().properties().name; }
@@ -565,6 +566,9 @@ void bind_tiering(nb::module_& m) {
            "on a GPU, a CPU array over the SimDevice's memory otherwise; it keeps the engine alive.")
       .def("rates", &PyUpdateEngine::rates, "The Calibration's current rates.")
       .def("prediction_errors", &PyUpdateEngine::errors, "Recent (measured - predicted) / predicted of whole phases.")
+      .def("iteration_errors", &PyUpdateEngine::iteration_errors,
+           "The same for whole iterations (on a GPU: the passes as the last iteration ran them plus the planned\n"
+           "update, against this iteration's).")
       .def_prop_ro("host_bytes", &PyUpdateEngine::host_bytes, "Pinned host bytes the state takes in the arena.")
       .def_prop_ro("resident_bytes", &PyUpdateEngine::resident_bytes, "Device bytes the engine holds between steps.")
       .def_prop_ro("device", &PyUpdateEngine::device)

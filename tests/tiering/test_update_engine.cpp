@@ -471,5 +471,31 @@ TEST(UpdateEngineFailures, AFailedConstructionGivesItsHostMemoryBack) {
   EXPECT_GE(ok.host_bytes(), 16U * n);
 }
 
+// On a GPU (wall clocks everywhere) each step also checks the whole iteration: the passes as the
+// last iteration ran them plus the planned update, against this iteration's. Not on a SimDevice,
+// whose scheduler runs on a virtual clock.
+TEST(UpdateEngineIterations, AGpuRunChecksWholeIterationsFromTheSecondOn) {
+  for (const char* backend : {"sim", "cuda"}) {
+    test::FailingDevice dev;
+    dev.pretend_backend(backend);
+    CachingAllocator alloc(dev, small_margin());
+    HostArena arena(arena_for(dev));
+    UpdateEngine e(alloc, arena, 4096, cut(4096, 1024), nullptr);
+    for (int it = 0; it < 3; ++it) {
+      alloc.mark_phase(Phase::forward);
+      void* act = alloc.allocate(1 << 20, Stream{});
+      alloc.mark_phase(Phase::backward);
+      alloc.deallocate(act, Stream{});
+      alloc.mark_phase(Phase::update);
+      const EnginePlan plan = e.plan(Policy::cpu);
+      (void)e.step(plan.plan.placement, plan.plan.gpu_slots, all_segments(e, it + 1), 1.0, 1.0, false, false,
+                   plan.plan.prediction.total_ns);
+    }
+    // Iterations 2 and 3 had a finished one before them.
+    EXPECT_EQ(e.iteration_errors().count, std::string(backend) == "cuda" ? 2U : 0U) << backend;
+    EXPECT_EQ(e.prediction_errors().count, 3U) << backend;
+  }
+}
+
 }  // namespace
 }  // namespace memtide::tiering

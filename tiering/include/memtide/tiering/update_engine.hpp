@@ -189,6 +189,7 @@ class UpdateEngine {
   Subgroup& scheduler_state(UpdateScheduler& scheduler, std::size_t j);
   EngineBudget measure_budget(const Workload& work) const;
   void observe(const StepReport& r, double predicted_ns);
+  void observe_iteration_of_this_step(double update_predicted_ns, double update_measured_ns);
 
   CachingAllocator& allocator_;
   Device& device_;
