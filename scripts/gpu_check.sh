@@ -183,6 +183,37 @@ assert peak >= 1 << 30, 'the observer did not see torch allocate 1 GiB'
 " "$logs/observe.json"
 }
 
+# The main job with --timeline on the GPU: CUPTI must be active and its copies and kernels must
+# be in the trace beside the allocator's events; the report, trace and pickle go in the logs.
+timeline_check() {
+  "$py" -m memtide.cli info | grep -E "^CUPTI" || true
+  "$py" -m memtide.cli run --iterations 4 --timeline "$logs/timeline.html" || return 1
+  "$py" - "$logs/timeline.trace.jsonl" <<'EOF2'
+import json, sys
+kinds, engines = {}, {}
+with open(sys.argv[1]) as f:
+    header = json.loads(f.readline())
+    for line in f:
+        e = json.loads(line)
+        kinds[e["type"]] = kinds.get(e["type"], 0) + 1
+        if e["type"] == "op":
+            engines[e["engine"]] = engines.get(e["engine"], 0) + 1
+print("cupti", header.get("cupti"), "events", kinds, "device ops", engines)
+assert header.get("cupti") in ("active", "partial"), "CUPTI did not trace the run"
+assert engines.get("compute", 0) > 0 and engines.get("h2d", 0) + engines.get("d2h", 0) > 0
+EOF2
+}
+
+# The NVMe tier's store on the machine's scratch disk (whatever backs the temp folder).
+nvme_check() {
+  local dir
+  dir=$(mktemp -d)
+  "$py" -m memtide.cli probe --nvme "$dir" --nvme-bytes 2GiB
+  local rc=$?
+  rm -rf "$dir"
+  return $rc
+}
+
 gbench_report() {  # target title label
   local json=$logs/$1.json
   "$build/bench/$1" --benchmark_min_time="$bench_min_time" --benchmark_format=console \
@@ -194,7 +225,8 @@ gbench_report() {  # target title label
 gpu_label=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 | tr 'A-Z' 'a-z' |
   sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
 gpu_label=${gpu_label:-nogpu}
-export -f machine configure_and_build cuda_suites_ran install_package alloc_conf_check observe_check gbench_report
+export -f machine configure_and_build cuda_suites_ran install_package alloc_conf_check observe_check gbench_report \
+  timeline_check nvme_check
 export mode budget bundle_note py build jobs logs outdir date_tag gpu_label bench_min_time
 
 run machine 30 -- machine
@@ -205,6 +237,8 @@ run install 120 gpu build -- install_package
 run probe 30 gpu install -- "$py" -m memtide.cli probe
 run backend-memtide 60 gpu install -- alloc_conf_check
 run observe 60 gpu install -- observe_check
+run timeline 120 gpu install -- timeline_check
+run nvme-probe 60 gpu install -- nvme_check
 run bench-update-phase 200 gpu build -- "$build/bench/memtide_bench_update_phase" --device cuda --params "$update_params" \
   --steps "$update_steps" --headroom 16GiB --out "$outdir/$date_tag-$gpu_label-update-phase.md"
 run pytest 200 gpu install -- "$py" -m pytest tests/python -q -rs -p no:cacheprovider --junitxml="$logs/pytest.xml"
