@@ -392,7 +392,11 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline") -> None
         return L + (t - tl.t0) / (tl.t1 - tl.t0) * width
 
     cap = tl.header.get("capacity_bytes") or 0
-    peak = max([m[2] for m in tl.memory] + [cap, 1])
+    used = max([m[2] for m in tl.memory] + [m[1] for m in tl.memory] + [1])
+    # The scale follows what was used; a capacity far above it is named, not drawn (it would
+    # flatten the curves into the axis).
+    cap_drawn = bool(cap) and cap <= 1.5 * used
+    peak = max(used * 1.1, cap if cap_drawn else 0, 1)
     H = 220
 
     def y(v: float) -> float:
@@ -405,9 +409,12 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline") -> None
         color = "#1f4e8c" if idx == 1 else "#999999"
         mem.append(f'<polyline class="series" points="{pts}" fill="none" stroke="{color}" stroke-width="1.5">'
                    f'<title>{label}</title></polyline>')
-    if cap:
+    if cap_drawn:
         mem.append(f'<line class="capacity" x1="{L}" x2="{W - 10}" y1="{y(cap):.1f}" y2="{y(cap):.1f}" stroke="#c00" '
                    f'stroke-dasharray="4 3"><title>capacity {_fmt_bytes(cap)}</title></line>')
+    elif cap:
+        mem.append(f'<text x="{W - 12}" y="22" font-size="11" text-anchor="end" fill="#c00">capacity '
+                   f'{_fmt_bytes(cap)}: far above what was used</text>')
     for frac in (0, 0.5, 1):
         mem.append(f'<text x="4" y="{y(peak * frac) + 4:.1f}" font-size="11">{_fmt_bytes(peak * frac)}</text>')
     mem.append("</svg>")
@@ -487,7 +494,9 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline") -> None
         f"{tl.t1 - tl.t0:.4g} s. Phases: {legend}</p>",
         "<h2>Device memory (allocated, reserved; dashed: capacity)</h2>", *mem,
         "<h2>PCIe lanes</h2>", *lanes("pcie", ("h2d", "d2h")),
-        "<h2>Engines</h2>", *lanes("gantt", tuple(e for e in ENGINES if any(tl.busy[e]))), *schedule,
+        "<h2>Engines</h2>", *(lanes("gantt", active) if (active := tuple(e for e in ENGINES if any(tl.busy[e])))
+                              else [f"<p style='font-size:12px'>No device activity in this trace (CUPTI: "
+                                    f"{html.escape(str(tl.header.get('cupti', 'not traced')))}).</p>"]), *schedule,
         "<h2>Per phase</h2>",
         "<table id='summary'><tr><th>phase</th><th>time</th><th>peak allocated</th><th>H2D</th><th>D2H</th></tr>",
         *rows, "</table>", "</body></html>",
