@@ -99,6 +99,40 @@ void Calibration::observe_cpu_downscale(std::size_t params, double ns) {
   observe(kCpuDownscale, "observe_cpu_downscale", static_cast<double>(params), ns);
 }
 
+void Calibration::observe_pcie(const PcieObservation& o) {
+  if (!(o.window_ns > 0) || !std::isfinite(o.window_ns)) {
+    throw InvalidArgument("Calibration::observe_pcie: window_ns = " + std::to_string(o.window_ns) +
+                          " is not accepted: expected a positive, finite time");
+  }
+  for (double v : {o.h2d_busy_ns, o.d2h_busy_ns, o.own_h2d_busy_ns, o.own_d2h_busy_ns}) {
+    if (!(v >= 0) || !std::isfinite(v)) {
+      throw InvalidArgument("Calibration::observe_pcie: a busy time of " + std::to_string(v) +
+                            " ns is not accepted: expected a finite time >= 0");
+    }
+  }
+  // Never all of a link: a plan must keep some rate to be a plan at all.
+  const double h2d = std::clamp((o.h2d_busy_ns - o.own_h2d_busy_ns) / o.window_ns, 0.0, 0.95);
+  const double d2h = std::clamp((o.d2h_busy_ns - o.own_d2h_busy_ns) / o.window_ns, 0.0, 0.95);
+  std::lock_guard lock(mutex_);
+  const double a = foreign_seen_ ? config_.alpha : 1.0;
+  foreign_share_[0] = (1 - a) * foreign_share_[0] + a * h2d;
+  foreign_share_[1] = (1 - a) * foreign_share_[1] + a * d2h;
+  foreign_seen_ = true;
+}
+
+std::pair<double, double> Calibration::foreign_pcie_share() const {
+  std::lock_guard lock(mutex_);
+  return {foreign_share_[0], foreign_share_[1]};
+}
+
+Rates Calibration::rates_for_planning() const {
+  std::lock_guard lock(mutex_);
+  Rates r = rates_;
+  r.h2d_bytes_per_s *= 1 - foreign_share_[0];
+  r.d2h_bytes_per_s *= 1 - foreign_share_[1];
+  return r;
+}
+
 double Calibration::observe_update_phase(double predicted_ns, double measured_ns) {
   return observe_error(kUpdatePhase, "observe_update_phase", "update", predicted_ns, measured_ns);
 }

@@ -237,7 +237,8 @@ EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::option
     w.gpu_static_limit = 0;
     out.reason = "this build has no CUDA optimizer kernels: every subgroup on the CPU";
   }
-  const Rates rates = calibration_.rates();
+  // The links as far as memtide can count on them: less what others were seen to take.
+  const Rates rates = calibration_.rates_for_planning();
   const std::size_t n = subgroups_.size();
   out.plan = model_.plan(w, rates, policy, static_fraction, k);
 

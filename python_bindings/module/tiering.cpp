@@ -418,6 +418,7 @@ class PyUpdateEngine {
   nb::dict errors() const { return errors_dict(engine_->prediction_errors()); }
   nb::dict iteration_errors() const { return errors_dict(engine_->iteration_errors()); }
   std::uint64_t host_bytes() const { return engine_->host_bytes(); }
+  tiering::UpdateEngine& native() { return *engine_; }
   std::uint64_t resident_bytes() const { return engine_->resident_bytes(); }
   std::string device_name() const { return engine_->device().properties().name; }
   int device() const { return device_; }
@@ -566,6 +567,17 @@ void bind_tiering(nb::module_& m) {
            "on a GPU, a CPU array over the SimDevice's memory otherwise; it keeps the engine alive.")
       .def("rates", &PyUpdateEngine::rates, "The Calibration's current rates.")
       .def("prediction_errors", &PyUpdateEngine::errors, "Recent (measured - predicted) / predicted of whole phases.")
+      .def(
+          "observe_pcie",
+          [](PyUpdateEngine& self, double window_ns, double h2d_busy_ns, double d2h_busy_ns, double own_h2d_busy_ns,
+             double own_d2h_busy_ns) {
+            self.native().observe_pcie(
+                tiering::PcieObservation{window_ns, h2d_busy_ns, d2h_busy_ns, own_h2d_busy_ns, own_d2h_busy_ns});
+          },
+          "window_ns"_a, "h2d_busy_ns"_a, "d2h_busy_ns"_a, "own_h2d_busy_ns"_a = 0.0, "own_d2h_busy_ns"_a = 0.0,
+          "What CUPTI saw on the PCIe links during an update phase: the share others took is planned around.")
+      .def("foreign_pcie_share", [](PyUpdateEngine& self) { return self.native().foreign_pcie_share(); },
+           "The shares of H2D and D2H that traffic memtide did not issue takes (smoothed).")
       .def("iteration_errors", &PyUpdateEngine::iteration_errors,
            "The same for whole iterations (on a GPU: the passes as the last iteration ran them plus the planned\n"
            "update, against this iteration's).")

@@ -215,3 +215,16 @@ def test_a_headless_browser_draws_the_report_with_the_network_off(tmp_path):
     p = subprocess.run([chromium, *offline, f"--screenshot={shot}", url], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and shot.stat().st_size > 10_000, p.stderr[-2000:]
     assert _png_colors(shot) >= 8  # phase bands, series, lanes: a drawn page, not a blank one
+
+
+def test_the_engine_plans_around_pcie_traffic_others_cause():
+    torch = pytest.importorskip("torch")
+    from memtide.optim import TieredAdamW
+
+    opt = TieredAdamW(torch.nn.Linear(64, 64).parameters(), subgroup_size=1024)
+    engine = opt.engine.native
+    assert engine.foreign_pcie_share() == (0.0, 0.0)
+    engine.observe_pcie(1e6, 5e5, 1e5, own_h2d_busy_ns=1e5, own_d2h_busy_ns=1e5)
+    assert engine.foreign_pcie_share() == pytest.approx((0.4, 0.0))
+    with pytest.raises(ValueError, match="window_ns"):
+        engine.observe_pcie(0.0, 1.0, 1.0)

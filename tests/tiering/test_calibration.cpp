@@ -177,3 +177,34 @@ TEST(Calibration, ConcurrentObservers) {
 }
 
 }  // namespace
+
+TEST(Calibration, PcieTrafficMemtideDidNotIssueLowersThePlanningRates) {
+  CalibrationConfig cfg;
+  cfg.alpha = 0.5;
+  Calibration c(Rates{}, cfg);
+  EXPECT_EQ(c.rates_for_planning().h2d_bytes_per_s, Rates{}.h2d_bytes_per_s);  // nothing seen: all of it
+  PcieObservation o;
+  o.window_ns = 1000;
+  o.h2d_busy_ns = 700;      // the link ran 70% of the phase...
+  o.own_h2d_busy_ns = 300;  // ...memtide's copies 30%: others took 40%
+  o.d2h_busy_ns = 100;
+  o.own_d2h_busy_ns = 100;  // all of it memtide's
+  c.observe_pcie(o);
+  auto [h2d, d2h] = c.foreign_pcie_share();
+  EXPECT_DOUBLE_EQ(h2d, 0.4);  // the first observation replaces the default outright
+  EXPECT_DOUBLE_EQ(d2h, 0.0);
+  EXPECT_DOUBLE_EQ(c.rates_for_planning().h2d_bytes_per_s, 0.6 * Rates{}.h2d_bytes_per_s);
+  EXPECT_DOUBLE_EQ(c.rates().h2d_bytes_per_s, Rates{}.h2d_bytes_per_s);  // the measured rate itself is kept
+  o.own_h2d_busy_ns = 700;  // then nobody else: smoothed with alpha 0.5
+  c.observe_pcie(o);
+  EXPECT_DOUBLE_EQ(c.foreign_pcie_share().first, 0.2);
+  o.h2d_busy_ns = 5000;  // more than the window (overlapping records): never all of a link
+  o.own_h2d_busy_ns = 0;
+  for (int i = 0; i < 60; ++i) c.observe_pcie(o);
+  EXPECT_NEAR(c.foreign_pcie_share().first, 0.95, 1e-9);
+  o.window_ns = 0;
+  EXPECT_THROW(c.observe_pcie(o), memtide::InvalidArgument);
+  o.window_ns = 10;
+  o.d2h_busy_ns = -1;
+  EXPECT_THROW(c.observe_pcie(o), memtide::InvalidArgument);
+}

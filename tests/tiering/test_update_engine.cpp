@@ -497,5 +497,30 @@ TEST(UpdateEngineIterations, AGpuRunChecksWholeIterationsFromTheSecondOn) {
   }
 }
 
+// PCIe traffic memtide did not issue (seen by CUPTI on a GPU) is planned around: every placement
+// costs at least as much on links shared with others, so the best plan is predicted no faster.
+TEST(UpdateEngineIterations, OthersTrafficOnThePcieLinksIsPlannedAround) {
+  test::FailingDevice dev;
+  CachingAllocator alloc(dev, small_margin());
+  HostArena arena(arena_for(dev));
+  UpdateEngine e(alloc, arena, 1 << 20, cut(1 << 20, 1 << 15), nullptr);
+  const EnginePlan best_before = e.plan(Policy::automatic);
+  const EnginePlan streamed_before = e.plan(Policy::interleaved, 0.0, 1.0);
+  PcieObservation busy;
+  busy.window_ns = 1e6;
+  busy.h2d_busy_ns = 0.9e6;  // others kept both links busy 90% of the phase
+  busy.d2h_busy_ns = 0.9e6;
+  e.observe_pcie(busy);
+  EXPECT_DOUBLE_EQ(e.foreign_pcie_share().first, 0.9);
+  const EnginePlan best_after = e.plan(Policy::automatic);
+  const EnginePlan streamed_after = e.plan(Policy::interleaved, 0.0, 1.0);
+  ASSERT_EQ(streamed_after.plan.placement, streamed_before.plan.placement);
+  // The same placement's copies take 10x as long on a tenth of the link...
+  EXPECT_NEAR(streamed_after.plan.prediction.h2d_ns, 10 * streamed_before.plan.prediction.h2d_ns,
+              1e-6 * streamed_after.plan.prediction.h2d_ns);
+  // ...and the best plan is predicted no faster than before.
+  EXPECT_GE(best_after.plan.prediction.total_ns, best_before.plan.prediction.total_ns * (1 - 1e-9));
+}
+
 }  // namespace
 }  // namespace memtide::tiering

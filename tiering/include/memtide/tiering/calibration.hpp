@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <deque>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "memtide/device/device.hpp"
@@ -28,6 +29,16 @@ struct PredictionErrors {
   double last = 0;        ///< the latest phase's error
   double mean_abs = 0;    ///< mean of |error| over the remembered phases
   double max_abs = 0;     ///< largest |error| over the remembered phases
+};
+
+/// What the device's own record (CUPTI) says the PCIe links did during one update phase, and
+/// what of it memtide issued itself (its scheduler's copies).
+struct PcieObservation {
+  double window_ns = 0;          ///< the update phase's length
+  double h2d_busy_ns = 0;        ///< time at least one H2D copy ran (any process, any library)
+  double d2h_busy_ns = 0;
+  double own_h2d_busy_ns = 0;    ///< of which memtide's own copies
+  double own_d2h_busy_ns = 0;
 };
 
 /// Rates measured in this process, smoothed with an exponential moving average
@@ -59,6 +70,16 @@ class Calibration {
   /// positive and finite.
   double observe_update_phase(double predicted_ns, double measured_ns);
 
+  /// The PCIe links during an update phase (from CUPTI): the time they were busy with traffic
+  /// memtide did not issue (another process, NCCL, the user's copies) is remembered per direction
+  /// as a share of the phase, smoothed like the rates. Throws InvalidArgument for a window that
+  /// is not positive and finite, or a negative time.
+  void observe_pcie(const PcieObservation& o);
+  /// The shares of each PCIe direction taken by traffic memtide did not issue (0 to 0.95).
+  [[nodiscard]] std::pair<double, double> foreign_pcie_share() const;
+  /// rates() with each PCIe rate reduced by the share others take: what a plan can count on.
+  [[nodiscard]] Rates rates_for_planning() const;
+
   /// One whole iteration (forward, backward, update) was predicted to take `predicted_ns`
   /// (PerfModel::predict_iteration) and took `measured_ns`: as observe_update_phase, kept apart.
   double observe_iteration(double predicted_ns, double measured_ns);
@@ -82,6 +103,8 @@ class Calibration {
   Rates rates_;
   bool seen_[kKinds] = {};
   std::deque<double> errors_[kSpans];
+  double foreign_share_[2] = {0, 0};  // H2D, D2H
+  bool foreign_seen_ = false;
 };
 
 }  // namespace memtide::tiering

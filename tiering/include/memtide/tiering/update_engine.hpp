@@ -172,6 +172,10 @@ class UpdateEngine {
     return calibration_.observe_iteration(predicted_ns, measured_ns);
   }
   [[nodiscard]] PredictionErrors iteration_errors() const { return calibration_.iteration_error_summary(); }
+  /// What CUPTI saw on the PCIe links during the last update phase (see Calibration::observe_pcie):
+  /// the next plans count only on what others leave.
+  void observe_pcie(const PcieObservation& o) { calibration_.observe_pcie(o); }
+  [[nodiscard]] std::pair<double, double> foreign_pcie_share() const { return calibration_.foreign_pcie_share(); }
   /// Bytes of device memory the engine holds between steps (static residents, small buffers).
   [[nodiscard]] std::uint64_t resident_bytes() const;
 
