@@ -538,6 +538,35 @@ def write_chrome(tl_header: Dict[str, Any], events: Iterable[Dict[str, Any]], pa
     return n
 
 
+def write_memory_viz(events: Iterable[Dict[str, Any]], path: str) -> int:
+    """The trace's allocations and frees as a snapshot pickle in the shape torch.cuda.memory.
+    _snapshot() returns (device_traces; no segments: a trace does not keep them), for torch's
+    _memory_viz and pytorch.org/memory_viz. Returns how many trace entries it holds."""
+    import pickle
+
+    def number(v: Any) -> int:
+        if isinstance(v, str):
+            try:
+                return int(v, 0)
+            except ValueError:
+                return 0
+        return int(v or 0)
+
+    entries = []
+    for ev in events:
+        kind = ev.get("type")
+        if kind in ("alloc", "free"):
+            entries.append({"action": "alloc" if kind == "alloc" else "free_completed", "addr": number(ev.get("addr")),
+                            "size": number(ev.get("bytes")), "stream": number(ev.get("stream")),
+                            "time_us": int(float(ev["t"]) * 1e6), "frames": []})
+        elif kind == "oom":
+            entries.append({"action": "oom", "addr": 0, "size": number(ev.get("bytes")),
+                            "stream": number(ev.get("stream")), "time_us": int(float(ev["t"]) * 1e6), "frames": []})
+    with _AtomicFile(path, "wb") as f:
+        pickle.dump({"segments": [], "device_traces": [entries]}, f, protocol=4)
+    return len(entries)
+
+
 def write_png(tl: Timeline, path: str) -> bool:
     """Memory over time and the engines' load, with matplotlib; False when it is not installed."""
     try:
@@ -571,8 +600,8 @@ def write_png(tl: Timeline, path: str) -> bool:
 
 
 def render(trace: str, html_path: str, chrome: Optional[str] = None, png: Optional[str] = None,
-           progress: bool = False) -> Dict[str, Any]:
-    """The report (and the Chrome trace and PNG when asked) of a trace file."""
+           progress: bool = False, memory_viz: Optional[str] = None) -> Dict[str, Any]:
+    """The report (and the Chrome trace, the PNG and the memory_viz pickle when asked) of a trace."""
     header, events = read_trace(trace, progress=progress)
     tl = Timeline(header, events)
     write_html(tl, html_path, title=f"memtide timeline: {os.path.basename(trace)}")
@@ -583,4 +612,8 @@ def render(trace: str, html_path: str, chrome: Optional[str] = None, png: Option
         out["chrome_events"] = write_chrome(header2, events2, chrome)
     if png:
         out["png"] = png if write_png(tl, png) else None
+    if memory_viz:
+        _, events3 = read_trace(trace)
+        out["memory_viz"] = memory_viz
+        out["memory_viz_entries"] = write_memory_viz(events3, memory_viz)
     return out

@@ -228,3 +228,26 @@ def test_the_engine_plans_around_pcie_traffic_others_cause():
     assert engine.foreign_pcie_share() == pytest.approx((0.4, 0.0))
     with pytest.raises(ValueError, match="window_ns"):
         engine.observe_pcie(0.0, 1.0, 1.0)
+
+
+def test_memtide_timeline_writes_four_outputs_and_torchs_memory_viz_reads_the_pickle(tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch.cuda import _memory_viz
+    import pickle
+
+    with timeline.TraceWriter(str(tmp_path / "a.trace.jsonl"), source="test") as w:
+        w.phase(0.0, "forward")
+        w.event(type="alloc", t=0.001, addr="0x7f0000000000", bytes=4096, stream="0x0")
+        w.event(type="alloc", t=0.002, addr=0x7f0000100000, bytes=1 << 20, stream=0)
+        w.event(type="free", t=0.003, addr="0x7f0000000000", bytes=4096, stream="0x0")
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", str(tmp_path / "a.trace.jsonl"), "-o",
+                        str(tmp_path / "a.html")], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for name in ("a.html", "a.chrome.json", "a.pickle"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    snap = pickle.loads((tmp_path / "a.pickle").read_bytes())
+    assert [e["action"] for e in snap["device_traces"][0]] == ["alloc", "alloc", "free_completed"]
+    assert snap["device_traces"][0][0]["addr"] == 0x7f0000000000
+    text = _memory_viz.trace(snap)
+    assert "3 entries" in text and "MEM[139637976727552:4.0KiB]" in text and "free completed" in text
+    del torch
