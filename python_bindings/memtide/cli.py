@@ -1131,7 +1131,7 @@ def _cmd_observe(args: argparse.Namespace) -> int:
         files = timeline.companions(args.timeline)
         trace = files["trace"]
         timeline.trace_from_observer(log, trace, source="memtide observe", program=" ".join(command))
-        report = timeline.render(trace, args.timeline, chrome=files["chrome"])
+        report = timeline.render(trace, args.timeline, chrome=files["chrome"], memory_viz=files["pickle"])
         summary["timeline"] = {"html": args.timeline, "trace": trace, "events": report["events"]}
         print(f"memtide observe: timeline report {args.timeline} ({report['events']:,} events)", file=sys.stderr)
     if args.json:
@@ -1233,7 +1233,8 @@ def _parser() -> argparse.ArgumentParser:
     observe.add_argument("--log", default="memtide_observe.jsonl", metavar="FILE",
                          help="timeline file (default: memtide_observe.jsonl; replaced if it exists)")
     observe.add_argument("--timeline", metavar="REPORT.html",
-                         help="also write the timeline report (REPORT.html), its trace and a Chrome trace")
+                         help="also write the timeline report (REPORT.html), its trace, a Chrome trace and a "
+                         "memory_viz pickle of the program's cudaMalloc/cudaFree calls")
     observe.add_argument("--json", action="store_true", help="print the summary as JSON")
     observe.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- PROGRAM [ARGS]")
     observe.set_defaults(func=_cmd_observe)
