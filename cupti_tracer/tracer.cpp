@@ -291,6 +291,11 @@ std::vector<Activity> Tracer::take() {
   return std::exchange(activities_, {});
 }
 
+PcieUse Tracer::pcie_between(std::uint64_t from_ns, std::uint64_t to_ns) const {
+  std::lock_guard lock(mutex_);
+  return pcie_use(activities_, from_ns, to_ns);
+}
+
 std::uint64_t Tracer::dropped() const {
   std::lock_guard lock(mutex_);
   return dropped_;

@@ -18,6 +18,7 @@
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
 #include "memtide/tiering/perf_model.hpp"
+#include "memtide/cupti_tracer/tracer.hpp"
 
 namespace nb = nanobind;
 
@@ -64,6 +65,9 @@ void bind_tiering(nb::module_& m);
 void bind_simulator(nb::module_& m);
 /// CUPTI activity tracing.
 void bind_tracing(nb::module_& m);
+/// What the process's CUPTI tracer saw on the PCIe links in [from_ns, to_ns) of the steady clock
+/// (the host clock of a CUDA device); nullopt when it is not tracing.
+std::optional<cupti::PcieUse> traced_pcie(double from_ns, double to_ns);
 
 // Shared by the tiering and simulator bindings (tiering.cpp).
 nb::dict rates_dict(const tiering::Rates& r);

@@ -323,6 +323,7 @@ class PyUpdateEngine {
       nb::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mutex_);
       r = engine_->step(place, slots, segs, grad_scale, clip, l2, skip_if_nonfinite, predicted_ns, grads_finite);
+      observe_traced_pcie(r.total);
     }
     nb::dict d;
     d["nonfinite"] = r.nonfinite;
@@ -419,6 +420,22 @@ class PyUpdateEngine {
   nb::dict iteration_errors() const { return errors_dict(engine_->iteration_errors()); }
   std::uint64_t host_bytes() const { return engine_->host_bytes(); }
   tiering::UpdateEngine& native() { return *engine_; }
+
+  // On a GPU with CUPTI tracing on, the PCIe links during the previous update phase (its records
+  // have arrived by now) less this engine's own copies tell the plan what others take.
+  void observe_traced_pcie(const tiering::StepReport& r) {
+    if (engine_->device().properties().backend != "cuda") return;
+    if (last_window_[1] > last_window_[0]) {
+      if (const auto use = traced_pcie(last_window_[0], last_window_[1])) {
+        engine_->observe_pcie(tiering::PcieObservation{last_window_[1] - last_window_[0], use->h2d.busy_ns,
+                                                       use->d2h.busy_ns, last_own_[0], last_own_[1]});
+      }
+    }
+    last_window_[0] = r.phase_start_ns;
+    last_window_[1] = r.phase_start_ns + r.phase_ns;
+    last_own_[0] = r.h2d.busy_ns;
+    last_own_[1] = r.d2h.busy_ns;
+  }
   std::uint64_t resident_bytes() const { return engine_->resident_bytes(); }
   std::string device_name() const { return engine_->device().properties().name; }
   int device() const { return device_; }
@@ -427,6 +444,8 @@ class PyUpdateEngine {
 
  private:
   std::unique_ptr<tiering::UpdateEngine> engine_;
+  double last_window_[2] = {0, 0};  // the last update phase, host clock ns
+  double last_own_[2] = {0, 0};     // its H2D and D2H busy time from this engine's copies
   std::mutex mutex_;
   int device_ = 0;
 };

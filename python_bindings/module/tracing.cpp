@@ -3,6 +3,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "memtide/cupti_tracer/tracer.hpp"
 #include "common.hpp"
@@ -36,6 +37,18 @@ nb::dict status_dict(const cupti::Tracer& t, const std::string& library) {
 }
 
 }  // namespace
+
+std::optional<cupti::PcieUse> traced_pcie(double from_ns, double to_ns) {
+  ProcessTracer& p = process_tracer();
+  std::lock_guard lock(p.mutex);
+  if (!p.tracer) return std::nullopt;
+  const cupti::Status s = p.tracer->status();
+  if (s != cupti::Status::active && s != cupti::Status::partial) return std::nullopt;
+  p.tracer->flush();  // completed buffers only: records still in CUPTI's hands are missed, not waited for
+  const double from = from_ns - p.offset_ns, to = to_ns - p.offset_ns;
+  if (!(to > from) || from < 0) return std::nullopt;
+  return p.tracer->pcie_between(static_cast<std::uint64_t>(from), static_cast<std::uint64_t>(to));
+}
 
 void bind_tracing(nb::module_& m) {
   m.def(

@@ -98,6 +98,8 @@ class Tracer {
   [[nodiscard]] std::uint64_t now_ns() const;
   /// The activities decoded since the last take().
   [[nodiscard]] std::vector<Activity> take();
+  /// The PCIe use of the activities held now (not taken) in [from_ns, to_ns) on CUPTI's clock.
+  [[nodiscard]] PcieUse pcie_between(std::uint64_t from_ns, std::uint64_t to_ns) const;
   /// Records lost: CUPTI's own count plus those dropped beyond `capacity`.
   [[nodiscard]] std::uint64_t dropped() const;
 
