@@ -154,6 +154,10 @@ TEST(CuptiTracer, ActiveTracerWalksCuptisBuffersAndDropsBeyondItsCapacity) {
   ASSERT_GE(size, b.bytes.size());
   std::memcpy(buffer, b.bytes.data(), b.bytes.size());
   Fake::completed(nullptr, 0, buffer, size, b.bytes.size());
+  // The PCIe use over what is held, without taking it: copies 1..3 at 10-15, 20-25, 30-35 ns.
+  const PcieUse held = t.pcie_between(0, 100);
+  EXPECT_DOUBLE_EQ(held.h2d.bytes, 101 + 102 + 103);
+  EXPECT_DOUBLE_EQ(held.h2d.busy_ns, 15);
   const std::vector<Activity> got = t.take();
   ASSERT_EQ(got.size(), 3U);  // capacity 3: the oldest of the 4 copies went
   EXPECT_EQ(got.front().bytes, 101U);
