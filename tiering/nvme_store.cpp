@@ -120,7 +120,13 @@ NvmeStore::NvmeStore(const SpillDir& dir, const std::vector<std::uint64_t>& exte
   file_bytes_ = offset;
   file_ = dir.path() / "state.spill";
   fd_ = ::open(file_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_DIRECT, 0600);
-  if (fd_ < 0) throw IoError("NvmeStore: cannot create " + file_.string() + ": " + errno_text(errno));
+  if (fd_ < 0) {
+    const int err = errno;
+    throw IoError("NvmeStore: cannot create " + file_.string() + ": " + errno_text(err) +
+                  (err == EINVAL ? " (its file system does not support direct I/O: tmpfs? choose a folder on the "
+                                   "NVMe drive)"
+                                 : ""));
+  }
   // Reserve it all now: a full disk is found at setup, not in the middle of training.
   if (const int err = ::posix_fallocate(fd_, 0, static_cast<off_t>(file_bytes_)); err != 0) {
     const std::string why = errno_text(err);

@@ -52,6 +52,12 @@ struct NvmeTest : ::testing::Test {
     char templ[] = "/tmp/memtide-nvme-test-XXXXXX";
     ASSERT_NE(::mkdtemp(templ), nullptr);
     parent = templ;
+    // Direct I/O is what the tier is for; a file system without it (tmpfs) cannot host the test.
+    const fs::path probe = parent / "direct";
+    const int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT, 0600);
+    if (fd < 0) GTEST_SKIP() << parent << " does not support O_DIRECT (tmpfs?)";
+    ::close(fd);
+    fs::remove(probe);
   }
   void TearDown() override { fs::remove_all(parent); }
   fs::path parent;
