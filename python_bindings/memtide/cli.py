@@ -843,8 +843,12 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
     for name in _CONTENDERS:
         if not args.json:
             print(f"simulating {name}...", file=sys.stderr, flush=True)
+        record = bool(args.timeline) and name == "memtide"  # its operations go into the trace
         r = memtide.simulate_iteration(model=model, shape=shape or None, contender=name, node=node,
-                                       checkpointing=not args.no_checkpointing, iterations=args.iterations)
+                                       checkpointing=not args.no_checkpointing, iterations=args.iterations,
+                                       record_ops=record)
+        if record:
+            recorded = r
         sim, pred = r["simulated"], r["predicted"]
         results[name] = {
             "iteration_s": sim["iteration_s"], "forward_s": sim["forward_s"], "backward_s": sim["backward_s"],
@@ -871,16 +875,13 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
     }
     return {"model": model_name, "params": params, "shape": shape, "gpu": args.gpu, "node": node,
             "checkpointing": not args.no_checkpointing, "capacity_bytes": capacity, "contenders": results,
-            "speedup": speedup}
+            "speedup": speedup, **({"recorded": recorded} if args.timeline else {})}
 
 
-def _simulation_trace(args: argparse.Namespace, shape, model, node) -> Dict[str, Any]:
-    """Writes the memtide contender's last simulated iteration as a trace, then its report."""
+def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, Any]:
+    """Writes the memtide contender's last simulated iteration (recorded) as a trace, then its report."""
     from . import timeline
 
-    r = memtide.simulate_iteration(model=model, shape=shape or None, contender="memtide", node=node,
-                                   checkpointing=not args.no_checkpointing, iterations=args.iterations,
-                                   record_ops=True)
     html_path = args.timeline
     files = timeline.companions(html_path)
     trace = files["trace"]
@@ -908,8 +909,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             raise _UsageError(str(e)) from None
     result = _simulate(args)
     if args.timeline:
-        report = _simulation_trace(args, result["shape"], None if result["model"] == "custom" else result["model"],
-                                   result["node"])
+        report = _simulation_trace(args, result.pop("recorded"))
         result["timeline"] = {k: report[k] for k in ("html", "chrome", "png", "events")}
         if not args.json:
             print(f"timeline  {report['html']} ({report['events']:,} events; trace {report['html'][:-5]}.trace.jsonl, "
