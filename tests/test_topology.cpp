@@ -474,3 +474,20 @@ TEST(Topology, AFileThatCrashesHwlocIsAnErrorNotACrash) {
     EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
   }
 }
+
+// Every input that made hwloc crash under the fuzzer before the loader forked (kept as found).
+TEST(Topology, EveryFileTheFuzzerFoundCrashingHwlocIsAnError) {
+  if (!hwloc_available()) GTEST_SKIP() << "built without hwloc";
+  std::size_t files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(std::string(MEMTIDE_TEST_DATA_DIR) + "/topology_crashers")) {
+    const std::string path = entry.path().string();
+    ++files;
+    try {
+      (void)Topology::from_xml(path);
+      ADD_FAILURE() << path << " loaded";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_GE(files, 20u);
+}
