@@ -75,6 +75,11 @@ int unmap(void* p, std::size_t bytes) noexcept {
   return ::munmap(p, bytes) == 0 ? 0 : errno;
 }
 
+int discard(void* p, std::size_t bytes) noexcept {
+  if (injected(testing::Call::discard)) return errno;
+  return ::madvise(p, bytes, MADV_DONTNEED) == 0 ? 0 : errno;
+}
+
 int advise_huge_pages(void* p, std::size_t bytes) noexcept {
   if (injected(testing::Call::advise)) return errno;
   return ::madvise(p, bytes, MADV_HUGEPAGE) == 0 ? 0 : errno;

@@ -98,8 +98,13 @@ struct NvmeStore::Ring {
   }
 };
 
-NvmeStore::NvmeStore(const SpillDir& dir, const std::vector<std::uint64_t>& extent_bytes, NvmeConfig config)
-    : ring_(std::make_unique<Ring>()), config_(config) {
+NvmeStore::NvmeStore(const SpillDir& dir, const std::vector<std::uint64_t>& extent_bytes, NvmeConfig config,
+                     std::vector<std::size_t> names)
+    : ring_(std::make_unique<Ring>()), config_(config), names_(std::move(names)) {
+  if (!names_.empty() && names_.size() != extent_bytes.size()) {
+    throw InvalidArgument("NvmeStore: " + std::to_string(names_.size()) + " names for " +
+                          std::to_string(extent_bytes.size()) + " extents");
+  }
   if (config_.queue_depth == 0 || config_.queue_depth > 4096) {
     throw InvalidArgument("NvmeStore: queue_depth must be 1 to 4096, got " + std::to_string(config_.queue_depth));
   }
@@ -155,7 +160,8 @@ NvmeStore::~NvmeStore() {
 }
 
 void NvmeStore::fail(const char* what, std::size_t i, const std::string& why) const {
-  throw IoError(std::string("NvmeStore: ") + what + " of subgroup " + std::to_string(i) + " in " + file_.string() +
+  const std::size_t name = i < names_.size() ? names_[i] : i;
+  throw IoError(std::string("NvmeStore: ") + what + " of subgroup " + std::to_string(name) + " in " + file_.string() +
                 " failed: " + why);
 }
 

@@ -177,6 +177,43 @@ void busy_times(const Workload& w, const Rates& r, const Costs& c, const std::ve
 // The pipeline walk: a fluid event simulation over four queues (CPU, H2D, GPU, D2H). Every task
 // becomes ready when another one completes, so the only events are completions: O(n) of them,
 // each handled in O(1).
+}  // namespace
+
+std::vector<std::size_t> nvme_read_order(const std::vector<Placement>& placement, const std::vector<bool>& spilled,
+                                         std::size_t slots) {
+  std::vector<std::size_t> streamed, order;
+  std::vector<std::size_t> streamed_index(placement.size(), 0);
+  for (std::size_t i = 0; i < placement.size(); ++i) {
+    if (placement[i] != Placement::gpu) continue;
+    streamed_index[i] = streamed.size();
+    streamed.push_back(i);
+  }
+  auto add = [&](std::size_t i) {
+    if (i < spilled.size() && spilled[i]) order.push_back(i);
+  };
+  slots = std::min(slots, streamed.size());
+  for (std::size_t j = 0; j < slots; ++j) add(streamed[j]);
+  for (std::size_t i = 0; i < placement.size(); ++i) {
+    if (placement[i] == Placement::cpu) {
+      add(i);
+    } else if (placement[i] == Placement::gpu && streamed_index[i] + slots < streamed.size()) {
+      add(streamed[streamed_index[i] + slots]);
+    }
+  }
+  return order;
+}
+
+std::size_t nvme_staging_buffers(const std::vector<Placement>& placement, const std::vector<bool>& spilled,
+                                 std::size_t slots, std::size_t read_ahead) {
+  std::size_t streamed = 0;
+  for (std::size_t i = 0; i < placement.size() && i < spilled.size(); ++i) {
+    streamed += spilled[i] && placement[i] == Placement::gpu;
+  }
+  return std::max<std::size_t>(read_ahead, 1) + std::min(slots, streamed);
+}
+
+namespace {
+
 class Walk {
  public:
   Walk(const Workload& w, const Rates& r, const Costs& c, const std::vector<Placement>& placement,
@@ -191,7 +228,10 @@ class Walk {
         if (placement[i] == Placement::gpu) streamed_subgroups_.push_back(i);
         gpu_tasks_.push_back({i, placement[i] == Placement::gpu});
       }
-      if (spilled(w, i) && placement[i] != Placement::gpu_static) nvme_order_.push_back(i);
+    }
+    if (!w.on_nvme.empty()) {
+      nvme_order_ = nvme_read_order(placement, w.on_nvme, slots);
+      staging_ = nvme_staging_buffers(placement, w.on_nvme, slots, w.nvme_read_ahead);
     }
     if (!nvme_order_.empty()) read_done_at_.assign(placement.size(), kInf);
     lp_ready_at_.reserve(cpu_tasks_.size());
@@ -308,13 +348,13 @@ class Walk {
       const std::size_t j = flush_queue_[flush_next_++];
       d2h_job_ = {true, params(gpu_tasks_[j].subgroup) * c_.out_per_param, j, false};
     }
-    // The NVMe drive: write-backs first (they free a staging buffer), else the next read in
-    // update order while fewer than nvme_read_ahead subgroups hold staging.
+    // The NVMe drive: write-backs first (they free a staging buffer), else the next read in the
+    // scheduler's order while a staging buffer is free.
     if (!nvme_job_.active) {
       if (writes_next_ < write_queue_.size()) {
         const std::size_t sg = write_queue_[writes_next_++];
         nvme_job_ = {true, params(sg) * kStateBytesPerParam, sg, false};
-      } else if (reads_started_ < nvme_order_.size() && staged_ < w_.nvme_read_ahead) {
+      } else if (reads_started_ < nvme_order_.size() && staged_ < staging_) {
         const std::size_t sg = nvme_order_[reads_started_++];
         ++staged_;
         nvme_job_ = {true, params(sg) * kStateBytesPerParam, sg, true};
@@ -427,7 +467,8 @@ class Walk {
   std::size_t flush_next_ = 0;
   std::vector<double> flush_done_at_;     // when each flush ended (frees a slot)
 
-  std::vector<std::size_t> nvme_order_;   // subgroups on NVMe (not residents), in update order
+  std::vector<std::size_t> nvme_order_;   // subgroups on NVMe (not residents), in read order
+  std::size_t staging_ = 0;               // staging buffers
   std::vector<double> read_done_at_;      // per subgroup: when its read ended; empty: no NVMe
   std::size_t reads_started_ = 0;
   std::size_t staged_ = 0;                // subgroups read and not yet written back

@@ -8,6 +8,7 @@
 #include <string>
 #include <tuple>
 
+#include "memtide/allocator/detail/os.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"
@@ -37,7 +38,48 @@ std::string count_words(std::size_t n, const char* what) {
   return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
 }
 
+std::size_t page_round_up(std::size_t n) { return (n + os::page_bytes() - 1) / os::page_bytes() * os::page_bytes(); }
+std::size_t page_round_down(std::size_t n) { return n / os::page_bytes() * os::page_bytes(); }
+
 }  // namespace
+
+/// The NVMe tier's parts. Destroyed in order: the staging (its I/O thread finishes), the store
+/// (the spill file goes), the directory, then the mappings of the param and moment arrays.
+struct UpdateEngine::NvmeTier {
+  explicit NvmeTier(Device& d) : device(d) {}
+  ~NvmeTier() {
+    staging.reset();
+    store.reset();
+    dir.reset();
+    for (float* base : maps) {
+      if (base == nullptr) continue;
+      for (auto [lo, hi] : registered) {
+        try {
+          device.host_unregister(reinterpret_cast<unsigned char*>(base) + lo);
+        } catch (const Error& e) {
+          MEMTIDE_LOG(warn, std::string("UpdateEngine: ") + e.what());
+        }
+      }
+      os::unmap(base, map_bytes);
+    }
+  }
+  NvmeTier(const NvmeTier&) = delete;
+  NvmeTier& operator=(const NvmeTier&) = delete;
+
+  Device& device;
+  std::size_t read_ahead = 2;
+  std::unique_ptr<SpillDir> dir;
+  std::unique_ptr<NvmeStore> store;
+  std::unique_ptr<NvmeStaging> staging;
+  std::vector<char> host_truth;    // per subgroup: its host range is newer than NVMe (or NVMe has none)
+  std::vector<char> materialized;  // per subgroup: its host range holds its state
+  float* maps[3] = {};             // param, exp_avg, exp_avg_sq (a device that stores data)
+  std::size_t map_bytes = 0;
+  std::vector<std::pair<std::size_t, std::size_t>> registered;  // byte ranges registered in each map
+  double read_rate = 0, write_rate = 0;  // planned with; measured once transfers ran
+  bool read_measured = false, write_measured = false;
+  NvmeUse last;
+};
 
 UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::size_t n,
                            std::vector<std::pair<std::size_t, std::size_t>> subgroups, ThreadPool* pool,
@@ -70,6 +112,7 @@ UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::s
   if (n_ > std::numeric_limits<std::size_t>::max() / sizeof(float)) {
     throw InvalidArgument("UpdateEngine: n = " + std::to_string(n_) + " params do not fit in memory");
   }
+  setup_nvme();
   if (is_phantom(device_)) {
     // Timing only (the iteration simulator): the arrays are phantom addresses registered with
     // the device, never dereferenced, so a 20B-parameter state costs no host memory.
@@ -80,13 +123,17 @@ UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::s
     return;
   }
   std::size_t made = 0;
+  if (nvme_) {
+    // The param and moment arrays are the NVMe tier's mappings.
+    for (; made < 3; ++made) arrays_[made] = nvme_->maps[made];
+  }
   try {
     for (; made < 4; ++made) {
       arrays_[made] = static_cast<float*>(arena_.allocate(n_ * sizeof(float)));
       std::memset(arrays_[made], 0, n_ * sizeof(float));  // a reused arena block is not zero
     }
   } catch (...) {
-    for (std::size_t i = 0; i < made; ++i) arena_.deallocate(arrays_[i]);
+    for (std::size_t i = nvme_ ? 3 : 0; i < made; ++i) arena_.deallocate(arrays_[i]);
     throw;
   }
 }
@@ -102,8 +149,9 @@ UpdateEngine::~UpdateEngine() {
     if (phantom_host_ != nullptr) {
       device_.host_unregister(phantom_host_);
     } else {
-      for (float* a : arrays_) arena_.deallocate(a);
+      for (std::size_t k = nvme_ ? 3 : 0; k < 4; ++k) arena_.deallocate(arrays_[k]);
     }
+    nvme_.reset();
   } catch (const Error& e) {
     // Destructors never throw; the runtime may be shutting down.
     MEMTIDE_LOG(warn, std::string("UpdateEngine: ") + e.what());
@@ -113,8 +161,189 @@ UpdateEngine::~UpdateEngine() {
 std::uint64_t UpdateEngine::host_bytes() const {
   if (phantom_host_ != nullptr) return 0;
   std::uint64_t total = 0;
-  for (float* a : arrays_) total += arena_.allocation_size(a);
+  for (std::size_t k = nvme_ ? 3 : 0; k < 4; ++k) total += arena_.allocation_size(arrays_[k]);
+  if (nvme_) {
+    for (auto [lo, hi] : nvme_->registered) total += 3 * (hi - lo);
+    total += nvme_->staging->staging_bytes();
+  }
   return total;
+}
+
+// ---- the NVMe tier --------------------------------------------------------------------------
+
+void UpdateEngine::setup_nvme() {
+  const NvmeTierConfig& c = config_.nvme;
+  if (c.host_budget_bytes == 0) return;
+  if (c.read_ahead == 0) throw InvalidArgument("UpdateEngine: nvme read_ahead = 0; at least 1 is needed");
+  Workload w;
+  for (auto [s, e] : subgroups_) w.subgroup_params.push_back(e - s);
+  w.nvme_read_ahead = c.read_ahead;
+  const std::size_t spilled = fit_host_budget(w, c.host_budget_bytes);  // throws, naming the budget
+  if (spilled == 0) {
+    MEMTIDE_LOG(info, "UpdateEngine: the optimizer state (" + format_bytes(16 * static_cast<std::uint64_t>(n_)) +
+                          ") fits the host budget of " + format_bytes(c.host_budget_bytes) + ": nothing goes to NVMe");
+    return;
+  }
+  auto tier = std::make_unique<NvmeTier>(device_);
+  tier->read_ahead = c.read_ahead;
+  tier->read_rate = c.read_bytes_per_s > 0 ? c.read_bytes_per_s : config_.defaults.nvme_read_bytes_per_s;
+  tier->write_rate = c.write_bytes_per_s > 0 ? c.write_bytes_per_s : config_.defaults.nvme_write_bytes_per_s;
+  const std::size_t n_sub = subgroups_.size();
+  tier->host_truth.assign(n_sub, 0);
+  tier->materialized.assign(n_sub, 0);
+  std::uint64_t spilled_params = 0;
+  for (std::size_t i = 0; i < n_sub; ++i) spilled_params += w.on_nvme[i] ? w.subgroup_params[i] : 0;
+
+  if (is_phantom(device_)) {
+    if (!(tier->read_rate > 0) || !(tier->write_rate > 0)) {
+      throw InvalidArgument("UpdateEngine: a simulated NVMe tier needs its read and write rates (nvme read_bytes_per_s "
+                            "and write_bytes_per_s)");
+    }
+    tier->staging = std::make_unique<NvmeStaging>(device_, nullptr, w.subgroup_params, w.on_nvme, c.read_ahead, nullptr,
+                                                  tier->read_rate, tier->write_rate);
+  } else {
+#if MEMTIDE_HAVE_NVME
+    if (c.dir.empty()) {
+      throw InvalidArgument("UpdateEngine: the optimizer state (" + format_bytes(16 * static_cast<std::uint64_t>(n_)) +
+                            ") does not fit the host budget of " + format_bytes(c.host_budget_bytes) + ": " +
+                            std::to_string(spilled) + " subgroups must go to NVMe, and no NVMe directory was given");
+    }
+    for (const StaleSpill& st : SpillDir::find_stale(c.dir)) {
+      MEMTIDE_LOG(warn, "UpdateEngine: " + st.path.string() + " (" + format_bytes(st.bytes) + ", " +
+                            std::to_string(static_cast<long long>(st.age_s)) +
+                            " s old) was left by a process that did not exit cleanly; remove it to get the space back");
+    }
+    tier->dir = std::make_unique<SpillDir>(c.dir);
+    std::vector<std::uint64_t> extents;
+    std::vector<std::size_t> names;  // errors name the engine's subgroup, not the extent
+    for (std::size_t i = 0; i < n_sub; ++i) {
+      if (!w.on_nvme[i]) continue;
+      extents.push_back(3 * sizeof(float) * static_cast<std::uint64_t>(w.subgroup_params[i]));
+      names.push_back(i);
+    }
+    tier->store = std::make_unique<NvmeStore>(*tier->dir, extents, c.io, names);  // reserves the space now
+    tier->staging = std::make_unique<NvmeStaging>(device_, tier->store.get(), w.subgroup_params, w.on_nvme,
+                                                  c.read_ahead, nullptr);
+    // The arrays: address space for all n, memory only where the state stays in host memory.
+    // Those ranges are registered (pinned) for the device's copies, each run rounded out to
+    // whole pages; spilled ranges are never registered, so their pages can be dropped.
+    tier->map_bytes = page_round_up(n_ * sizeof(float));
+    for (float*& base : tier->maps) {
+      int err = 0;
+      base = static_cast<float*>(os::map(tier->map_bytes, os::page_bytes(), /*noreserve=*/true, err));
+      if (base == nullptr) {
+        throw OutOfMemory("UpdateEngine: could not map " + format_bytes(tier->map_bytes) +
+                          " of address space for the optimizer state: " + std::strerror(err));
+      }
+    }
+    for (std::size_t i = 0; i < n_sub;) {
+      if (w.on_nvme[i]) {
+        ++i;
+        continue;
+      }
+      std::size_t j = i;
+      while (j < n_sub && !w.on_nvme[j]) ++j;
+      const std::size_t lo = page_round_down(subgroups_[i].first * sizeof(float));
+      const std::size_t hi = std::min(page_round_up(subgroups_[j - 1].second * sizeof(float)), tier->map_bytes);
+      if (!tier->registered.empty() && tier->registered.back().second >= lo) {
+        tier->registered.back().second = hi;  // a page shared with the previous run: one range
+      } else {
+        tier->registered.emplace_back(lo, hi);
+      }
+      i = j;
+    }
+    for (float* base : tier->maps) {
+      std::size_t done = 0;
+      try {
+        for (; done < tier->registered.size(); ++done) {
+          auto [lo, hi] = tier->registered[done];
+          device_.host_register(reinterpret_cast<unsigned char*>(base) + lo, hi - lo);
+        }
+      } catch (...) {
+        for (std::size_t k = 0; k < done; ++k) {
+          device_.host_unregister(reinterpret_cast<unsigned char*>(base) + tier->registered[k].first);
+        }
+        // The tier's destructor unregisters every range of the maps before this one.
+        const auto at = std::find(std::begin(tier->maps), std::end(tier->maps), base) - std::begin(tier->maps);
+        for (auto k = at; k < 3; ++k) {
+          os::unmap(tier->maps[k], tier->map_bytes);
+          tier->maps[k] = nullptr;
+        }
+        throw;
+      }
+    }
+    // The state starts as zeros in host memory: written to NVMe by spill_host or the first step.
+    for (std::size_t i = 0; i < n_sub; ++i) tier->host_truth[i] = tier->materialized[i] = w.on_nvme[i] ? 1 : 0;
+#else
+    throw Error("UpdateEngine: the optimizer state does not fit the host budget of " + format_bytes(c.host_budget_bytes) +
+                ", and memtide was built without the NVMe tier (it needs liburing-dev and libxxhash-dev)");
+#endif
+  }
+  MEMTIDE_LOG(info, "UpdateEngine: " + std::to_string(spilled) + " of " + std::to_string(n_sub) + " subgroups (" +
+                        format_bytes(12 * spilled_params) + " of params and moments) live on NVMe" +
+                        (tier->store ? " in " + tier->store->file().string() : std::string(" (simulated)")) +
+                        " to keep the host state within " + format_bytes(c.host_budget_bytes));
+  on_nvme_ = std::move(w.on_nvme);
+  nvme_ = std::move(tier);
+}
+
+void UpdateEngine::drop_spilled_pages(std::size_t i) {
+  const std::size_t lo = page_round_up(subgroups_[i].first * sizeof(float));
+  const std::size_t hi = page_round_down(subgroups_[i].second * sizeof(float));
+  if (hi <= lo) return;  // a subgroup smaller than two pages keeps what it shares
+  for (float* base : nvme_->maps) {
+    if (const int err = os::discard(reinterpret_cast<unsigned char*>(base) + lo, hi - lo); err != 0) {
+      MEMTIDE_LOG(warn, "UpdateEngine: could not drop the host pages of spilled subgroup " + std::to_string(i) + ": " +
+                            std::strerror(err));
+    }
+  }
+}
+
+void UpdateEngine::spill_host(std::size_t up_to) {
+  if (!nvme_ || nvme_->store == nullptr) return;
+  NvmeTier& t = *nvme_;
+  for (std::size_t i = 0; i < subgroups_.size() && subgroups_[i].second <= up_to; ++i) {
+    if (!on_nvme_[i]) continue;
+    const std::size_t s = subgroups_[i].first;
+    if (t.host_truth[i]) {
+      // Verified on NVMe before the host copy goes: a failed write keeps it (and throws).
+      t.staging->store(i, param() + s, exp_avg() + s, exp_avg_sq() + s);
+      t.host_truth[i] = 0;
+    }
+    if (t.materialized[i]) {
+      drop_spilled_pages(i);
+      t.materialized[i] = 0;
+    }
+  }
+  // Until a step measures the drive, the first spill tells its write rate.
+  if (!t.write_measured) {
+    const NvmeStore::Counters c = t.store->counters();
+    if (c.bytes_written > 0 && c.write_s > 0) t.write_rate = static_cast<double>(c.bytes_written) / c.write_s;
+  }
+}
+
+void UpdateEngine::inject_nvme_faults(const NvmeFaults& faults) {
+  if (nvme_ && nvme_->store) nvme_->store->inject(faults);
+}
+
+NvmeTierInfo UpdateEngine::nvme_info() const {
+  NvmeTierInfo info;
+  if (!nvme_) return info;
+  for (std::size_t i = 0; i < on_nvme_.size(); ++i) {
+    if (!on_nvme_[i]) continue;
+    ++info.spilled;
+    info.spilled_params += subgroups_[i].second - subgroups_[i].first;
+  }
+  if (nvme_->store) {
+    info.file = nvme_->store->file();
+    info.file_bytes = nvme_->store->file_bytes();
+  }
+  info.staging_bytes = nvme_->staging->staging_bytes();
+  info.read_bytes_per_s = nvme_->read_rate;
+  info.write_bytes_per_s = nvme_->write_rate;
+  info.held = nvme_->staging->held();
+  info.last = nvme_->last;
+  return info;
 }
 
 std::uint64_t UpdateEngine::resident_bytes() const {
@@ -238,8 +467,22 @@ EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::option
     out.reason = "this build has no CUDA optimizer kernels: every subgroup on the CPU";
   }
   // The links as far as memtide can count on them: less what others were seen to take.
-  const Rates rates = calibration_.rates_for_planning();
+  Rates rates = calibration_.rates_for_planning();
   const std::size_t n = subgroups_.size();
+  if (nvme_) {
+    w.on_nvme = on_nvme_;
+    w.nvme_read_ahead = nvme_->read_ahead;
+    // A spilled subgroup cannot be a static resident (its state would have to come from NVMe
+    // and stay on the GPU): residents are the last subgroups, so only those after the last
+    // spilled one qualify.
+    std::size_t tail = 0;
+    while (tail < n && !on_nvme_[n - 1 - tail]) ++tail;
+    w.gpu_static_limit = std::min(w.gpu_static_limit, tail);
+    // Until the tier's transfers are measured: a conservative 1 GB/s, corrected after one step.
+    constexpr double kUnmeasured = 1e9;
+    rates.nvme_read_bytes_per_s = nvme_->read_rate > 0 ? nvme_->read_rate : kUnmeasured;
+    rates.nvme_write_bytes_per_s = nvme_->write_rate > 0 ? nvme_->write_rate : kUnmeasured;
+  }
   out.plan = model_.plan(w, rates, policy, static_fraction, k);
 
   if (out.reason.empty() && policy != Policy::cpu && !(policy == Policy::automatic && !k)) {
@@ -324,7 +567,17 @@ UpdateScheduler& UpdateEngine::scheduler_for(const std::vector<std::pair<std::si
   Entry entry;
   entry.ranges = ranges;
   entry.state = OptimizerState::external(device_, ext, model_dtype_);
+  if (nvme_) {
+    // A range of a spilled subgroup is stepped from its staging buffer, at its offset in it.
+    for (std::size_t j = 0; j < ranges.size(); ++j) {
+      const std::size_t g = subgroup_of(ranges[j].first);
+      if (!on_nvme_[g]) continue;
+      (*entry.state)[j].nvme_subgroup = g;
+      (*entry.state)[j].nvme_offset = ranges[j].first - subgroups_[g].first;
+    }
+  }
   entry.scheduler = std::make_unique<UpdateScheduler>(*entry.state, allocator_, pool_);
+  if (nvme_) entry.scheduler->set_nvme(nvme_->staging.get(), nvme_->read_ahead);
   cache_.push_front(std::move(entry));
   return *cache_.front().scheduler;
 }
@@ -345,6 +598,13 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   }
   EngineStep out;
   out.predicted_ns = predicted_ns;
+  // What the host holds of spilled subgroups (a checkpoint read or load) goes back to NVMe
+  // first: the step reads them from there.
+  if (nvme_) {
+    spill_host(n_);
+    // A SimDevice times the transfers on its virtual clock at the rates the plan counts on.
+    if (nvme_->store) nvme_->staging->set_rates(nvme_->read_rate, nvme_->write_rate);
+  }
   // One check of every gradient before anything is stepped: the gradient path's verdict, or a
   // scan of the host arrays.
   const bool trust_path = path_verdict.has_value() && grad_scale * clip <= 1.0;
@@ -379,7 +639,12 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     plan.gpu_slots = gpu_slots;
     for (const Segment* s : list) {
       ranges.emplace_back(s->start, s->end);
-      plan.placement.push_back(placement[s->subgroup]);
+      Placement where = placement[s->subgroup];
+      // Part of a spilled subgroup goes through the CPU: its staging buffer holds the whole
+      // subgroup, and a GPU slot would take it for one range only (the result is the same).
+      const bool whole = s->start == subgroups_[s->subgroup].first && s->end == subgroups_[s->subgroup].second;
+      if (nvme_ && on_nvme_[s->subgroup] && where != Placement::cpu && !whole) where = Placement::cpu;
+      plan.placement.push_back(where);
     }
     UpdateScheduler& scheduler = scheduler_for(ranges);
     // A gradient kept on the device is read there when its segment is the whole subgroup; a
@@ -435,6 +700,29 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     t.setup_allocations += r.setup_allocations;
     t.loop_allocations += r.loop_allocations;
     t.loop_device_allocs += r.loop_device_allocs;
+    t.nvme.read_bytes += r.nvme.read_bytes;
+    t.nvme.write_bytes += r.nvme.write_bytes;
+    t.nvme.read_busy_ns += r.nvme.read_busy_ns;
+    t.nvme.write_busy_ns += r.nvme.write_busy_ns;
+    t.nvme.stall_ns += r.nvme.stall_ns;
+    t.nvme.stall_wall_ns += r.nvme.stall_wall_ns;
+    t.nvme.reads += r.nvme.reads;
+    t.nvme.writes += r.nvme.writes;
+  }
+  if (nvme_) {
+    // The drive's rates as this step saw them (smoothed), for the next plans.
+    NvmeTier& tier = *nvme_;
+    tier.last = out.total.nvme;
+    auto learn = [](double& rate, bool& measured, double bytes, double busy_ns) {
+      if (bytes <= 0 || busy_ns <= 0) return;
+      const double seen = bytes / busy_ns * 1e9;
+      rate = measured ? 0.7 * rate + 0.3 * seen : seen;
+      measured = true;
+    };
+    if (tier.store) {  // measured; a phantom device's rates are the stated ones
+      learn(tier.read_rate, tier.read_measured, out.total.nvme.read_bytes, out.total.nvme.read_busy_ns);
+      learn(tier.write_rate, tier.write_measured, out.total.nvme.write_bytes, out.total.nvme.write_busy_ns);
+    }
   }
   if (sink_ && sink_->kept_bytes() > 0) sink_->release();  // read by this step; gone before the next forward
   // The residents of this step's schedulers now hold the newest state of their subgroups; the
@@ -497,12 +785,33 @@ void UpdateEngine::grads_to_host() {
 
 void UpdateEngine::host_changed() {
   for (Entry& e : cache_) e.scheduler->discard_residents();
+  if (nvme_) {
+    // What sync_host brought back is what the caller may have changed: it is the truth now.
+    for (std::size_t i = 0; i < on_nvme_.size(); ++i) {
+      if (on_nvme_[i] && nvme_->materialized[i]) nvme_->host_truth[i] = 1;
+    }
+  }
 }
 
 void UpdateEngine::sync_host() {
   for (Entry& e : cache_) {
     if (e.scheduler->resident_count() > 0) e.scheduler->sync_to_host();
   }
+  if (nvme_ && nvme_->store) {
+    // Spilled subgroups are read back into their ranges until the next step drops them again.
+    for (std::size_t i = 0; i < on_nvme_.size(); ++i) {
+      if (!on_nvme_[i] || nvme_->materialized[i]) continue;
+      const std::size_t s = subgroups_[i].first;
+      nvme_->staging->load(i, param() + s, exp_avg() + s, exp_avg_sq() + s);
+      nvme_->materialized[i] = 1;
+    }
+  }
+}
+
+std::size_t UpdateEngine::subgroup_of(std::size_t element) const {
+  const auto it = std::upper_bound(subgroups_.begin(), subgroups_.end(), element,
+                                   [](std::size_t e, const std::pair<std::size_t, std::size_t>& r) { return e < r.second; });
+  return static_cast<std::size_t>(it - subgroups_.begin());
 }
 
 Subgroup& UpdateEngine::scheduler_state(UpdateScheduler& scheduler, std::size_t j) {

@@ -1,6 +1,7 @@
 #include "memtide/tiering/update_scheduler.hpp"
 
 #include <algorithm>
+#include <exception>
 #include <string>
 #include <utility>
 
@@ -176,6 +177,10 @@ void UpdateScheduler::place_residents(const std::vector<Placement>& placement) {
     const bool want = placement[i] == Placement::gpu_static;
     Arrays& r = residents_[i];
     const Subgroup& g = state_[i];
+    if (want && g.on_nvme()) {
+      throw InvalidArgument("UpdateScheduler::run: subgroup " + std::to_string(i) +
+                            " lives on NVMe and cannot be a static GPU resident");
+    }
     const std::size_t bytes = g.n * sizeof(float);
     if (want && r.block == nullptr) {
       void* block = allocator_.allocate(4 * round_up(bytes, kDeviceAlign), config_.main_stream);
@@ -245,15 +250,58 @@ StepReport UpdateScheduler::run(const Plan& plan, const StepParams& params) {
     skipped.phase_ns = host_now_ns() - phase_start_ns;
     return skipped;
   }
-  begin_phase(plan);
-  for (std::size_t i = 0; i < state_.size(); ++i) {
-    switch (plan.placement[i]) {
-      case Placement::gpu: gpu_update(streamed_index_[i], params); break;
-      case Placement::gpu_static: static_update(i, params); break;
-      case Placement::cpu: cpu_update(i, params); break;
+  try {
+    begin_phase(plan);
+    for (std::size_t i = 0; i < state_.size(); ++i) {
+      switch (plan.placement[i]) {
+        case Placement::gpu: gpu_update(streamed_index_[i], params); break;
+        case Placement::gpu_static: static_update(i, params); break;
+        case Placement::cpu: cpu_update(i, params); break;
+      }
     }
+  } catch (...) {
+    stop_phase();
+    throw;
   }
   return end_phase(phase_start_ns);
+}
+
+void UpdateScheduler::set_nvme(NvmeStaging* staging, std::size_t read_ahead) {
+  if (staging != nullptr && read_ahead == 0) {
+    throw InvalidArgument("UpdateScheduler::set_nvme: read_ahead = 0; at least one staging buffer is needed");
+  }
+  nvme_ = staging;
+  nvme_read_ahead_ = read_ahead;
+}
+
+std::vector<bool> UpdateScheduler::spilled() const {
+  std::vector<bool> out(state_.size());
+  for (std::size_t i = 0; i < state_.size(); ++i) out[i] = state_[i].on_nvme();
+  return out;
+}
+
+NvmeStaging::Staged UpdateScheduler::host_state(std::size_t i) {
+  const Subgroup& g = state_[i];
+  if (!g.on_nvme()) return NvmeStaging::Staged{g.param, g.exp_avg, g.exp_avg_sq};
+  const NvmeStaging::Staged s = nvme_->acquire(g.nvme_subgroup);
+  return NvmeStaging::Staged{s.p + g.nvme_offset, s.m + g.nvme_offset, s.v + g.nvme_offset};
+}
+
+void UpdateScheduler::stop_phase() noexcept {
+  for (Stream s : {prefetch_, upload_, compute_, flush_}) {
+    try {
+      device_.stream_synchronize(s);
+    } catch (...) {  // the phase is being abandoned: the first error is the one reported
+    }
+  }
+  for (const Arrays& s : slots_) {
+    try {
+      allocator_.deallocate(s.block, config_.main_stream);
+    } catch (...) {
+    }
+  }
+  slots_.clear();
+  if (nvme_ != nullptr) nvme_->abandon();
 }
 
 // A NaN or Inf anywhere skips the whole step, on every device alike (dynamic loss scaling).
@@ -325,6 +373,19 @@ void UpdateScheduler::begin_phase(const Plan& plan) {
   slot_free_.assign(slots, Event{});
   last_slot_bytes_ = slots * slot_bytes;
   std::fill(staging_free_.begin(), staging_free_.end(), Event{});
+  staged_.assign(streamed_.size(), NvmeStaging::Staged{});
+  const std::vector<bool> on_nvme = spilled();
+  if (std::find(on_nvme.begin(), on_nvme.end(), true) != on_nvme.end()) {
+    if (nvme_ == nullptr) {
+      throw InvalidArgument("UpdateScheduler::run: a subgroup's state is on NVMe but the scheduler has no NvmeStaging");
+    }
+    // Reads in the order the loop below asks for them. Subgroups prefetched to the GPU hold
+    // their staging until flushed: buffers for them on top of the read-ahead, or a read could
+    // wait for a buffer only a later update frees.
+    std::vector<std::size_t> order = nvme_read_order(plan.placement, on_nvme, slots);
+    for (std::size_t& i : order) i = state_[i].nvme_subgroup;
+    nvme_->begin(order, nvme_staging_buffers(plan.placement, on_nvme, slots, nvme_read_ahead_));
+  }
   setup_stats_ = allocator_.stats();
   setup_allocations_ = setup_stats_.allocation[0].allocated - before.allocation[0].allocated;
 
@@ -342,10 +403,11 @@ void UpdateScheduler::prefetch_in(std::size_t j) {
   const Arrays& s = slots_[slot];
   const std::size_t bytes = g.n * sizeof(float);
   const bool grad = g.device_grad == nullptr;
+  const NvmeStaging::Staged h = staged_[j] = host_state(i);  // NVMe -> pinned staging first
   prefetched_[j] = enqueue(OpKind::h2d, "prefetch", i, prefetch_, slot_free_[slot], static_cast<double>(bytes * (grad ? 4 : 3)), 0, [&] {
-    device_.copy_async(s.p, g.param, bytes, CopyKind::host_to_device, prefetch_);
-    device_.copy_async(s.m, g.exp_avg, bytes, CopyKind::host_to_device, prefetch_);
-    device_.copy_async(s.v, g.exp_avg_sq, bytes, CopyKind::host_to_device, prefetch_);
+    device_.copy_async(s.p, h.p, bytes, CopyKind::host_to_device, prefetch_);
+    device_.copy_async(s.m, h.m, bytes, CopyKind::host_to_device, prefetch_);
+    device_.copy_async(s.v, h.v, bytes, CopyKind::host_to_device, prefetch_);
     if (grad) device_.copy_async(s.g, g.grad, bytes, CopyKind::host_to_device, prefetch_);
   });
 }
@@ -365,11 +427,13 @@ void UpdateScheduler::gpu_update(std::size_t j, const StepParams& params) {
   const Event stepped = enqueue(OpKind::gpu, "gpu update", i, compute_, prefetched_[j], n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype),
                                 n, [&] { adamw_step_async(device_, compute_, a); });
   const std::size_t bytes = g.n * sizeof(float);
+  const NvmeStaging::Staged h = staged_[j];
   slot_free_[slot] = enqueue(OpKind::d2h, "flush", i, flush_, stepped, static_cast<double>(3 * bytes), 0, [&] {
-    device_.copy_async(g.param, s.p, bytes, CopyKind::device_to_host, flush_);
-    device_.copy_async(g.exp_avg, s.m, bytes, CopyKind::device_to_host, flush_);
-    device_.copy_async(g.exp_avg_sq, s.v, bytes, CopyKind::device_to_host, flush_);
+    device_.copy_async(h.p, s.p, bytes, CopyKind::device_to_host, flush_);
+    device_.copy_async(h.m, s.m, bytes, CopyKind::device_to_host, flush_);
+    device_.copy_async(h.v, s.v, bytes, CopyKind::device_to_host, flush_);
   });
+  if (g.on_nvme()) nvme_->release(g.nvme_subgroup, slot_free_[slot]);  // written back behind the flush
   params_[static_cast<int>(Placement::gpu)] += g.n;
   if (j + slots_.size() < streamed_.size()) prefetch_in(j + slots_.size());
 }
@@ -410,10 +474,11 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
     });
     device_.stream_synchronize(flush_);
   }
+  const NvmeStaging::Staged h = host_state(i);  // waits for an NVMe read, if any
   AdamwArgs a = args_for(params, i);
-  a.param = g.param;
-  a.exp_avg = g.exp_avg;
-  a.exp_avg_sq = g.exp_avg_sq;
+  a.param = h.p;
+  a.exp_avg = h.m;
+  a.exp_avg_sq = h.v;
   a.grad = g.grad;
   if (a.param_out != nullptr) a.param_out = staging_[b].data();
 
@@ -423,6 +488,7 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
                                         [&] { adamw_step(a, pool_, config_.isa); });
   cpu_log_.push_back(TieringOp{"cpu update", i, cpu_start, host_now_ns() - phase_start_ns_,
                                n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype)});
+  if (g.on_nvme()) nvme_->release(g.nvme_subgroup);  // written back behind
   cpu_params_ += static_cast<double>(g.n);
   ++cpu_ops_;
   params_[static_cast<int>(Placement::cpu)] += g.n;
@@ -439,6 +505,17 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
 StepReport UpdateScheduler::end_phase(double phase_start_ns) {
   for (Stream s : {prefetch_, upload_, compute_, flush_}) device_.stream_synchronize(s);
   StepReport r;
+  // The phase ends with the last write-back; a failed one is rethrown once the rest is done.
+  bool any_nvme = false;
+  for (std::size_t i = 0; i < state_.size() && !any_nvme; ++i) any_nvme = state_[i].on_nvme();
+  std::exception_ptr nvme_error;
+  if (any_nvme) {
+    try {
+      r.nvme = nvme_->finish();
+    } catch (...) {
+      nvme_error = std::current_exception();
+    }
+  }
   r.phase_ns = host_now_ns() - phase_start_ns;
   const AllocatorStats after = allocator_.stats();
   r.setup_allocations = setup_allocations_;
@@ -470,6 +547,7 @@ StepReport UpdateScheduler::end_phase(double phase_start_ns) {
   r.params_cpu = params_[static_cast<int>(Placement::cpu)];
   r.params_gpu = params_[static_cast<int>(Placement::gpu)];
   r.params_gpu_static = params_[static_cast<int>(Placement::gpu_static)];
+  if (nvme_error) std::rethrow_exception(nvme_error);
   return r;
 }
 

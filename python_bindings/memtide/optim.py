@@ -358,9 +358,14 @@ class SchedulerEngine(SubgroupEngine):
     name = "scheduler"
 
     def __init__(self, numel: int, lowp_dtype: Optional[torch.dtype], subgroups: Tuple[Tuple[int, int], ...],
-                 device: int = 0) -> None:
+                 device: int = 0, nvme: Optional["NvmeTier"] = None) -> None:
         lowp_bytes = 4 if lowp_dtype is None else torch.empty(0, dtype=lowp_dtype).element_size()
-        self.native = _memtide.UpdateEngine(numel, list(subgroups), low_precision_bytes=lowp_bytes, device=device)
+        tier = {} if nvme is None else dict(nvme_dir=nvme.dir, host_budget=nvme.host_budget,
+                                            nvme_read_ahead=nvme.read_ahead)
+        self.native = _memtide.UpdateEngine(numel, list(subgroups), low_precision_bytes=lowp_bytes, device=device,
+                                            **tier)
+        #: Subgroups whose params and moments live on NVMe (0: no NVMe tier in use).
+        self.spilled = int(self.native.nvme_info()["spilled"])
         params, exp_avg, exp_avg_sq, grads = (torch.from_dlpack(a) for a in self.native.arrays())
         pinned = torch.cuda.is_available() and not self.native.simulated
         # The low-precision copy is made by model_buffer(): the engine's own, or a pinned one.
@@ -490,6 +495,41 @@ def _device_words() -> str:
 # ---- the optimizer ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class NvmeTier:
+    """Where and when the optimizer state spills to NVMe (TieredAdamW's nvme_dir and host_budget)."""
+
+    dir: Optional[str]
+    host_budget: int
+    read_ahead: int
+
+
+def _nvme_tier(nvme_dir: Any, host_budget: Any, nvme_read_ahead: Any) -> Optional[NvmeTier]:
+    """Checks TieredAdamW's NVMe arguments; None when no host budget is set."""
+    import os
+
+    if not (isinstance(nvme_read_ahead, int) and not isinstance(nvme_read_ahead, bool) and nvme_read_ahead >= 1):
+        raise ValueError(f"TieredAdamW: nvme_read_ahead must be an integer >= 1, got {nvme_read_ahead!r}")
+    if host_budget is None:
+        if nvme_dir is not None:
+            raise ValueError("TieredAdamW: nvme_dir needs host_budget, the host memory the optimizer state may take "
+                             "(e.g. host_budget='64GiB'); the subgroups that do not fit it go to NVMe")
+        return None
+    if isinstance(host_budget, bool) or not isinstance(host_budget, (int, str)):
+        raise ValueError(f"TieredAdamW: host_budget must be bytes (an int) or a size such as '64GiB', "
+                         f"got {host_budget!r}")
+    budget = _memtide.parse_bytes(host_budget) if isinstance(host_budget, str) else host_budget
+    if budget <= 0:
+        raise ValueError(f"TieredAdamW: host_budget must be > 0 bytes, got {host_budget!r}")
+    if nvme_dir is not None:
+        if not isinstance(nvme_dir, (str, os.PathLike)):
+            raise ValueError(f"TieredAdamW: nvme_dir must be a path, got {nvme_dir!r}")
+        nvme_dir = os.fspath(nvme_dir)
+        if not nvme_dir:
+            raise ValueError("TieredAdamW: nvme_dir is empty; expected a directory on an NVMe drive")
+    return NvmeTier(nvme_dir, int(budget), nvme_read_ahead)
+
+
 @dataclass
 class _Layout:
     params: List[torch.nn.Parameter]
@@ -547,6 +587,18 @@ class TieredAdamW(torch.optim.Optimizer):
             non-finite gradient skips the step, leaving params and state untouched.
         max_grad_norm: clip the global gradient norm (as torch.nn.utils.clip_grad_norm_ after
             GradScaler.unscale_) inside the fused step.
+        host_budget: host memory the optimizer state may take (bytes, or a size such as
+            "64GiB"). The state takes 16 B/param (fp32 params, two moments, gradient); when that
+            is more, the fewest subgroups that bring it within the budget keep their params and
+            moments on NVMe (spread over the update order) and each step streams them through
+            pinned staging, ``nvme_read_ahead`` subgroups ahead, writing them back behind.
+            Needs the model's params in fp16/bf16 on the optimizer's device (an fp32 model would
+            be a host copy of the very state that spills).
+        nvme_dir: the directory (on an NVMe drive) in which a private spill directory is made.
+            Its space is reserved at construction; files left by a crashed run are reported.
+
+    With an NVMe tier, the tensors of ``state`` hold the spilled subgroups' values only after
+    :meth:`sync_state` (state_dict() calls it); write to them only after it, too.
 
     The model's params stay where they are. CPU params become views of the optimizer's buffers
     (fp32: of the master params; fp16/bf16: of the low-precision copy the kernel writes), so
@@ -562,7 +614,8 @@ class TieredAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, policy: str = "auto",
                  subgroup_size: int = 100_000_000, gpu_static_fraction: float = 0.0, k: Optional[float] = None,
                  loss_scale: Union[None, str, float, LossScaler] = None,
-                 max_grad_norm: Optional[float] = None) -> None:
+                 max_grad_norm: Optional[float] = None, host_budget: Union[None, int, str] = None,
+                 nvme_dir: Any = None, nvme_read_ahead: int = 2) -> None:
         if policy not in POLICIES:
             raise ValueError(f"TieredAdamW: policy {policy!r} is not accepted; accepted: {_accepted(POLICIES)}")
         if not (isinstance(subgroup_size, int) and not isinstance(subgroup_size, bool) and subgroup_size > 0):
@@ -583,6 +636,7 @@ class TieredAdamW(torch.optim.Optimizer):
                                               and not isinstance(max_grad_norm, bool)
                                               and math.isfinite(max_grad_norm) and max_grad_norm > 0):
             raise ValueError(f"TieredAdamW: max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+        self.nvme = _nvme_tier(nvme_dir, host_budget, nvme_read_ahead)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
         self._ready = False
         self.policy = policy
@@ -649,7 +703,14 @@ class TieredAdamW(torch.optim.Optimizer):
                              f"{-(-numel // self.subgroup_size)} subgroups, at most {_memtide.MAX_SUBGROUPS} are "
                              f"supported: use subgroup_size >= {-(-numel // _memtide.MAX_SUBGROUPS)}")
         bounds = tuple((s, min(s + self.subgroup_size, numel)) for s in range(0, numel, self.subgroup_size))
-        engine = self._engine_class(numel)(numel, lowp_dtype, bounds, _device_of(params))
+        engine_class = self._engine_class(numel)
+        if self.nvme is not None:
+            if not issubclass(engine_class, SchedulerEngine):
+                why = SchedulerEngine.available(numel) or f"engine_class is {engine_class.__name__}"
+                raise ValueError(f"TieredAdamW: host_budget needs memtide's engine, which cannot run here: {why}")
+            engine = engine_class(numel, lowp_dtype, bounds, _device_of(params), nvme=self.nvme)
+        else:
+            engine = engine_class(numel, lowp_dtype, bounds, _device_of(params))
         engine.model_buffer(lowp_dtype, [p for p in params if p.dtype in _LOWP])
         buffers = engine.buffers
         steps = [0] * len(params)
@@ -673,6 +734,20 @@ class TieredAdamW(torch.optim.Optimizer):
                     # The param becomes a view of the buffer the step writes: no copy-back.
                     p.data = source[lo:hi].view(p.shape)
                     aliased[i] = True
+                if getattr(engine, "spilled", 0):
+                    # Spilled subgroups filled so far go to NVMe now: at most about a subgroup of
+                    # them is in host memory at once.
+                    engine.native.spill_host(hi)
+        if getattr(engine, "spilled", 0):
+            model_only = engine.model_attached and all(lowp_of) and all(aliased)
+            if not model_only:
+                bad = next(i for i in range(len(params)) if not (lowp_of[i] and aliased[i]))
+                raise ValueError(
+                    f"TieredAdamW: with {engine.spilled} subgroup(s) on NVMe the model's params must be fp16/bf16 on "
+                    f"the optimizer's device, so that each step writes them directly; param {bad} is "
+                    f"{params[bad].dtype} on {params[bad].device} (an fp32 or host copy of the model would need the "
+                    "very state that spilled in host memory)")
+            engine.native.spill_host(numel)
 
         pieces: List[List[Tuple[int, int, int]]] = [[] for _ in bounds]
         for i, (lo, hi) in enumerate(ranges):
@@ -1015,6 +1090,8 @@ class TieredAdamW(torch.optim.Optimizer):
 
         # Everything is known good from here on.
         self._wait_for_copies()
+        if self.spilled_subgroups:
+            self.sync_state()  # spilled ranges in host memory, so that what is written here counts
         self._host_changed()
         # The model is the truth for fp32 params and the fallback for fp16/bf16 ones (a state dict
         # of torch.optim.AdamW has no master params); saved masters replace it below.
@@ -1047,6 +1124,17 @@ class TieredAdamW(torch.optim.Optimizer):
         for i in range(len(self._steps)):
             if self._steps[i] > 0:
                 self._expose_state(i)
+        if self.spilled_subgroups:
+            self.engine.native.spill_host(layout.numel)  # back within the host budget now
+
+    @property
+    def spilled_subgroups(self) -> int:
+        """Subgroups whose params and moments live on NVMe (0 without an NVMe tier)."""
+        return int(getattr(self.engine, "spilled", 0))
+
+    def nvme_info(self) -> Optional[Dict[str, Any]]:
+        """The NVMe tier (see memtide._memtide.UpdateEngine.nvme_info), None without one."""
+        return self.engine.native.nvme_info() if self.spilled_subgroups else None
 
     @torch.no_grad()
     def sync_master_from_model(self) -> None:
@@ -1060,6 +1148,8 @@ class TieredAdamW(torch.optim.Optimizer):
         through ``p.data`` is not, so call this after one.
         """
         self._wait_for_copies()
+        if self.spilled_subgroups:
+            self.sync_state()  # the moments of spilled subgroups must be there beside the new params
         self._host_changed()
         layout, b = self._layout, self.buffers
         for i, p in enumerate(layout.params):

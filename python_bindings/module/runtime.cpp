@@ -18,6 +18,7 @@
 #include "memtide/device/topology.hpp"
 #include "memtide/memtide.h"
 #include "common.hpp"
+#include "memtide/core/format.hpp"
 
 namespace memtide::bindings {
 namespace {
@@ -246,6 +247,15 @@ nb::dict topology_dict(const std::optional<std::string>& path) {
 
 void bind_runtime(nb::module_& m) {
   m.def("version", [] { return std::string(memtide_version()); }, "memtide's version, e.g. \"0.1.0\".");
+  m.def(
+      "parse_bytes",
+      [](const std::string& text) {
+        const std::optional<std::uint64_t> v = memtide::parse_bytes(text);
+        if (!v) value_error("\"" + text + "\" is not a size; expected e.g. 4096, 512MiB, 64GiB or 1.5TB");
+        return *v;
+      },
+      "text"_a, "Bytes from a size such as \"64GiB\", \"512MB\" or \"4096\" (the options table's parser).");
+  m.def("format_bytes", [](std::uint64_t n) { return memtide::format_bytes(n); }, "n"_a, "\"1.50 GiB\", \"512 B\".");
   m.def("backend", [] { return std::string(backend_name(memtide::Runtime::get().backend())); },
         "The backend the runtime's allocators use: \"cuda\" or \"sim\" (MEMTIDE_DEVICE resolved).");
   m.def("resolve_backend",

@@ -253,7 +253,9 @@ using FloatArray = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu
 class PyUpdateEngine {
  public:
   PyUpdateEngine(std::int64_t n, const std::vector<std::pair<std::int64_t, std::int64_t>>& subgroups,
-                 std::int64_t low_precision_bytes, int device) {
+                 std::int64_t low_precision_bytes, int device, std::optional<std::string> nvme_dir,
+                 std::int64_t host_budget, std::int64_t nvme_read_ahead, double nvme_read_bytes_per_s,
+                 double nvme_write_bytes_per_s) {
     std::vector<std::pair<std::size_t, std::size_t>> ranges;
     for (auto [s, e] : subgroups) {
       if (s < 0 || e < 0) {
@@ -263,6 +265,14 @@ class PyUpdateEngine {
     }
     tiering::EngineConfig config;
     config.low_precision_bytes = count_arg("low_precision_bytes", low_precision_bytes);
+    if (nvme_dir) config.nvme.dir = *nvme_dir;
+    config.nvme.host_budget_bytes = count_arg("host_budget", host_budget);
+    config.nvme.read_ahead = count_arg("nvme_read_ahead", nvme_read_ahead);
+    if (!(nvme_read_bytes_per_s >= 0) || !(nvme_write_bytes_per_s >= 0)) {
+      value_error("UpdateEngine: nvme_read_bytes_per_s and nvme_write_bytes_per_s must be >= 0 (0: measured)");
+    }
+    config.nvme.read_bytes_per_s = nvme_read_bytes_per_s;
+    config.nvme.write_bytes_per_s = nvme_write_bytes_per_s;
     const std::size_t count = count_arg("n", n);
     Runtime& rt = Runtime::get();
     CachingAllocator& a = rt.allocator(device);
@@ -342,7 +352,49 @@ class PyUpdateEngine {
     d["params_gpu_static"] = r.total.params_gpu_static;
     d["loop_allocations"] = r.total.loop_allocations;
     d["loop_device_allocs"] = r.total.loop_device_allocs;
+    d["nvme"] = nvme_use_dict(r.total.nvme);
     return d;
+  }
+
+  static nb::dict nvme_use_dict(const tiering::NvmeUse& u) {
+    nb::dict d;
+    d["read_bytes"] = u.read_bytes;
+    d["write_bytes"] = u.write_bytes;
+    d["read_busy_ns"] = u.read_busy_ns;
+    d["write_busy_ns"] = u.write_busy_ns;
+    d["stall_ns"] = u.stall_ns;
+    d["stall_wall_ns"] = u.stall_wall_ns;
+    d["reads"] = u.reads;
+    d["writes"] = u.writes;
+    return d;
+  }
+
+  nb::dict nvme_info() const {
+    const tiering::NvmeTierInfo i = engine_->nvme_info();
+    nb::dict d;
+    d["spilled"] = i.spilled;
+    d["spilled_params"] = i.spilled_params;
+    d["on_nvme"] = engine_->on_nvme();
+    d["file"] = i.file.empty() ? nb::none() : nb::cast(i.file.string());
+    d["file_bytes"] = i.file_bytes;
+    d["staging_bytes"] = i.staging_bytes;
+    d["read_bytes_per_s"] = i.read_bytes_per_s;
+    d["write_bytes_per_s"] = i.write_bytes_per_s;
+    d["held"] = i.held;
+    d["last"] = nvme_use_dict(i.last);
+    return d;
+  }
+
+  void spill_host(std::int64_t up_to) {
+    const std::size_t at = count_arg("up_to", up_to);
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->spill_host(at);
+  }
+
+  void inject_nvme_faults(int write_errno, bool short_write, int read_errno) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->inject_nvme_faults(tiering::NvmeFaults{write_errno, short_write, read_errno});
   }
 
   void host_changed() {
@@ -542,9 +594,24 @@ void bind_tiering(nb::module_& m) {
                              "flat float32 arrays in the device's pinned, NUMA-bound HostArena), plans each step with\n"
                              "the PerfModel from the phase tracker's memory and the calibrated rates, and runs the\n"
                              "UpdateScheduler (a data-mode SimDevice without a GPU).")
-      .def(nb::init<std::int64_t, const std::vector<std::pair<std::int64_t, std::int64_t>>&, std::int64_t, int>(),
-           "n"_a, "subgroups"_a, "low_precision_bytes"_a = 2, "device"_a = 0,
-           "Host state for `n` params (zeroed), cut into `subgroups`, consecutive [start, end) ranges covering it.")
+      .def(nb::init<std::int64_t, const std::vector<std::pair<std::int64_t, std::int64_t>>&, std::int64_t, int,
+                    std::optional<std::string>, std::int64_t, std::int64_t, double, double>(),
+           "n"_a, "subgroups"_a, "low_precision_bytes"_a = 2, "device"_a = 0, "nvme_dir"_a = nb::none(),
+           "host_budget"_a = 0, "nvme_read_ahead"_a = 2, "nvme_read_bytes_per_s"_a = 0.0,
+           "nvme_write_bytes_per_s"_a = 0.0,
+           "Host state for `n` params (zeroed), cut into `subgroups`, consecutive [start, end) ranges covering it.\n"
+           "With `host_budget` (bytes, 0: none) smaller than the state (16 B/param), the fewest subgroups that\n"
+           "fit it keep their params and moments on NVMe in a private spill directory under `nvme_dir`,\n"
+           "streamed `nvme_read_ahead` subgroups ahead of each step (rates: planned with until measured).")
+      .def("nvme_info", &PyUpdateEngine::nvme_info,
+           "The NVMe tier: spilled (subgroups), spilled_params, on_nvme (per subgroup), file, file_bytes,\n"
+           "staging_bytes, read/write_bytes_per_s (planned with), held (subgroups whose newest state only host\n"
+           "memory holds after a failed write) and last (the last step's transfers).")
+      .def("spill_host", &PyUpdateEngine::spill_host, "up_to"_a,
+           "Writes spilled subgroups wholly below element `up_to` whose host range is the truth to NVMe and\n"
+           "drops their host pages (the next step does it for all).")
+      .def("inject_nvme_faults", &PyUpdateEngine::inject_nvme_faults, "write_errno"_a = 0, "short_write"_a = false,
+           "read_errno"_a = 0, "For tests: the NVMe tier's next write or read request fails as given.")
       .def("arrays", [](nb::handle self) { return nb::cast<PyUpdateEngine&>(self).arrays(self); },
            "(param, exp_avg, exp_avg_sq, grad): zero-copy float32 arrays over the host state (DLPack;\n"
            "torch.from_dlpack makes tensors of them). They keep the engine alive.")

@@ -59,7 +59,7 @@ struct SimEngineStats {
 /// One operation the simulated machine ran (recorded when record_ops is on): for tests that
 /// check when work happened, and for timelines.
 struct SimOp {
-  const char* engine = "";  ///< "h2d", "d2h", "compute", "link" or "host"
+  const char* engine = "";  ///< "h2d", "d2h", "compute", "link", "storage" or "host"
   double start_ns = 0;
   double end_ns = 0;
   double bytes = 0;
@@ -89,12 +89,17 @@ class SimDevice final : public Device {
   /// at `bytes_per_s` over the GPU links, an engine of its own (NVLink: it overlaps compute and
   /// PCIe). Returns the virtual end time.
   double enqueue_collective(Stream stream, double bytes, double bytes_per_s);
+  /// A transfer between host memory and a storage drive (the NVMe spill tier) on `stream`:
+  /// `bytes` at `bytes_per_s`, on an engine of its own (one drive serves reads and writes in
+  /// turn). Returns the virtual end time.
+  double enqueue_storage(Stream stream, double bytes, double bytes_per_s);
 
   /// Starts (or stops) recording every operation; take_ops() hands over what was recorded.
   void record_ops(bool on);
   [[nodiscard]] std::vector<SimOp> take_ops();
 
   [[nodiscard]] SimEngineStats link_stats();
+  [[nodiscard]] SimEngineStats storage_stats();
   [[nodiscard]] SimEngineStats h2d_stats();
   [[nodiscard]] SimEngineStats d2h_stats();
   [[nodiscard]] SimEngineStats compute_stats();
@@ -181,7 +186,8 @@ class SimDevice final : public Device {
   SimStream default_stream_;
   std::unordered_map<void*, std::unique_ptr<SimStream>> streams_;
   std::unordered_map<void*, std::unique_ptr<SimEvent>> events_;
-  Engine h2d_{"h2d"}, d2h_{"d2h"}, compute_{"compute"}, link_{"link"};
+  Engine h2d_{"h2d"}, d2h_{"d2h"}, compute_{"compute"}, link_{"link"},
+      storage_{"storage"};
   std::multimap<double, double> compute_busy_;  // the compute engine's kernels not yet done: start -> end
   bool recording_ = false;
   std::vector<SimOp> ops_;

@@ -68,7 +68,9 @@ class NvmeStore {
   /// A spill file in `dir` holding `extent_bytes[i]` bytes for subgroup i, reserved with
   /// fallocate. Throws IoError naming the path and the bytes needed when it cannot be created or
   /// reserved (ENOSPC at setup), and InvalidArgument for a bad config.
-  NvmeStore(const SpillDir& dir, const std::vector<std::uint64_t>& extent_bytes, NvmeConfig config = {});
+  /// `names`: the subgroup number each extent's errors name (empty: the extent's index).
+  NvmeStore(const SpillDir& dir, const std::vector<std::uint64_t>& extent_bytes, NvmeConfig config = {},
+            std::vector<std::size_t> names = {});
   ~NvmeStore();
   NvmeStore(const NvmeStore&) = delete;
   NvmeStore& operator=(const NvmeStore&) = delete;
@@ -118,6 +120,7 @@ class NvmeStore {
   std::filesystem::path file_;
   int fd_ = -1;
   std::vector<Extent> extents_;
+  std::vector<std::size_t> names_;
   std::uint64_t file_bytes_ = 0;
   Counters counters_;
   NvmeFaults faults_;

@@ -34,6 +34,13 @@ struct Subgroup {
   const float* device_grad = nullptr;
   /// The model's low-precision params for this range, in device memory; null = not written.
   void* model_param = nullptr;
+  /// The NVMe tier's subgroup (NvmeStaging) that holds this range's state, or kInHostMemory:
+  /// then `param`, `exp_avg` and `exp_avg_sq` above are not read or written by a step; the state
+  /// comes from staging, starting `nvme_offset` elements into that subgroup.
+  std::size_t nvme_subgroup = kInHostMemory;
+  std::size_t nvme_offset = 0;
+  static constexpr std::size_t kInHostMemory = static_cast<std::size_t>(-1);
+  [[nodiscard]] bool on_nvme() const noexcept { return nvme_subgroup != kInHostMemory; }
 };
 
 /// Caller-owned arrays of one subgroup (external memory).

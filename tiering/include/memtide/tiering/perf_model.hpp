@@ -111,6 +111,18 @@ void fit_gpu_budget(Workload& work, const GpuBudget& budget);
 /// subgroup's state cannot fit the budget (the gradients and staging stay in host memory).
 std::size_t fit_host_budget(Workload& work, std::uint64_t host_budget_bytes);
 
+/// The order in which an update phase reads the subgroups whose state is on NVMe (`spilled`,
+/// one flag per subgroup; static residents are never read): the order the scheduler's host loop
+/// needs them, a streamed subgroup's read `slots` streamed subgroups ahead of its update (it is
+/// prefetched to the GPU that far ahead). The scheduler and the PerfModel's walk share it.
+std::vector<std::size_t> nvme_read_order(const std::vector<Placement>& placement, const std::vector<bool>& spilled,
+                                         std::size_t slots);
+
+/// Staging buffers a phase needs: `read_ahead`, plus one per GPU slot that a spilled subgroup
+/// may hold from its read until its flush.
+std::size_t nvme_staging_buffers(const std::vector<Placement>& placement, const std::vector<bool>& spilled,
+                                 std::size_t slots, std::size_t read_ahead);
+
 /// Predicted busy time per resource and the resulting update time.
 struct Prediction {
   double total_ns = 0;  ///< predicted update-phase time

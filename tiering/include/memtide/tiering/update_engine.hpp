@@ -20,10 +20,19 @@
 /// plan. Changing the resident set costs its copies; a plan that changes it must win by more
 /// than that cost over `resident_hold_steps` steps (hysteresis).
 ///
+/// The NVMe tier (EngineConfig::nvme with a host budget the state does not fit): the subgroups
+/// fit_host_budget picks keep their params and moments (12 B/param) on NVMe, in a private spill
+/// directory, and each step streams them through pinned staging (NvmeStaging). Their ranges of
+/// the param, exp_avg and exp_avg_sq arrays hold no memory between steps (unregistered,
+/// discarded pages that read as zeros): sync_host() reads them back for a reader (a checkpoint),
+/// and host_changed() makes what is there the truth, written to NVMe before the next step.
+/// Gradients stay in host memory.
+///
 /// Not thread-safe: one caller at a time (the Python binding serializes).
 
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <list>
 #include <memory>
 #include <optional>
@@ -36,6 +45,7 @@
 #include "memtide/core/thread_pool.hpp"
 #include "memtide/tiering/calibration.hpp"
 #include "memtide/tiering/grad_sink.hpp"
+#include "memtide/tiering/nvme_store.hpp"
 #include "memtide/tiering/perf_model.hpp"
 #include "memtide/tiering/update_scheduler.hpp"
 
@@ -81,12 +91,39 @@ struct EngineStep {
   double predicted_ns = 0;
 };
 
+/// The NVMe tier of an engine: used when the host state (16 B/param) does not fit
+/// `host_budget_bytes` (0: no budget, nothing spilled).
+struct NvmeTierConfig {
+  std::filesystem::path dir;          ///< where the private spill directory is made
+  std::uint64_t host_budget_bytes = 0;
+  std::size_t read_ahead = 2;         ///< staging buffers beyond those GPU-bound subgroups hold
+  NvmeConfig io{};                    ///< queue depth and request size
+  /// Rates to plan with until the tier's own transfers are measured (0: measured at setup from
+  /// the first spill; required on a phantom device, which only times them).
+  double read_bytes_per_s = 0;
+  double write_bytes_per_s = 0;
+};
+
+/// What the NVMe tier holds.
+struct NvmeTierInfo {
+  std::size_t spilled = 0;               ///< subgroups on NVMe
+  std::uint64_t spilled_params = 0;
+  std::filesystem::path file;            ///< the spill file (empty on a phantom device)
+  std::uint64_t file_bytes = 0;
+  std::uint64_t staging_bytes = 0;       ///< pinned staging buffers
+  double read_bytes_per_s = 0;           ///< planned with (measured once transfers ran)
+  double write_bytes_per_s = 0;
+  std::vector<std::size_t> held;         ///< subgroups whose state only host memory holds (a failed write)
+  NvmeUse last;                          ///< the last step's transfers
+};
+
 struct EngineConfig {
   std::size_t low_precision_bytes = 2;  ///< the model's copy: 2 (fp16/bf16) or 4 (fp32)
   /// Steps over which a change of the resident set must pay for its copies.
   std::size_t resident_hold_steps = 20;
   CalibrationConfig calibration = CalibrationConfig::from_options();
   Rates defaults{};  ///< rates before anything is measured
+  NvmeTierConfig nvme{};
 };
 
 class UpdateEngine {
@@ -179,6 +216,16 @@ class UpdateEngine {
   /// Bytes of device memory the engine holds between steps (static residents, small buffers).
   [[nodiscard]] std::uint64_t resident_bytes() const;
 
+  /// Per subgroup: its params and moments live on NVMe (empty: no NVMe tier).
+  [[nodiscard]] const std::vector<bool>& on_nvme() const noexcept { return on_nvme_; }
+  [[nodiscard]] NvmeTierInfo nvme_info() const;
+  /// Writes spilled subgroups wholly below element `up_to` whose host range is the truth (after
+  /// host_changed, or never written) to NVMe and drops their host pages: a caller filling the
+  /// arrays in order keeps at most a subgroup of them in memory. step() does it for the rest.
+  void spill_host(std::size_t up_to);
+  /// For tests: the NVMe tier's next transfers fail as `faults` says (no tier: ignored).
+  void inject_nvme_faults(const NvmeFaults& faults);
+
  private:
   struct Entry {  // a scheduler over exactly `ranges` of the flat arrays
     std::vector<std::pair<std::size_t, std::size_t>> ranges;
@@ -218,6 +265,14 @@ class UpdateEngine {
   std::size_t current_statics_ = 0;    // static residents of the last plan
   void* phantom_host_ = nullptr;       // the arrays' phantom range on a phantom device
   std::size_t phantom_bytes_ = 0;
+
+  // The NVMe tier.
+  struct NvmeTier;
+  void setup_nvme();
+  void drop_spilled_pages(std::size_t subgroup);
+  [[nodiscard]] std::size_t subgroup_of(std::size_t element) const;
+  std::vector<bool> on_nvme_;
+  std::unique_ptr<NvmeTier> nvme_;
 };
 
 }  // namespace memtide::tiering

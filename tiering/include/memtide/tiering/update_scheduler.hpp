@@ -12,7 +12,10 @@
 ///   the flush stream, while the next prefetch into the freed slot is queued: both PCIe
 ///   directions at once. Lookahead is bounded by the plan's slots;
 /// - a static resident lives on the GPU between phases (placed last by the planner, so its
-///   steps cover the tail of the transfers).
+///   steps cover the tail of the transfers);
+/// - a subgroup whose state lives on NVMe (Subgroup::on_nvme) is stepped from a staging buffer
+///   of the NvmeStaging, which reads it ahead and writes it back behind: on the CPU in place, on
+///   the GPU NVMe -> pinned staging -> slot and back, the write-back queued behind the flush.
 ///
 /// Events order everything; the host waits only before overwriting a staging buffer, for the
 /// gradient check, and at the end of the phase. Slots come from the CachingAllocator when the
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "memtide/allocator/caching_allocator.hpp"
+#include "memtide/tiering/nvme_staging.hpp"
 #include "memtide/tiering/optimizer_state.hpp"
 #include "memtide/tiering/perf_model.hpp"
 
@@ -91,6 +95,7 @@ struct StepReport {
   double phase_ns = 0;   ///< from the phase start to the last transfer's end (host clock)
   ResourceUse cpu, gpu, h2d, d2h;
   double h2d_d2h_overlap_ns = 0;  ///< time both PCIe directions were busy at once
+  NvmeUse nvme;                   ///< the NVMe tier's reads and write-backs (none without one)
   std::size_t params_cpu = 0;
   std::size_t params_gpu = 0;
   std::size_t params_gpu_static = 0;
@@ -115,8 +120,14 @@ class UpdateScheduler {
   UpdateScheduler& operator=(const UpdateScheduler&) = delete;
 
   /// Runs one update phase for `plan` (one placement per subgroup; gpu_slots >= 1 when any is
-  /// Placement::gpu). Returns when every update and transfer has completed.
+  /// Placement::gpu). Returns when every update and transfer has completed. On an error (an
+  /// NVMe read or write-back failed) the phase is stopped, every queued transfer completes and
+  /// the error is rethrown; subgroups stepped before it keep their new state.
   StepReport run(const Plan& plan, const StepParams& params);
+
+  /// The NVMe tier for subgroups with Subgroup::on_nvme (null: none may be). `read_ahead`:
+  /// staging buffers beyond those GPU slots hold (>= 1).
+  void set_nvme(NvmeStaging* staging, std::size_t read_ahead);
 
   /// Copies the state of static residents back into the host arrays (checkpoints, tests).
   void sync_to_host();
@@ -160,6 +171,12 @@ class UpdateScheduler {
   void static_update(std::size_t i, const StepParams& params);
   void cpu_update(std::size_t i, const StepParams& params);
   StepReport end_phase(double phase_start_ns);
+  /// After an error: waits for every stream and transfer, gives the slots back.
+  void stop_phase() noexcept;
+  /// Per entry of the state: on NVMe.
+  [[nodiscard]] std::vector<bool> spilled() const;
+  /// Subgroup i's state (p, m, v) from staging, or its host arrays.
+  NvmeStaging::Staged host_state(std::size_t i);
 
   // Stream ordering, in one place: `work` runs on `stream` after `after`, between timing events.
   template <typename Work>
@@ -207,6 +224,9 @@ class UpdateScheduler {
   std::uint64_t cpu_ops_ = 0;
   std::size_t params_[3] = {0, 0, 0};
   std::uint64_t last_slot_bytes_ = 0;
+  NvmeStaging* nvme_ = nullptr;
+  std::size_t nvme_read_ahead_ = 1;
+  std::vector<NvmeStaging::Staged> staged_;  ///< per streamed subgroup: its state in staging
 };
 
 }  // namespace memtide::tiering

@@ -24,6 +24,11 @@ namespace memtide::os {
 /// Unmaps what map() returned (the same bytes). 0 or errno.
 int unmap(void* p, std::size_t bytes) noexcept;
 
+/// Gives the pages of a page-aligned range back to the OS (MADV_DONTNEED): they read as zeros
+/// and cost no memory until written again. The range must not be locked (host-registered).
+/// 0 or errno.
+int discard(void* p, std::size_t bytes) noexcept;
+
 /// Asks for transparent huge pages over the range. 0 or errno (EINVAL: the kernel has no THP).
 int advise_huge_pages(void* p, std::size_t bytes) noexcept;
 
@@ -39,8 +44,8 @@ int page_nodes(void* const* pages, std::size_t count, int* nodes) noexcept;
 /// Fault injection for tests. Thread-safe; costs one relaxed atomic load per call when unused.
 namespace testing {
 
-enum class Call : int { map, unmap, advise, bind, page_nodes };
-inline constexpr int kCalls = 5;
+enum class Call : int { map, unmap, advise, bind, page_nodes, discard };
+inline constexpr int kCalls = 6;
 
 /// The `nth` call of `call` from now on (0 = the next) fails with `err`, once; the call itself is
 /// not made. One armed failure per kind; arming again replaces it.

@@ -1,0 +1,411 @@
+#include "memtide/tiering/nvme_staging.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+
+#include "memtide/core/error.hpp"
+#include "memtide/core/log.hpp"
+#include "memtide/device/sim_device.hpp"
+
+namespace memtide::tiering {
+namespace {
+
+std::uint64_t round_up(std::uint64_t n, std::uint64_t to) { return (n + to - 1) / to * to; }
+
+double wall_ns() {
+  return static_cast<double>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+// The store's calls, in one place: a build without the NVMe tier (no liburing or xxHash) still
+// has the staging for the simulator's phantom device, which never reaches these.
+#if MEMTIDE_HAVE_NVME
+void store_read(NvmeStore& store, std::size_t extent, void* dst) { store.read(extent, dst); }
+void store_write(NvmeStore& store, std::size_t extent, const void* src, std::uint64_t bytes) {
+  store.write(extent, src, bytes);
+}
+std::size_t store_extents(const NvmeStore& store) { return store.subgroups(); }
+#else
+[[noreturn]] void no_nvme() {
+  throw Error("memtide was built without the NVMe tier (it needs liburing-dev and libxxhash-dev)");
+}
+void store_read(NvmeStore&, std::size_t, void*) { no_nvme(); }
+void store_write(NvmeStore&, std::size_t, const void*, std::uint64_t) { no_nvme(); }
+std::size_t store_extents(const NvmeStore&) { no_nvme(); }
+#endif
+
+}  // namespace
+
+NvmeStaging::NvmeStaging(Device& device, NvmeStore* store, const std::vector<std::size_t>& sizes,
+                         const std::vector<bool>& spilled, std::size_t buffers, SlabSource* slabs,
+                         double phantom_read_bytes_per_s, double phantom_write_bytes_per_s)
+    : device_(device), store_(store), slabs_(slabs), phantom_(is_phantom(device)),
+      phantom_read_rate_(phantom_read_bytes_per_s), phantom_write_rate_(phantom_write_bytes_per_s), sizes_(sizes),
+      sim_(dynamic_cast<SimDevice*>(&device)) {
+  if (spilled.size() != sizes.size()) {
+    throw InvalidArgument("NvmeStaging: " + std::to_string(spilled.size()) + " spill flags for " +
+                          std::to_string(sizes.size()) + " subgroups");
+  }
+  if (buffers == 0) throw InvalidArgument("NvmeStaging: buffers = 0; at least one staging buffer is needed");
+  index_.assign(sizes.size(), kNone);
+  std::size_t extents = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (!spilled[i]) continue;
+    index_[i] = extents++;
+    largest_ = std::max(largest_, sizes[i]);
+  }
+  if (phantom_) {
+    if (!(phantom_read_rate_ > 0) || !(phantom_write_rate_ > 0)) {
+      throw InvalidArgument("NvmeStaging: a phantom device times the NVMe tier at stated rates; read and write "
+                            "rates must be > 0");
+    }
+    if (sim_ == nullptr) throw InvalidArgument("NvmeStaging: a phantom device must be a SimDevice");
+  } else {
+    if (store_ == nullptr) throw InvalidArgument("NvmeStaging: no NvmeStore on a device that stores data");
+    if (store_extents(*store_) != extents) {
+      throw InvalidArgument("NvmeStaging: the store holds " + std::to_string(store_extents(*store_)) + " extents for " +
+                            std::to_string(extents) + " spilled subgroups");
+    }
+  }
+  storage_ = device_.create_stream();
+  buffer_of_.assign(sizes.size(), kNone);
+  ready_.assign(sizes.size(), 0);
+  reserve(buffers);
+  if (!phantom_) thread_ = std::thread([this] { serve(); });
+}
+
+NvmeStaging::~NvmeStaging() {
+  if (thread_.joinable()) {
+    {
+      std::unique_lock lock(mutex_);
+      wait_idle(lock);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+  }
+  for (const Buffer& b : buffers_) {
+    if (b.held) {
+      MEMTIDE_LOG(error, "NvmeStaging: the newest state of subgroup " + std::to_string(b.owner) +
+                             " was never written to NVMe (its write-back failed) and is dropped with the optimizer");
+    }
+  }
+  for (Event e : read_done_) {
+    if (e.valid()) device_.destroy_event(e);
+  }
+  device_.destroy_stream(storage_);
+}
+
+std::uint64_t NvmeStaging::buffer_bytes() const {
+  return round_up(std::max<std::uint64_t>(3 * sizeof(float) * largest_, 1), NvmeStore::kAlign);
+}
+
+void NvmeStaging::reserve(std::size_t buffers) {
+  while (buffers_.size() < buffers) {
+    Buffer b;
+    b.memory = PinnedBuffer(device_, buffer_bytes(), slabs_);
+    if (!phantom_ && reinterpret_cast<std::uintptr_t>(b.memory.data()) % NvmeStore::kAlign != 0) {
+      throw InvalidArgument("NvmeStaging: a staging buffer is not 4 KiB aligned (direct I/O needs it)");
+    }
+    buffers_.push_back(std::move(b));
+  }
+}
+
+std::uint64_t NvmeStaging::staging_bytes() const { return phantom_ ? 0 : buffers_.size() * buffer_bytes(); }
+
+NvmeStaging::Staged NvmeStaging::view(std::size_t buffer, std::size_t subgroup) const {
+  auto* base = static_cast<float*>(buffers_[buffer].memory.data());
+  const std::size_t n = sizes_[subgroup];
+  return Staged{base, base + n, base + 2 * n};
+}
+
+std::vector<std::size_t> NvmeStaging::held() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::size_t> out;
+  for (const Buffer& b : buffers_) {
+    if (b.held) out.push_back(b.owner);
+  }
+  return out;
+}
+
+std::size_t NvmeStaging::free_buffer() const {
+  for (std::size_t b = 0; b < buffers_.size(); ++b) {
+    if (buffers_[b].owner == kNone) return b;
+  }
+  return kNone;
+}
+
+// ---- a phase --------------------------------------------------------------------------------
+
+void NvmeStaging::begin(const std::vector<std::size_t>& order, std::size_t buffers) {
+  {
+    std::unique_lock lock(mutex_);
+    wait_idle(lock);
+    error_ = nullptr;
+    reads_stopped_ = false;
+  }
+  // What a failed write-back left in memory goes first: nothing else may reuse its buffer.
+  for (Buffer& b : buffers_) {
+    if (!b.held) continue;
+    const Staged s = view(static_cast<std::size_t>(&b - buffers_.data()), b.owner);
+    store_write(*store_, index_[b.owner], s.p, 3 * sizeof(float) * sizes_[b.owner]);
+    b.held = false;
+    b.owner = kNone;
+  }
+  for (std::size_t i : order) {
+    if (i >= sizes_.size() || index_[i] == kNone) {
+      throw InvalidArgument("NvmeStaging::begin: subgroup " + std::to_string(i) + " is not on NVMe");
+    }
+  }
+  reserve(buffers);
+  order_ = order;
+  next_read_ = 0;
+  std::fill(buffer_of_.begin(), buffer_of_.end(), kNone);
+  std::fill(ready_.begin(), ready_.end(), 0);
+  for (Buffer& b : buffers_) b.owner = kNone;
+  use_ = NvmeUse{};
+  phase_start_ns_ = device_.host_now_ns();
+  if (sim_ != nullptr) {
+    read_done_.resize(sizes_.size());
+    for (Event& e : read_done_) {
+      if (!e.valid()) e = device_.create_event(false);
+    }
+    // Recorded again when each read is timed; until then they have completed (nothing queued).
+    for (std::size_t i : order) device_.record_event(read_done_[i], storage_);
+  }
+  for (std::size_t b = 0; b < buffers_.size() && next_read_ < order_.size(); ++b) queue_next_read(b);
+}
+
+void NvmeStaging::queue_next_read(std::size_t buffer) {
+  const std::size_t i = order_[next_read_++];
+  {
+    std::lock_guard lock(mutex_);  // the I/O thread frees buffers after their write-back
+    buffers_[buffer].owner = i;
+    ready_[i] = 0;  // a subgroup asked for twice in a phase waits for its second read
+  }
+  buffer_of_[i] = buffer;
+  queue(Job{Kind::read, i, buffer, Event{}});
+}
+
+void NvmeStaging::set_rates(double read_bytes_per_s, double write_bytes_per_s) {
+  phantom_read_rate_ = read_bytes_per_s;
+  phantom_write_rate_ = write_bytes_per_s;
+}
+
+void NvmeStaging::queue(Job job) {
+  const double bytes = 3.0 * sizeof(float) * static_cast<double>(sizes_[job.subgroup]);
+  if (sim_ != nullptr && phantom_read_rate_ > 0 && phantom_write_rate_ > 0) {
+    // On a SimDevice the transfers also take their time on its storage engine, in queue order
+    // as the I/O thread serves them, so the virtual clock shows the drive (in data mode the
+    // real transfers below move the bytes).
+    if (job.after.valid()) device_.stream_wait_event(storage_, job.after);
+    const bool read = job.kind == Kind::read;
+    const double rate = read ? phantom_read_rate_ : phantom_write_rate_;
+    sim_->enqueue_storage(storage_, bytes, rate);
+    if (read) device_.record_event(read_done_[job.subgroup], storage_);
+    if (phantom_) {
+      (read ? use_.read_busy_ns : use_.write_busy_ns) += bytes / rate * 1e9;
+      (read ? use_.read_bytes : use_.write_bytes) += bytes;
+      ++(read ? use_.reads : use_.writes);
+    }
+  }
+  if (phantom_) return;
+  {
+    std::lock_guard lock(mutex_);
+    jobs_.push_back(job);
+  }
+  changed_.notify_all();
+}
+
+NvmeStaging::Staged NvmeStaging::acquire(std::size_t i) {
+  if (i >= sizes_.size() || index_[i] == kNone) {
+    throw InvalidArgument("NvmeStaging::acquire: subgroup " + std::to_string(i) + " is not on NVMe");
+  }
+  const std::size_t b = buffer_of_[i];
+  if (b == kNone) {
+    // Reads are queued in acquire order as buffers free up: one asked for out of that order (or
+    // with every buffer taken) would wait forever.
+    throw InvalidArgument("NvmeStaging::acquire: subgroup " + std::to_string(i) +
+                          " has no read queued (acquired out of the phase's order, or every staging buffer is held)");
+  }
+  const double t0 = device_.host_now_ns();
+  const double w0 = wall_ns();
+  if (!phantom_) {
+    std::unique_lock lock(mutex_);
+    changed_.wait(lock, [&] { return ready_[i] != 0 || error_ != nullptr; });
+    if (ready_[i] == 0) std::rethrow_exception(error_);
+  }
+  if (sim_ != nullptr && read_done_[i].valid()) device_.event_synchronize(read_done_[i]);
+  // The wait on the device's host clock (virtual on a SimDevice) and, for real transfers, on the
+  // wall clock.
+  use_.stall_ns += device_.host_now_ns() - t0;
+  if (!phantom_) use_.stall_wall_ns += wall_ns() - w0;
+  return view(b, i);
+}
+
+void NvmeStaging::release(std::size_t i, Event after) {
+  const std::size_t b = i < buffer_of_.size() ? buffer_of_[i] : kNone;
+  if (b == kNone) throw InvalidArgument("NvmeStaging::release: subgroup " + std::to_string(i) + " is not staged");
+  buffer_of_[i] = kNone;
+  queue(Job{Kind::write, i, b, after});
+  // The write-back keeps the buffer until it is verified; the next read queues behind it.
+  if (next_read_ < order_.size()) {
+    queue_next_read(b);
+  } else if (phantom_) {
+    buffers_[b].owner = kNone;  // the storage stream orders any later use after the write
+  }  // else the I/O thread frees it once the write is verified
+}
+
+void NvmeStaging::wait_idle(std::unique_lock<std::mutex>& lock) {
+  changed_.wait(lock, [&] { return jobs_.empty() && !busy_; });
+}
+
+NvmeUse NvmeStaging::finish() {
+  if (sim_ != nullptr) device_.stream_synchronize(storage_);
+  if (phantom_) {
+    for (Buffer& b : buffers_) b.owner = kNone;
+    return use_;
+  }
+  std::unique_lock lock(mutex_);
+  wait_idle(lock);
+  for (Buffer& b : buffers_) {
+    if (!b.held) b.owner = kNone;
+  }
+  if (error_ != nullptr) std::rethrow_exception(std::exchange(error_, nullptr));
+  return use_;
+}
+
+NvmeUse NvmeStaging::abandon() noexcept {
+  try {
+    return finish();
+  } catch (const std::exception& e) {
+    MEMTIDE_LOG(warn, std::string("NvmeStaging: after a failed phase: ") + e.what());
+  } catch (...) {
+  }
+  return use_;
+}
+
+// ---- the I/O thread -------------------------------------------------------------------------
+
+void NvmeStaging::serve() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    changed_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // stop_ with nothing left
+    const Job job = jobs_.front();
+    jobs_.pop_front();
+    busy_ = true;
+    const bool skip = job.kind == Kind::read && reads_stopped_;
+    lock.unlock();
+    std::exception_ptr failure;
+    double t0 = 0, t1 = 0;
+    if (!skip) {
+      try {
+        t0 = wall_ns();
+        run(job);
+        t1 = wall_ns();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+    lock.lock();
+    const double bytes = 3.0 * sizeof(float) * static_cast<double>(sizes_[job.subgroup]);
+    if (failure != nullptr) {
+      if (error_ == nullptr) error_ = failure;
+      reads_stopped_ = true;
+      // A failed write-back keeps the buffer: it holds the only copy of the new state (a read
+      // queued into it behind the write is skipped).
+      if (job.kind == Kind::write) {
+        buffers_[job.buffer].owner = job.subgroup;
+        buffers_[job.buffer].held = true;
+      }
+    } else if (!skip) {
+      if (job.kind == Kind::read) {
+        ready_[job.subgroup] = 1;
+        use_.read_bytes += bytes;
+        use_.read_busy_ns += t1 - t0;
+        ++use_.reads;
+      } else {
+        use_.write_bytes += bytes;
+        use_.write_busy_ns += t1 - t0;
+        ++use_.writes;
+        // Free unless a read was queued into it behind this write.
+        if (buffers_[job.buffer].owner == job.subgroup) buffers_[job.buffer].owner = kNone;
+      }
+    }
+    busy_ = false;
+    changed_.notify_all();
+  }
+}
+
+void NvmeStaging::run(const Job& job) {
+  const Staged s = view(job.buffer, job.subgroup);
+  if (job.kind == Kind::read) {
+    store_read(*store_, index_[job.subgroup], s.p);
+    return;
+  }
+  if (job.after.valid()) device_.event_synchronize(job.after);  // the GPU's flush into the buffer
+  store_write(*store_, index_[job.subgroup], s.p, 3 * sizeof(float) * sizes_[job.subgroup]);
+}
+
+// ---- between phases -------------------------------------------------------------------------
+
+void NvmeStaging::load(std::size_t i, float* p, float* m, float* v) {
+  if (i >= sizes_.size() || index_[i] == kNone) {
+    throw InvalidArgument("NvmeStaging::load: subgroup " + std::to_string(i) + " is not on NVMe");
+  }
+  if (phantom_) return;
+  std::unique_lock lock(mutex_);
+  wait_idle(lock);
+  const std::size_t n = sizes_[i];
+  for (std::size_t b = 0; b < buffers_.size(); ++b) {
+    if (buffers_[b].held && buffers_[b].owner == i) {
+      const Staged s = view(b, i);
+      std::memcpy(p, s.p, n * sizeof(float));
+      std::memcpy(m, s.m, n * sizeof(float));
+      std::memcpy(v, s.v, n * sizeof(float));
+      return;
+    }
+  }
+  const std::size_t b = free_buffer();
+  if (b == kNone) throw IoError("NvmeStaging::load: every staging buffer holds state a failed write left");
+  const Staged s = view(b, i);
+  store_read(*store_, index_[i], s.p);
+  std::memcpy(p, s.p, n * sizeof(float));
+  std::memcpy(m, s.m, n * sizeof(float));
+  std::memcpy(v, s.v, n * sizeof(float));
+}
+
+void NvmeStaging::store(std::size_t i, const float* p, const float* m, const float* v) {
+  if (i >= sizes_.size() || index_[i] == kNone) {
+    throw InvalidArgument("NvmeStaging::store: subgroup " + std::to_string(i) + " is not on NVMe");
+  }
+  if (phantom_) return;
+  std::unique_lock lock(mutex_);
+  wait_idle(lock);
+  // The host copy is the truth now: a held (failed) write-back of this subgroup is obsolete.
+  std::size_t b = kNone;
+  for (std::size_t k = 0; k < buffers_.size(); ++k) {
+    if (buffers_[k].held && buffers_[k].owner == i) b = k;
+  }
+  if (b == kNone) b = free_buffer();
+  if (b == kNone) throw IoError("NvmeStaging::store: every staging buffer holds state a failed write left");
+  const std::size_t n = sizes_[i];
+  const Staged s = view(b, i);
+  std::memcpy(s.p, p, n * sizeof(float));
+  std::memcpy(s.m, m, n * sizeof(float));
+  std::memcpy(s.v, v, n * sizeof(float));
+  buffers_[b].owner = i;
+  try {
+    store_write(*store_, index_[i], s.p, 3 * sizeof(float) * n);
+  } catch (...) {
+    buffers_[b].held = true;  // the only copy is here now (the caller's may be dropped)
+    throw;
+  }
+  buffers_[b].held = false;
+  buffers_[b].owner = kNone;
+}
+
+}  // namespace memtide::tiering
