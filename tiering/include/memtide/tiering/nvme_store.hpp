@@ -35,7 +35,7 @@ struct StaleSpill {
 /// The private spill directory of this process under `parent`.
 class SpillDir {
  public:
-  /// Checks `parent` (exists, is a directory, not a link, writable) and makes
+  /// Checks `parent` (exists, is a directory, writable; a link the user named is followed) and makes
   /// `parent/memtide-spill-<pid>-<random>` with mode 0700. Throws IoError naming the path.
   explicit SpillDir(const std::filesystem::path& parent);
   /// Removes the directory and what memtide put in it.

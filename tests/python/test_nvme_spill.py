@@ -1,0 +1,246 @@
+"""TieredAdamW with an NVMe tier (host_budget, nvme_dir): training with spilled subgroups gives
+the same bits as training without (SimDevice, torch on CPU), checkpoints continue bit for bit,
+each I/O fault is an OSError naming the subgroup and the spill file that loses nothing, and every
+bad argument or setup is refused naming it."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import memtide  # noqa: E402,F401
+from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
+from memtide.optim import LossScaler, TieredAdamW  # noqa: E402
+
+VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
+SUBGROUP = 10_000  # ~110k params: 12 subgroups
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+POLICY_KW = {"cpu": {}, "interleaved": dict(k=1.5), "auto": {}}
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return TinyGPT(VOCAB, D, HEADS, LAYERS, SEQ).to(torch.bfloat16)
+
+
+def numel(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def half_budget(model):
+    """Host memory for about half the state: 16 B/param less 12 B for each spilled one, plus
+    the read-ahead's staging (two subgroups)."""
+    return 10 * numel(model) + 2 * 12 * SUBGROUP
+
+
+DATA = [arithmetic_batch(torch.Generator().manual_seed(1 + i), BATCH, SEQ, VOCAB) for i in range(12)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def spill_dir(tmp_path):
+    probe = tmp_path / "probe"
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        pytest.skip(f"{tmp_path} has no direct I/O (tmpfs?)")
+    os.close(fd)
+    probe.unlink()
+    return tmp_path
+
+
+def train(model, opt, data, accumulate=1):
+    for i in range(0, len(data), accumulate):
+        opt.zero_grad(set_to_none=True)
+        for x, y in data[i:i + accumulate]:
+            opt.scale_loss(lm_loss(model(x), y) / accumulate).backward()
+        opt.step()
+
+
+def everything(model, opt):
+    sd = opt.state_dict()
+    state = [t.clone() for entry in sd["state"].values() for k, t in sorted(entry.items()) if torch.is_tensor(t)]
+    return [p.detach().clone() for p in model.parameters()] + state
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def make_opt(model, policy, spill_dir=None, **kw):
+    kw = dict(subgroup_size=SUBGROUP, policy=policy, **POLICY_KW[policy], **HYPER, **kw)
+    if spill_dir is not None:
+        kw.update(host_budget=half_budget(model), nvme_dir=spill_dir)
+    return TieredAdamW(model.parameters(), **kw)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICY_KW))
+def test_training_with_spill_equals_training_without(spill_dir, policy):
+    # Gradient accumulation, clipping and dynamic loss scaling, on each placement policy.
+    kw = dict(max_grad_norm=0.5)
+    results = []
+    for where in (None, spill_dir):
+        model = make_model()
+        opt = make_opt(model, policy, where, loss_scale=LossScaler(init_scale=2.0**10, growth_interval=3), **kw)
+        train(model, opt, DATA, accumulate=2)
+        if where is not None:
+            info = opt.nvme_info()
+            assert 4 <= info["spilled"] <= 8, info
+            assert info["last"]["reads"] == info["spilled"] and info["last"]["writes"] == info["spilled"]
+            assert opt.engine.native.host_bytes < 16 * numel(model)
+        results.append((everything(model, opt), opt.loss_scale))
+    assert results[0][1] == results[1][1]
+    assert same(results[0][0], results[1][0]), "spilling changed the training"
+
+
+def test_interleaved_streams_spilled_subgroups_through_the_gpu(spill_dir):
+    model = make_model()
+    opt = make_opt(model, "interleaved", spill_dir)
+    train(model, opt, DATA[:2])
+    placement = opt.plan.engine_plan["placement"]
+    on_nvme = opt.nvme_info()["on_nvme"]
+    assert any(p == "g" and s for p, s in zip(placement, on_nvme)), (placement, on_nvme)
+
+
+def save(model, opt):
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_a_checkpoint_continues_bit_for_bit(spill_dir):
+    model = make_model()
+    opt = make_opt(model, "auto", spill_dir)
+    train(model, opt, DATA)
+    uninterrupted = everything(model, opt)
+
+    model = make_model()
+    opt = make_opt(model, "auto", spill_dir)
+    train(model, opt, DATA[:6])
+    ckpt = save(model, opt)
+    del model, opt
+    model = make_model(seed=5)  # other initial values: everything must come from the checkpoint
+    opt = make_opt(model, "auto", spill_dir)
+    loaded = torch.load(ckpt, weights_only=True)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["opt"])
+    train(model, opt, DATA[6:])
+    assert same(everything(model, opt), uninterrupted)
+
+
+@pytest.mark.parametrize("fault,words", [
+    (dict(write_errno=errno.EIO), "Input/output error"),
+    (dict(write_errno=errno.ENOSPC), "No space left"),
+    (dict(short_write=True), "short write"),
+])
+def test_a_failed_write_back_is_named_and_loses_nothing(spill_dir, fault, words):
+    model = make_model()
+    opt = make_opt(model, "cpu", spill_dir)
+    train(model, opt, DATA[:2])
+    opt.engine.native.inject_nvme_faults(**fault)
+    x, y = DATA[2]
+    opt.zero_grad()
+    lm_loss(model(x), y).backward()
+    with pytest.raises(OSError) as e:
+        opt.step()
+    info = opt.nvme_info()
+    first = info["on_nvme"].index(True)
+    assert f"subgroup {first}" in str(e.value) and info["file"] in str(e.value) and words in str(e.value)
+    assert info["held"] == [first], "the state whose write failed is kept in memory"
+    # A checkpoint can be taken, and it holds the held subgroup's new state.
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["state"]
+    # Training goes on: the held state is written first.
+    opt.step()
+    assert opt.nvme_info()["held"] == []
+
+
+def test_a_spill_file_truncated_by_someone_else_is_caught(spill_dir):
+    model = make_model()
+    opt = make_opt(model, "cpu", spill_dir)
+    train(model, opt, DATA[:2])
+    os.truncate(opt.nvme_info()["file"], 0)
+    x, y = DATA[2]
+    opt.zero_grad()
+    lm_loss(model(x), y).backward()
+    with pytest.raises(OSError, match="truncated") as e:
+        opt.step()
+    assert opt.nvme_info()["file"] in str(e.value)
+
+
+def test_the_spill_directory_is_private_and_goes_with_the_optimizer(spill_dir):
+    model = make_model()
+    opt = make_opt(model, "cpu", spill_dir)
+    info = opt.nvme_info()
+    folder = os.path.dirname(info["file"])
+    assert os.path.dirname(folder) == str(spill_dir)
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    assert os.stat(info["file"]).st_mode & 0o777 == 0o600
+    assert os.path.getsize(info["file"]) >= 12 * info["spilled_params"], "space is reserved up front"
+    del opt, model  # the model's params are views of the engine's buffer: they keep it alive
+    import gc
+    gc.collect()
+    assert not os.path.exists(folder)
+
+
+def test_a_stale_spill_directory_is_reported(spill_dir, capfd):
+    # A directory a crashed run left: the pid in its name is gone.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = spill_dir / f"memtide-spill-{dead.stdout.strip()}-abcdef"
+    stale.mkdir(mode=0o700)
+    (stale / "state.spill").write_bytes(b"x" * 8192)
+    model = make_model()
+    make_opt(model, "cpu", spill_dir)
+    err = capfd.readouterr().err
+    assert str(stale) in err and "did not exit cleanly" in err
+
+
+@pytest.mark.parametrize("kw,error,words", [
+    (dict(nvme_dir="SPILL"), ValueError, "nvme_dir needs host_budget"),
+    (dict(host_budget="lots", nvme_dir="SPILL"), ValueError, '"lots" is not a size'),
+    (dict(host_budget=-1, nvme_dir="SPILL"), ValueError, "host_budget must be > 0"),
+    (dict(host_budget=True, nvme_dir="SPILL"), ValueError, "host_budget must be bytes"),
+    (dict(host_budget="1MiB", nvme_dir="SPILL", nvme_read_ahead=0), ValueError, "nvme_read_ahead"),
+    (dict(host_budget="1MiB", nvme_dir=""), ValueError, "nvme_dir is empty"),
+    (dict(host_budget="1MiB", nvme_dir="SPILL/missing"), OSError, "missing"),
+    (dict(host_budget="1MiB", nvme_dir="SPILL/file"), OSError, "file"),
+    (dict(host_budget="1MiB", nvme_dir="SPILL/dangling"), OSError, "dangling"),
+    (dict(host_budget="1MiB"), ValueError, "no NVMe directory"),
+    (dict(host_budget=1000, nvme_dir="SPILL"), ValueError, "too small"),
+])
+def test_bad_nvme_arguments_are_named(spill_dir, kw, error, words):
+    (spill_dir / "file").write_text("not a directory")
+    (spill_dir / "dangling").symlink_to(spill_dir / "gone")
+    kw = {k: (v.replace("SPILL", str(spill_dir)) if isinstance(v, str) and k == "nvme_dir" else v) for k, v in kw.items()}
+    model = make_model()
+    with pytest.raises(error, match=words):
+        TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, **kw)
+
+
+def test_fp32_params_cannot_spill(spill_dir):
+    model = make_model().float()
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, host_budget=half_budget(model), nvme_dir=spill_dir)
+
+
+def test_a_budget_the_state_fits_spills_nothing(spill_dir):
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, host_budget="1GiB", nvme_dir=spill_dir)
+    assert opt.spilled_subgroups == 0 and opt.nvme_info() is None
+    assert not any(spill_dir.iterdir())
