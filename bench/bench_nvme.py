@@ -101,7 +101,7 @@ def main() -> int:
         best["memtide write"] = max(best["memtide write"], p["write_bytes_per_s"])
         best["memtide read"] = max(best["memtide read"], p["read_bytes_per_s"])
     lines = [f"# NvmeStore against fio ({date.today()})", "",
-             f"Command: `python bench/bench_nvme.py {args.dir} --size {args.size} --rounds {args.rounds}` on "
+             f"Command: `python bench/bench_nvme.py DIR --size {args.size} --rounds {args.rounds}` on "
              f"{os.cpu_count()} cores, {platform.machine()}, memtide {memtide.__version__}; fio and NvmeStore both "
              "with io_uring, O_DIRECT, 1 MiB requests, queue depth 32, one pass of the size each, best of the rounds.",
              "", "| direction | fio | NvmeStore | NvmeStore / fio |", "|---|---|---|---|"]
