@@ -86,6 +86,9 @@ class Rank {
     for (std::size_t s = 0; s < n_; s += node.subgroup_params) subgroups.emplace_back(s, std::min(n_, s + node.subgroup_params));
     EngineConfig config;
     config.defaults = sim_rates(device_.config());
+    config.nvme.host_budget_bytes = node.host_budget_bytes;
+    config.nvme.read_bytes_per_s = node.nvme_read_bytes_per_s;
+    config.nvme.write_bytes_per_s = node.nvme_write_bytes_per_s;
     engine_ = std::make_unique<UpdateEngine>(allocator_, arena_, n_, std::move(subgroups), nullptr, config);
     engine_->model_params(DType::bf16);  // the rank's fp16 params live in device memory for good
   }
@@ -158,6 +161,8 @@ class Rank {
     }
     out.plan = plan.plan;
     out.update_bound_s = plan.plan.prediction.bound_ns / 1e9;
+    out.nvme_subgroups = engine_->nvme_info().spilled;
+    out.nvme_bytes = step.total.nvme.read_bytes + step.total.nvme.write_bytes;
     out.grad_bytes_to_host = engine_->grad_bytes_to_host() - bytes_before + blocking_bytes_;
     blocking_bytes_ = 0;
     out.phase_start_s[0] = t0;
@@ -437,6 +442,10 @@ void NodeSpec::validate() const {
   require(twinflow_static_fraction >= 0 && twinflow_static_fraction <= 1,
           "node: twinflow_static_fraction must be in [0, 1], got " + std::to_string(twinflow_static_fraction));
   require(device.capacity >= (std::size_t{1} << 30), "node: device.capacity must be at least 1 GiB");
+  for (const auto& [field, v] : {std::pair{"nvme_read_bytes_per_s", nvme_read_bytes_per_s},
+                                 std::pair{"nvme_write_bytes_per_s", nvme_write_bytes_per_s}}) {
+    require(v > 0 && std::isfinite(v), std::string("node: ") + field + " must be a positive rate, got " + std::to_string(v));
+  }
 }
 
 const char* to_string(Contender c) noexcept {

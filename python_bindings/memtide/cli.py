@@ -832,11 +832,16 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
     node["gpus"] = args.gpus_per_node
     flags = dict(_RATE_FLAGS, gpu_mem=("capacity_bytes", 1), gpu_flops=("gpu_flops", 1e12),
                  link=("link_bytes_per_s", 1e9), flush=("pageable_flush_bytes_per_s", 1e9),
-                 subgroup_size=("subgroup_params", 1))
+                 subgroup_size=("subgroup_params", 1), host_mem=("host_budget_bytes", 1),
+                 nvme_read=("nvme_read_bytes_per_s", 1e9), nvme_write=("nvme_write_bytes_per_s", 1e9))
     for flag, (key, scale) in flags.items():
         value = getattr(args, flag)
         if value is not None:
             node[key] = value * scale
+    if "host_budget_bytes" in node:  # the report says which drive rates the NVMe tier ran at
+        defaults = memtide.simulation_defaults()
+        for key in ("nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
+            node.setdefault(key, defaults[key])
     results = {}
     checkpoint = not args.no_checkpointing
     tokens = (args.seq or 2048) * (args.micro_batch or 1) * (args.micro_batches or 1)
@@ -844,9 +849,14 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         if not args.json:
             print(f"simulating {name}...", file=sys.stderr, flush=True)
         record = bool(args.timeline) and name == "memtide"  # its operations go into the trace
-        r = memtide.simulate_iteration(model=model, shape=shape or None, contender=name, node=node,
-                                       checkpointing=not args.no_checkpointing, iterations=args.iterations,
-                                       record_ops=record)
+        try:
+            r = memtide.simulate_iteration(model=model, shape=shape or None, contender=name, node=node,
+                                           checkpointing=not args.no_checkpointing, iterations=args.iterations,
+                                           record_ops=record)
+        except ValueError as e:
+            if "host budget" not in str(e):
+                raise
+            raise _UsageError(f"--host-mem: {e}") from None
         if record:
             recorded = r
         sim, pred = r["simulated"], r["predicted"]
@@ -859,7 +869,9 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
             "tflops": (4 if checkpoint else 3) * 2 * r["params"] * tokens / 1e12 / sim["iteration_s"],
             "update_bound_s": r["update_bound_s"],
             "update_vs_bound": r["update_bound_s"] / sim["update_s"] if sim["update_s"] > 0 else None,
-            "grad_bytes_to_host": r["grad_bytes_to_host"], "plan": {k: r["plan"][k] for k in (
+            "grad_bytes_to_host": r["grad_bytes_to_host"],
+            "nvme": {"subgroups": r["nvme_subgroups"], "bytes": r["nvme_bytes"]} if r["nvme_subgroups"] else None,
+            "plan": {k: r["plan"][k] for k in (
                 "k", "gpu_streamed", "static_residents", "gpu_slots")},
         }
         params, model_name, capacity = r["params"], r["model"], r["capacity_bytes"]
@@ -941,6 +953,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
           "~30 for ZeRO-3 offload")
     print(f"capacity  {format_bytes(int(result['capacity_bytes']))} per GPU; the peaks are the bytes allocated in each "
           "phase (memtide's residents, slots and kept gradients included)")
+    nv = result["contenders"]["memtide"]["nvme"]
+    if nv:
+        print(f"nvme      {nv['subgroups']} subgroups of each rank's optimizer state live on NVMe to fit --host-mem "
+              f"{format_bytes(int(n['host_budget_bytes']))}: {format_bytes(int(nv['bytes']))} read and written per "
+              f"update at {n['nvme_read_bytes_per_s'] / 1e9:.1f} / {n['nvme_write_bytes_per_s'] / 1e9:.1f} GB/s per GPU "
+              "(every contender spills the same subgroups)")
     return 0
 
 
@@ -973,6 +991,13 @@ def _add_simulate_parser(sub) -> None:
     _add_rate_flags(sim)
     sim.add_argument("--subgroup-size", type=_param_count, default=None, metavar="N",
                      help="parameters per optimizer subgroup (default: 100M)")
+    sim.add_argument("--host-mem", type=_positive_size, default=None, metavar="SIZE",
+                     help="host memory per GPU for its rank's optimizer state (16 B/param of its shard); the "
+                     "subgroups that do not fit live on NVMe (default: as much as the state needs)")
+    sim.add_argument("--nvme-read", type=_rate, default=None, metavar="GB/s",
+                     help="the NVMe tier's read rate per GPU (memtide probe --nvme DIR; default: 3)")
+    sim.add_argument("--nvme-write", type=_rate, default=None, metavar="GB/s",
+                     help="the NVMe tier's write rate per GPU (default: 2)")
     sim.add_argument("--no-checkpointing", action="store_true", help="keep every activation (the paper: checkpointing)")
     sim.add_argument("--iterations", type=_positive_int, default=3, metavar="N",
                      help="iterations simulated; the last is reported (default: 3)")

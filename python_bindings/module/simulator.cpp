@@ -34,6 +34,9 @@ const NodeField kNodeFields[] = {
     MEMTIDE_NODE_FIELD("cpu_update_params_per_s", device.cpu_update_params_per_s),
     MEMTIDE_NODE_FIELD("gpu_update_params_per_s", device.gpu_update_params_per_s),
     MEMTIDE_NODE_FIELD("host_dram_bytes_per_s", device.host_dram_bytes_per_s),
+    MEMTIDE_NODE_FIELD("host_budget_bytes", host_budget_bytes),
+    MEMTIDE_NODE_FIELD("nvme_read_bytes_per_s", nvme_read_bytes_per_s),
+    MEMTIDE_NODE_FIELD("nvme_write_bytes_per_s", nvme_write_bytes_per_s),
 };
 #undef MEMTIDE_NODE_FIELD
 
@@ -127,6 +130,8 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
   d["plan"] = plan_dict(r.plan);
   d["update_bound_s"] = r.update_bound_s;
   d["grad_bytes_to_host"] = r.grad_bytes_to_host;
+  d["nvme_subgroups"] = r.nvme_subgroups;
+  d["nvme_bytes"] = r.nvme_bytes;
   d["phase_start_s"] = nb::make_tuple(r.phase_start_s[0], r.phase_start_s[1], r.phase_start_s[2]);
   d["end_s"] = r.end_s;
   if (record_ops) {

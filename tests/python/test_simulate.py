@@ -61,6 +61,8 @@ def test_a_custom_shape_and_the_rate_flags_change_the_result():
     (["--model", "custom", "--layers", "2", "--hidden", "100", "--heads", "3"], ["100", "heads 3"]),
     (["--gpu", "tpu"], ["tpu"]),
     (["--gpu-mem", "1GiB"], ["out of memory"]),
+    (["--host-mem", "1GiB"], ["--host-mem", "too small"]),
+    (["--host-mem", "60GiB", "--nvme-read", "0"], ["--nvme-read"]),
 ])
 def test_bad_flags_are_named_without_a_traceback(args, words):
     p = cli(*args)
@@ -89,3 +91,22 @@ def test_the_python_api_refuses_unknown_keys_and_contenders():
         memtide.simulate_iteration(shape={"hidden": 0})
     defaults = memtide.simulation_defaults()
     assert defaults["gpus"] == 4 and [m["name"] for m in defaults["models"]] == ["7B", "8.3B", "10B", "13B", "20B"]
+
+
+def test_a_host_budget_spills_to_nvme_at_the_stated_rates():
+    # The small model's rank state: ~1.2e8 params / 4 GPUs x 16 B/param; half of it fits.
+    full = memtide.simulate_iteration(shape=SMALL, node=SMALL_NODE, contender="memtide")
+    params = full["params"] / 4
+    node = dict(SMALL_NODE, host_budget_bytes=int(10 * params), nvme_read_bytes_per_s=2e9,
+                nvme_write_bytes_per_s=1e9)
+    spilled = memtide.simulate_iteration(shape=SMALL, node=node, contender="memtide")
+    assert full["nvme_subgroups"] == 0 and full["nvme_bytes"] == 0
+    assert spilled["nvme_subgroups"] > 0
+    moved = spilled["nvme_bytes"] / 2  # read once, written once
+    assert moved == pytest.approx(12 * 2_000_000 * spilled["nvme_subgroups"], rel=0.2)
+    # One drive: the update takes at least the reads and the writes, and the prediction follows.
+    assert spilled["simulated"]["update_s"] >= moved / 2e9 + moved / 1e9
+    assert spilled["predicted"]["update_s"] == pytest.approx(spilled["simulated"]["update_s"], rel=0.1)
+    faster = memtide.simulate_iteration(shape=SMALL, node=dict(node, nvme_read_bytes_per_s=8e9,
+                                                                nvme_write_bytes_per_s=4e9), contender="memtide")
+    assert faster["simulated"]["update_s"] < spilled["simulated"]["update_s"] / 2

@@ -72,6 +72,13 @@ struct NodeSpec {
   bool checkpointing = true;              ///< activation checkpointing (the paper: on)
   std::size_t subgroup_params = 100'000'000;  ///< the paper's subgroup size
   double twinflow_static_fraction = 0.2;  ///< the paper's TwinFlow ratio
+  /// Host memory for one rank's optimizer state (16 B/param of its shard); 0: as much as it
+  /// needs. Below that, the subgroups that do not fit live on NVMe (every contender: ZeRO-Infinity
+  /// spills the same way), read and written at the rates below: the rank's share of the node's
+  /// drives.
+  std::uint64_t host_budget_bytes = 0;
+  double nvme_read_bytes_per_s = 3e9;
+  double nvme_write_bytes_per_s = 2e9;
   /// One GPU and its share of the host: capacity, PCIe, update rates, host DRAM (phantom is set
   /// by the simulator).
   SimConfig device;
@@ -104,6 +111,8 @@ struct IterationResult {
   std::uint64_t capacity_bytes = 0;
   Plan plan;                     ///< the update's placement
   double update_bound_s = 0;     ///< the resource bound of that placement
+  std::size_t nvme_subgroups = 0;  ///< subgroups on NVMe (NodeSpec::host_budget_bytes)
+  double nvme_bytes = 0;           ///< bytes the NVMe tier read and wrote in the update phase
   double grad_bytes_to_host = 0; ///< gradient bytes sent to host memory in the iteration
   /// When forward, backward and update began and when the update ended, in s on the virtual clock.
   double phase_start_s[3] = {};
