@@ -72,6 +72,7 @@ NvmeStaging::NvmeStaging(Device& device, NvmeStore* store, const std::vector<std
   storage_ = device_.create_stream();
   buffer_of_.assign(sizes.size(), kNone);
   ready_.assign(sizes.size(), 0);
+  uses_.assign(sizes.size(), 0);
   reserve(buffers);
   if (!phantom_) thread_ = std::thread([this] { serve(); });
 }
@@ -160,7 +161,13 @@ void NvmeStaging::begin(const std::vector<std::size_t>& order, std::size_t buffe
     }
   }
   reserve(buffers);
-  order_ = order;
+  // A subgroup asked for more than once (parts of it with gaps between) is read once, at its
+  // first use, and written back after its last: never read again while its update is unwritten.
+  std::fill(uses_.begin(), uses_.end(), 0);
+  order_.clear();
+  for (std::size_t i : order) {
+    if (uses_[i]++ == 0) order_.push_back(i);
+  }
   next_read_ = 0;
   std::fill(buffer_of_.begin(), buffer_of_.end(), kNone);
   std::fill(ready_.begin(), ready_.end(), 0);
@@ -183,7 +190,6 @@ void NvmeStaging::queue_next_read(std::size_t buffer) {
   {
     std::lock_guard lock(mutex_);  // the I/O thread frees buffers after their write-back
     buffers_[buffer].owner = i;
-    ready_[i] = 0;  // a subgroup asked for twice in a phase waits for its second read
   }
   buffer_of_[i] = buffer;
   queue(Job{Kind::read, i, buffer, Event{}});
@@ -248,6 +254,7 @@ NvmeStaging::Staged NvmeStaging::acquire(std::size_t i) {
 void NvmeStaging::release(std::size_t i, Event after) {
   const std::size_t b = i < buffer_of_.size() ? buffer_of_[i] : kNone;
   if (b == kNone) throw InvalidArgument("NvmeStaging::release: subgroup " + std::to_string(i) + " is not staged");
+  if (--uses_[i] > 0) return;  // another part of it comes later in the phase
   buffer_of_[i] = kNone;
   queue(Job{Kind::write, i, b, after});
   // The write-back keeps the buffer until it is verified; the next read queues behind it.

@@ -53,7 +53,10 @@ SpillDir::SpillDir(const fs::path& parent) {
   if (::access(parent.c_str(), W_OK | X_OK) != 0) {
     throw IoError("spill directory " + parent.string() + " is not writable: " + errno_text(errno));
   }
-  std::string templ = (parent / (std::string(kPrefix) + std::to_string(::getpid()) + "-XXXXXX")).string();
+  // Absolute: the folder is removed at exit, and the process may have changed directory by then.
+  const fs::path base = fs::absolute(parent, ec);
+  if (ec) throw IoError("spill directory " + parent.string() + ": " + ec.message());
+  std::string templ = (base / (std::string(kPrefix) + std::to_string(::getpid()) + "-XXXXXX")).string();
   if (::mkdtemp(templ.data()) == nullptr) {  // mode 0700, a fresh unpredictable name
     throw IoError("spill directory " + parent.string() + ": cannot create a private folder: " + errno_text(errno));
   }

@@ -630,20 +630,29 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   out.skipped = out.nonfinite && skip_if_nonfinite;
   if (out.skipped || segments.empty()) return out;
 
-  std::map<HyperKey, std::vector<const Segment*>> by_key;
-  for (const Segment& s : segments) by_key[key_of(s.params)].push_back(&s);
+  std::map<HyperKey, std::vector<Segment>> by_key;
+  for (const Segment& s : segments) {
+    std::vector<Segment>& list = by_key[key_of(s.params)];
+    // Adjacent parts of one subgroup with the same hyper-parameters (param groups that agree)
+    // run as one range: one scheduler entry, and for a spilled subgroup one use of its staging.
+    if (!list.empty() && list.back().subgroup == s.subgroup && list.back().end == s.start) {
+      list.back().end = s.end;
+    } else {
+      list.push_back(s);
+    }
+  }
   std::vector<UpdateScheduler*> used;
   for (auto& [key, list] : by_key) {
     std::vector<std::pair<std::size_t, std::size_t>> ranges;
     Plan plan;
     plan.gpu_slots = gpu_slots;
-    for (const Segment* s : list) {
-      ranges.emplace_back(s->start, s->end);
-      Placement where = placement[s->subgroup];
+    for (const Segment& s : list) {
+      ranges.emplace_back(s.start, s.end);
+      Placement where = placement[s.subgroup];
       // Part of a spilled subgroup goes through the CPU: its staging buffer holds the whole
       // subgroup, and a GPU slot would take it for one range only (the result is the same).
-      const bool whole = s->start == subgroups_[s->subgroup].first && s->end == subgroups_[s->subgroup].second;
-      if (nvme_ && on_nvme_[s->subgroup] && where != Placement::cpu && !whole) where = Placement::cpu;
+      const bool whole = s.start == subgroups_[s.subgroup].first && s.end == subgroups_[s.subgroup].second;
+      if (nvme_ && on_nvme_[s.subgroup] && where != Placement::cpu && !whole) where = Placement::cpu;
       plan.placement.push_back(where);
     }
     UpdateScheduler& scheduler = scheduler_for(ranges);
@@ -651,7 +660,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     // part of a subgroup reads the host array, so such a subgroup's gradient goes there first.
     if (any_kept) {
       for (std::size_t j = 0; j < list.size(); ++j) {
-        const Segment& sg = *list[j];
+        const Segment& sg = list[j];
         if (!kept(sg.subgroup)) continue;
         const bool whole = sg.start == subgroups_[sg.subgroup].first && sg.end == subgroups_[sg.subgroup].second;
         if (!whole) {
@@ -661,7 +670,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
         }
       }
       for (std::size_t j = 0; j < list.size() && any_kept; ++j) {
-        const Segment& sg = *list[j];
+        const Segment& sg = list[j];
         if (kept(sg.subgroup)) scheduler_state(scheduler, j).device_grad = (*grad_state_)[sg.subgroup].device_grad;
       }
     }
@@ -671,7 +680,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
         retire(e);
       }
     }
-    StepParams params = list.front()->params;
+    StepParams params = list.front().params;
     params.grad_scale = grad_scale;
     params.clip = clip;
     params.l2 = l2;
@@ -683,7 +692,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     StepReport& t = out.total;
     if (out.runs == 1) t.phase_start_ns = r.phase_start_ns;
     for (TieringOp op : r.ops) {  // scheduler-local subgroup -> the engine's, on the first run's clock
-      op.subgroup = list[op.subgroup]->subgroup;
+      op.subgroup = list[op.subgroup].subgroup;
       op.start_ns += r.phase_start_ns - t.phase_start_ns;
       op.end_ns += r.phase_start_ns - t.phase_start_ns;
       t.ops.push_back(op);

@@ -384,7 +384,15 @@ void UpdateScheduler::begin_phase(const Plan& plan) {
     // wait for a buffer only a later update frees.
     std::vector<std::size_t> order = nvme_read_order(plan.placement, on_nvme, slots);
     for (std::size_t& i : order) i = state_[i].nvme_subgroup;
-    nvme_->begin(order, nvme_staging_buffers(plan.placement, on_nvme, slots, nvme_read_ahead_));
+    // Parts of one subgroup with other work between them keep its buffer across that work.
+    std::size_t gapped = 0;
+    std::vector<char> seen(order.empty() ? 0 : *std::max_element(order.begin(), order.end()) + 1, 0);
+    for (std::size_t k = 0; k < order.size(); ++k) {
+      if (k > 0 && order[k] == order[k - 1]) continue;
+      gapped += seen[order[k]] != 0;
+      seen[order[k]] = 1;
+    }
+    nvme_->begin(order, nvme_staging_buffers(plan.placement, on_nvme, slots, nvme_read_ahead_) + gapped);
   }
   setup_stats_ = allocator_.stats();
   setup_allocations_ = setup_stats_.allocation[0].allocated - before.allocation[0].allocated;

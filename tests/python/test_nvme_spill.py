@@ -244,3 +244,24 @@ def test_a_budget_the_state_fits_spills_nothing(spill_dir):
     opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, host_budget="1GiB", nvme_dir=spill_dir)
     assert opt.spilled_subgroups == 0 and opt.nvme_info() is None
     assert not any(spill_dir.iterdir())
+
+
+def test_param_groups_added_later_and_a_relative_folder_left_behind(spill_dir, monkeypatch):
+    # The model's params in two groups, the second added later (the layout is rebuilt and the
+    # state moved); the folder named relative to a directory the script leaves afterwards.
+    monkeypatch.chdir(spill_dir)
+    os.mkdir("spill")
+    model = make_model()
+    params = list(model.parameters())
+    opt = TieredAdamW(params[:5], subgroup_size=SUBGROUP, host_budget=half_budget(model), nvme_dir="spill", **HYPER)
+    train(model, opt, DATA[:2])
+    opt.add_param_group({"params": params[5:]})
+    monkeypatch.chdir("/")
+    train(model, opt, DATA[2:4])
+    assert opt.spilled_subgroups > 0
+    folder = os.path.dirname(opt.nvme_info()["file"])
+    assert os.path.isabs(folder)
+    del opt, model, params
+    import gc
+    gc.collect()
+    assert not os.path.exists(folder), "the spill folder must go even after a chdir"

@@ -255,6 +255,53 @@ TYPED_TEST(NvmeTierTest, PartsOfASpilledSubgroupWithOtherHyperParametersRunSepar
   EXPECT_TRUE(same(e->exp_avg_sq(), ref.v, 0, kN));
 }
 
+// Parts of one spilled subgroup with a gap between them (a frozen param) in one run, even with
+// a single read-ahead buffer: read once, written once, the gap untouched.
+TYPED_TEST(NvmeTierTest, APartedSpilledSubgroupIsReadAndWrittenOnce) {
+  EngineConfig c = this->config();
+  c.nvme.read_ahead = 1;
+  auto e = this->make(c);
+  State ref = random_state(13);
+  std::memcpy(e->param(), ref.p.data(), kN * 4);
+  std::memcpy(e->exp_avg(), ref.m.data(), kN * 4);
+  std::memcpy(e->exp_avg_sq(), ref.v.data(), kN * 4);
+  std::memcpy(e->grad(), ref.g.data(), kN * 4);
+  e->spill_host(kN);
+  std::vector<Segment> segs;
+  for (Segment s : whole(*e, 1)) {
+    if (!e->on_nvme()[s.subgroup]) {
+      segs.push_back(s);
+      continue;
+    }
+    const std::size_t third = (s.end - s.start) / 3;
+    Segment a = s, b = s;
+    a.end = s.start + third;  // [start, start + third) and [start + 2 third, end): the middle is frozen
+    b.start = s.start + 2 * third;
+    segs.push_back(a);
+    segs.push_back(b);
+  }
+  const EnginePlan p = e->plan(Policy::cpu, 0, std::nullopt);
+  const EngineStep r = e->step(p.plan.placement, p.plan.gpu_slots, segs, 1.0, 1.0, false, true);
+  EXPECT_EQ(r.total.nvme.reads, e->nvme_info().spilled);
+  EXPECT_EQ(r.total.nvme.writes, e->nvme_info().spilled);
+  for (const Segment& s : segs) {
+    AdamwArgs x;
+    x.param = ref.p.data() + s.start;
+    x.exp_avg = ref.m.data() + s.start;
+    x.exp_avg_sq = ref.v.data() + s.start;
+    x.grad = ref.g.data() + s.start;
+    x.n = s.end - s.start;
+    x.lr = s.params.lr;
+    x.weight_decay = s.params.weight_decay;
+    x.step = 1;
+    adamw_step(x, nullptr);
+  }
+  e->sync_host();
+  EXPECT_TRUE(same(e->param(), ref.p, 0, kN));
+  EXPECT_TRUE(same(e->exp_avg(), ref.m, 0, kN));
+  EXPECT_TRUE(same(e->exp_avg_sq(), ref.v, 0, kN));
+}
+
 // A failed write-back: the step fails naming the subgroup and the file, nothing is lost (each
 // subgroup holds the state of before or after the step, the failed one after it), a checkpoint
 // can be read, and the next step writes the held state first and goes on.

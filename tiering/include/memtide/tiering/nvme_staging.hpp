@@ -65,9 +65,10 @@ class NvmeStaging {
 
   [[nodiscard]] bool spilled(std::size_t subgroup) const { return index_.at(subgroup) != kNone; }
   [[nodiscard]] std::size_t buffers() const noexcept { return buffers_.size(); }
-  /// Starts a phase: the spilled subgroups in the order the scheduler will acquire them, with at
-  /// least `buffers` staging buffers. Writes held subgroups first (throws IoError if one fails
-  /// again), then queues the first reads.
+  /// Starts a phase: the spilled subgroups in the order the scheduler will acquire them (one may
+  /// come more than once: it is read at its first acquire and written back after its last
+  /// release), with at least `buffers` staging buffers. Writes held subgroups first (throws
+  /// IoError if one fails again), then queues the first reads.
   void begin(const std::vector<std::size_t>& order, std::size_t buffers);
   /// Subgroup `i`'s state in staging: waits for its read. Throws the read's IoError.
   struct Staged {
@@ -140,6 +141,7 @@ class NvmeStaging {
   std::size_t next_read_ = 0;
   std::vector<std::size_t> buffer_of_;  // subgroup -> buffer while staged
   std::vector<char> ready_;             // subgroup -> its read completed (this phase)
+  std::vector<std::size_t> uses_;       // subgroup -> acquisitions left this phase
   std::vector<Event> read_done_;        // SimDevice: subgroup -> the read's event (virtual clock)
   SimDevice* sim_ = nullptr;            // the device when it is a SimDevice (virtual timing)
   Stream storage_{};                    // a SimDevice's storage engine stream
