@@ -343,7 +343,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     requested = args.device or memtide.options()["device"]
     device = train_job.choose_device(requested)
     where = "cuda:0 (bf16 params, memtide as torch's allocator)" if device["kind"] == "cuda" else \
-        f"CPU (fp32; {device['why']}; memtide backend {memtide.backend()})"
+        f"CPU ({'bf16' if args.host_budget else 'fp32'}; {device['why']}; memtide backend {memtide.backend()})"
     progress(f"training a {shape['layers']}-layer GPT-style model (hidden {shape['hidden']}, heads {shape['heads']}, "
              f"seq {shape['seq']}, batch {shape['batch']}, vocab {shape['vocab']}) for {shape['iterations']} steps "
              f"with memtide.optim.TieredAdamW(policy={args.policy}) on {where} ...")
@@ -358,8 +358,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
         base = memtide.stats()
         cupti = memtide._memtide.device_trace_start()
         progress(f"timeline: CUPTI tracing {cupti['status']}" + (f" ({cupti['detail']})" if cupti["detail"] else ""))
-    result = train_job.train(shape, device, args.policy, args.subgroup_size, args.k, args.gpu_static_fraction,
-                             progress)
+    if (args.host_budget is None) != (args.nvme_dir is None):
+        raise _UsageError("--host-budget and --nvme-dir go together: the state that does not fit the budget goes "
+                          "to the folder")
+    nvme = None if args.host_budget is None else {"host_budget": args.host_budget, "nvme_dir": args.nvme_dir}
+    try:
+        result = train_job.train(shape, device, args.policy, args.subgroup_size, args.k, args.gpu_static_fraction,
+                                 progress, nvme=nvme)
+    except (ValueError, OSError) as e:
+        if nvme is None or not any(w in str(e) for w in ("host budget", "host_budget", "spill", "NVMe", "nvme")):
+            raise
+        raise _UsageError(f"--host-budget/--nvme-dir: {e}") from None
     if args.timeline:
         files = timeline.companions(args.timeline)
         trace = files["trace"]
@@ -702,9 +711,13 @@ def _print_train(r: Dict[str, Any]) -> None:
     lowp = f" + {o['low_precision']} param copy" if o["low_precision"] else ""
     print(f"optimizer {_format_count(o['numel'])} params in {o['subgroups']} subgroups of "
           f"{_format_count(o['subgroup_size'])}: fp32 params, exp_avg, exp_avg_sq, grads{lowp} = "
-          f"{format_bytes(o['state_bytes'])} host")
+          f"{format_bytes(o['state_bytes'])}" + ("" if r.get("nvme") else " host"))
     arena = o.get("host_arena")
-    if arena:
+    if arena and r.get("nvme"):
+        print(f"          {format_bytes(12 * r['nvme']['spilled_params'])} of it on NVMe; in host memory "
+              f"{format_bytes(arena['state_bytes'])}: gradients and the kept subgroups (HostArena and registered "
+              "pages), staging")
+    elif arena:
         node = "not NUMA-bound" if arena["numa_node"] < 0 else f"NUMA node {arena['numa_node']}"
         print(f"          fp32 state in memtide's HostArena: {format_bytes(arena['requested_bytes'])} requested, "
               f"{format_bytes(arena['state_bytes'])} allocated; the arena reserves "
@@ -712,6 +725,14 @@ def _print_train(r: Dict[str, Any]) -> None:
               f"registered with {arena['device']}, {node}")
     else:
         print(f"          fp32 state in torch tensors, {where}")
+    nv = r.get("nvme")
+    if nv:
+        last = nv["last"]
+        print(f"nvme      {nv['spilled']} subgroups ({_format_count(nv['spilled_params'])} params, "
+              f"{format_bytes(12 * nv['spilled_params'])} of params and moments) on NVMe in {nv['file']}; the last "
+              f"step read {format_bytes(int(last['read_bytes']))} and wrote {format_bytes(int(last['write_bytes']))} "
+              f"(drive {nv['read_bytes_per_s'] / 1e9:.2f} GB/s read, {nv['write_bytes_per_s'] / 1e9:.2f} GB/s write); "
+              f"staging {format_bytes(nv['staging_bytes'])}")
     print(f"plan      {r['plan']['summary']}")
     print(f"update    engine {o['engine']} ({o['cpu_isa']}, {o['cpu_threads']} threads): "
           f"{_format_count(u['params_per_step'])} params in {_format_duration(u['engine_seconds_median'] * 1e9)} "
@@ -1235,6 +1256,11 @@ def _parser() -> argparse.ArgumentParser:
                      "fixes it instead of the performance model)")
     run.add_argument("--gpu-static-fraction", type=_fraction, default=0.0, metavar="F",
                      help="share of subgroups kept on the GPU (static, interleaved, auto; default 0)")
+    run.add_argument("--host-budget", type=_positive_size, default=None, metavar="SIZE",
+                     help="host memory the optimizer state may take; what does not fit goes to --nvme-dir "
+                     "(the model then trains in bf16 on the CPU too)")
+    run.add_argument("--nvme-dir", default=None, metavar="DIR",
+                     help="folder on an NVMe drive for the spilled state (a private folder is made in it)")
     run.add_argument("--device", choices=("auto", "cuda", "sim"), default=None,
                      help="device backend (default: MEMTIDE_DEVICE, else auto); sim trains on CPU tensors")
     run.add_argument("--timeline", metavar="REPORT.html",

@@ -67,7 +67,10 @@ def choose_device(requested: str) -> Dict[str, Any]:
 
 
 def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_size: int, k: Optional[int],
-          gpu_static_fraction: float, progress: Callable[[str], None]) -> Dict[str, Any]:
+          gpu_static_fraction: float, progress: Callable[[str], None],
+          nvme: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """`nvme`: TieredAdamW's host_budget and nvme_dir (the model is then bf16 on the CPU too: the
+    fp32 masters that spill must not have a host copy in the model)."""
     import torch
 
     from .gpt import TinyGPT, arithmetic_batch, lm_loss
@@ -81,13 +84,18 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
         # faster for this model. memtide's update kernel has its own (sleeping) pool.
         torch.set_num_threads(1)
     dev = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    dtype = torch.bfloat16 if on_gpu or nvme else torch.float32
+    nvme_kw = dict(nvme or {})
 
     torch.manual_seed(0)
     model = TinyGPT(shape["vocab"], shape["hidden"], shape["heads"], shape["layers"], shape["seq"]).to(dev, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     opt = TieredAdamW(model.parameters(), lr=LR, weight_decay=0.01, policy=policy, subgroup_size=subgroup_size,
-                      k=k, gpu_static_fraction=gpu_static_fraction)
+                      k=k, gpu_static_fraction=gpu_static_fraction, **nvme_kw)
+    if opt.spilled_subgroups:
+        info = opt.nvme_info()
+        progress(f"nvme: {info['spilled']} of {len(opt.plan.subgroups)} subgroups ({info['spilled_params']:,} params) "
+                 f"live on NVMe in {info['file']}")
     hooks = opt.attach(model)
     gen = torch.Generator().manual_seed(1)
 
@@ -156,7 +164,8 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
         copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
         for c, p in zip(copies, model.parameters()):
             c.grad = p.grad.detach().clone()
-        o = TieredAdamW(copies, lr=LR, weight_decay=0.01, policy=name, subgroup_size=subgroup_size, **knobs)
+        o = TieredAdamW(copies, lr=LR, weight_decay=0.01, policy=name, subgroup_size=subgroup_size, **knobs,
+                        **nvme_kw)
         o.load_state_dict(start_state)
         for _ in range(POLICY_REPEATS):
             o.step()
@@ -202,6 +211,8 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
             "cpu_isa": memtide.cpu_isa(),
             "cpu_threads": memtide.cpu_threads(),
         },
+        "nvme": None if not opt.spilled_subgroups else {
+            k: v for k, v in opt.nvme_info().items() if k != "on_nvme"},
         "plan": {"summary": opt.plan.summary(), "placement": opt.plan.counts(), "reason": opt.plan.reason,
                  "engine_plan": opt.plan.engine_plan},
         "update": {

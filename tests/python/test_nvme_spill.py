@@ -265,3 +265,20 @@ def test_param_groups_added_later_and_a_relative_folder_left_behind(spill_dir, m
     import gc
     gc.collect()
     assert not os.path.exists(folder), "the spill folder must go even after a chdir"
+
+
+def test_memtide_run_trains_with_the_nvme_tier(spill_dir, cli):
+    p = cli("run", "--host-budget", "60MB", "--nvme-dir", str(spill_dir), "--iterations", "2", "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    import json
+
+    r = json.loads(p.stdout)
+    assert r["model"]["dtype"] == "bfloat16"
+    assert r["nvme"]["spilled"] > 0 and r["nvme"]["last"]["reads"] == r["nvme"]["spilled"]
+    assert r["optimizer"]["host_arena"]["state_bytes"] < 60e6
+    assert r["steps"][-1]["loss"] < r["steps"][0]["loss"] * 1.5
+    assert not any(spill_dir.iterdir()), "the spill folder goes with the process"
+    for args, words in ((["--host-budget", "60MB"], "go together"),
+                        (["--host-budget", "1MB", "--nvme-dir", str(spill_dir)], "too small")):
+        p = cli("run", "--iterations", "1", *args)
+        assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
