@@ -214,6 +214,27 @@ nvme_check() {
   return $rc
 }
 
+# The main job with the NVMe tier on the GPU: half the optimizer state spilled to the scratch
+# disk, the spilled GPU subgroups going NVMe -> pinned staging -> GPU and back.
+nvme_train_check() {
+  local dir
+  dir=$(mktemp -d)
+  "$py" -m memtide.cli run --iterations 4 --policy interleaved --host-budget 50MB --nvme-dir "$dir" --json \
+    > "$logs/nvme-run.json"
+  local rc=$?
+  rm -rf "$dir"
+  ((rc == 0)) || return $rc
+  "$py" - "$logs/nvme-run.json" <<'EOF2'
+import json, sys
+r = json.load(open(sys.argv[1]))
+nv = r["nvme"]
+print("spilled", nv["spilled"], "last step", nv["last"], "placement", r["plan"]["placement"])
+assert r["device"]["kind"] == "cuda" and nv["spilled"] > 0 and nv["last"]["reads"] == nv["spilled"]
+digests = {p["digest"] for p in r["policies"]}
+assert len(digests) == 1, f"policies disagree with the NVMe tier: {digests}"
+EOF2
+}
+
 gbench_report() {  # target title label
   local json=$logs/$1.json
   "$build/bench/$1" --benchmark_min_time="$bench_min_time" --benchmark_format=console \
@@ -226,7 +247,7 @@ gpu_label=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || t
   sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
 gpu_label=${gpu_label:-nogpu}
 export -f machine configure_and_build cuda_suites_ran install_package alloc_conf_check observe_check gbench_report \
-  timeline_check nvme_check
+  timeline_check nvme_check nvme_train_check
 export mode budget bundle_note py build jobs logs outdir date_tag gpu_label bench_min_time
 
 run machine 30 -- machine
@@ -239,6 +260,7 @@ run backend-memtide 60 gpu install -- alloc_conf_check
 run observe 60 gpu install -- observe_check
 run timeline 120 gpu install -- timeline_check
 run nvme-probe 60 gpu install -- nvme_check
+run nvme-train 120 gpu install -- nvme_train_check
 run bench-update-phase 200 gpu build -- "$build/bench/memtide_bench_update_phase" --device cuda --params "$update_params" \
   --steps "$update_steps" --headroom 16GiB --out "$outdir/$date_tag-$gpu_label-update-phase.md"
 run pytest 200 gpu install -- "$py" -m pytest tests/python -q -rs -p no:cacheprovider --junitxml="$logs/pytest.xml"
