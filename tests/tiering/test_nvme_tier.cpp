@@ -78,21 +78,32 @@ State random_state(unsigned seed) {
   return s;
 }
 
-// The yardstick: `steps` steps of the CPU kernel run directly.
+// The yardstick: one segment stepped by the CPU kernel directly, over `s`.
+void reference_step(State& s, const Segment& seg) {
+  AdamwArgs x;
+  x.param = s.p.data() + seg.start;
+  x.exp_avg = s.m.data() + seg.start;
+  x.exp_avg_sq = s.v.data() + seg.start;
+  x.grad = s.g.data() + seg.start;
+  x.n = seg.end - seg.start;
+  x.lr = seg.params.lr;
+  x.weight_decay = seg.params.weight_decay;
+  x.step = seg.params.step;
+  adamw_step(x, nullptr);
+}
+
+// `steps` steps of every subgroup, as whole() makes them.
 State reference(unsigned seed, std::int64_t steps) {
   State s = random_state(seed);
   for (std::int64_t step = 1; step <= steps; ++step) {
     for (auto [a, b] : cut(kN, kPer)) {
-      AdamwArgs x;
-      x.param = s.p.data() + a;
-      x.exp_avg = s.m.data() + a;
-      x.exp_avg_sq = s.v.data() + a;
-      x.grad = s.g.data() + a;
-      x.n = b - a;
-      x.lr = 1e-3;
-      x.weight_decay = 0.01;
-      x.step = step;
-      adamw_step(x, nullptr);
+      Segment seg;
+      seg.start = a;
+      seg.end = b;
+      seg.params.lr = 1e-3;
+      seg.params.weight_decay = 0.01;
+      seg.params.step = step;
+      reference_step(s, seg);
     }
   }
   return s;
@@ -237,18 +248,7 @@ TYPED_TEST(NvmeTierTest, PartsOfASpilledSubgroupWithOtherHyperParametersRunSepar
   segs.push_back(second);
   const EnginePlan p = e->plan(Policy::cpu, 0, std::nullopt);
   (void)e->step(p.plan.placement, p.plan.gpu_slots, segs, 1.0, 1.0, false, true);
-  for (const Segment& s : segs) {
-    AdamwArgs x;
-    x.param = ref.p.data() + s.start;
-    x.exp_avg = ref.m.data() + s.start;
-    x.exp_avg_sq = ref.v.data() + s.start;
-    x.grad = ref.g.data() + s.start;
-    x.n = s.end - s.start;
-    x.lr = s.params.lr;
-    x.weight_decay = s.params.weight_decay;
-    x.step = 1;
-    adamw_step(x, nullptr);
-  }
+  for (const Segment& s : segs) reference_step(ref, s);
   e->sync_host();
   EXPECT_TRUE(same(e->param(), ref.p, 0, kN));
   EXPECT_TRUE(same(e->exp_avg(), ref.m, 0, kN));
@@ -284,18 +284,7 @@ TYPED_TEST(NvmeTierTest, APartedSpilledSubgroupIsReadAndWrittenOnce) {
   const EngineStep r = e->step(p.plan.placement, p.plan.gpu_slots, segs, 1.0, 1.0, false, true);
   EXPECT_EQ(r.total.nvme.reads, e->nvme_info().spilled);
   EXPECT_EQ(r.total.nvme.writes, e->nvme_info().spilled);
-  for (const Segment& s : segs) {
-    AdamwArgs x;
-    x.param = ref.p.data() + s.start;
-    x.exp_avg = ref.m.data() + s.start;
-    x.exp_avg_sq = ref.v.data() + s.start;
-    x.grad = ref.g.data() + s.start;
-    x.n = s.end - s.start;
-    x.lr = s.params.lr;
-    x.weight_decay = s.params.weight_decay;
-    x.step = 1;
-    adamw_step(x, nullptr);
-  }
+  for (const Segment& s : segs) reference_step(ref, s);
   e->sync_host();
   EXPECT_TRUE(same(e->param(), ref.p, 0, kN));
   EXPECT_TRUE(same(e->exp_avg(), ref.m, 0, kN));
