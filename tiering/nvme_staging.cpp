@@ -74,18 +74,22 @@ NvmeStaging::NvmeStaging(Device& device, NvmeStore* store, const std::vector<std
   ready_.assign(sizes.size(), 0);
   uses_.assign(sizes.size(), 0);
   reserve(buffers);
-  if (!phantom_) thread_ = std::thread([this] { serve(); });
+  if (!phantom_) {
+    read_thread_ = std::thread([this] { serve(Kind::read); });
+    write_thread_ = std::thread([this] { serve(Kind::write); });
+  }
 }
 
 NvmeStaging::~NvmeStaging() {
-  if (thread_.joinable()) {
+  if (read_thread_.joinable()) {
     {
       std::unique_lock lock(mutex_);
       wait_idle(lock);
       stop_ = true;
     }
     changed_.notify_all();
-    thread_.join();
+    read_thread_.join();
+    write_thread_.join();
   }
   for (const Buffer& b : buffers_) {
     if (b.held) {
@@ -188,7 +192,7 @@ void NvmeStaging::begin(const std::vector<std::size_t>& order, std::size_t buffe
 void NvmeStaging::queue_next_read(std::size_t buffer) {
   const std::size_t i = order_[next_read_++];
   {
-    std::lock_guard lock(mutex_);  // the I/O thread frees buffers after their write-back
+    std::lock_guard lock(mutex_);  // the write thread frees buffers after their write-back
     buffers_[buffer].owner = i;
   }
   buffer_of_[i] = buffer;
@@ -204,7 +208,7 @@ void NvmeStaging::queue(Job job) {
   const double bytes = 3.0 * sizeof(float) * static_cast<double>(sizes_[job.subgroup]);
   if (sim_ != nullptr && phantom_read_rate_ > 0 && phantom_write_rate_ > 0) {
     // On a SimDevice the transfers also take their time on its storage engine, in queue order
-    // as the I/O thread serves them, so the virtual clock shows the drive (in data mode the
+    // as one drive serves them, so the virtual clock shows the drive (in data mode the
     // real transfers below move the bytes).
     if (job.after.valid()) device_.stream_wait_event(storage_, job.after);
     const bool read = job.kind == Kind::read;
@@ -220,7 +224,12 @@ void NvmeStaging::queue(Job job) {
   if (phantom_) return;
   {
     std::lock_guard lock(mutex_);
-    jobs_.push_back(job);
+    if (job.kind == Kind::read) {
+      reads_.push_back(job);
+    } else {
+      buffers_[job.buffer].writing = true;
+      writes_.push_back(job);
+    }
   }
   changed_.notify_all();
 }
@@ -262,11 +271,11 @@ void NvmeStaging::release(std::size_t i, Event after) {
     queue_next_read(b);
   } else if (phantom_) {
     buffers_[b].owner = kNone;  // the storage stream orders any later use after the write
-  }  // else the I/O thread frees it once the write is verified
+  }  // else the write thread frees it once the write is verified
 }
 
 void NvmeStaging::wait_idle(std::unique_lock<std::mutex>& lock) {
-  changed_.wait(lock, [&] { return jobs_.empty() && !busy_; });
+  changed_.wait(lock, [&] { return reads_.empty() && writes_.empty() && !read_busy_ && !write_busy_; });
 }
 
 NvmeUse NvmeStaging::finish() {
@@ -294,17 +303,22 @@ NvmeUse NvmeStaging::abandon() noexcept {
   return use_;
 }
 
-// ---- the I/O thread -------------------------------------------------------------------------
+// ---- the I/O threads ------------------------------------------------------------------------
 
-void NvmeStaging::serve() {
+void NvmeStaging::serve(Kind kind) {
+  std::deque<Job>& queue = kind == Kind::read ? reads_ : writes_;
+  bool& busy = kind == Kind::read ? read_busy_ : write_busy_;
   std::unique_lock lock(mutex_);
   for (;;) {
-    changed_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-    if (jobs_.empty()) return;  // stop_ with nothing left
-    const Job job = jobs_.front();
-    jobs_.pop_front();
-    busy_ = true;
-    const bool skip = job.kind == Kind::read && reads_stopped_;
+    // A read waits until the write-back out of its buffer is done (reads stay in order).
+    changed_.wait(lock, [&] {
+      return stop_ || (!queue.empty() && (kind == Kind::write || reads_stopped_ || !buffers_[queue.front().buffer].writing));
+    });
+    if (queue.empty()) return;  // stop_ with nothing left
+    const Job job = queue.front();
+    queue.pop_front();
+    busy = true;
+    const bool skip = kind == Kind::read && reads_stopped_;
     lock.unlock();
     std::exception_ptr failure;
     double t0 = 0, t1 = 0;
@@ -319,17 +333,18 @@ void NvmeStaging::serve() {
     }
     lock.lock();
     const double bytes = 3.0 * sizeof(float) * static_cast<double>(sizes_[job.subgroup]);
+    if (kind == Kind::write) buffers_[job.buffer].writing = false;
     if (failure != nullptr) {
       if (error_ == nullptr) error_ = failure;
       reads_stopped_ = true;
       // A failed write-back keeps the buffer: it holds the only copy of the new state (a read
       // queued into it behind the write is skipped).
-      if (job.kind == Kind::write) {
+      if (kind == Kind::write) {
         buffers_[job.buffer].owner = job.subgroup;
         buffers_[job.buffer].held = true;
       }
     } else if (!skip) {
-      if (job.kind == Kind::read) {
+      if (kind == Kind::read) {
         ready_[job.subgroup] = 1;
         use_.read_bytes += bytes;
         use_.read_busy_ns += t1 - t0;
@@ -342,7 +357,7 @@ void NvmeStaging::serve() {
         if (buffers_[job.buffer].owner == job.subgroup) buffers_[job.buffer].owner = kNone;
       }
     }
-    busy_ = false;
+    busy = false;
     changed_.notify_all();
   }
 }

@@ -103,7 +103,8 @@ struct NvmeStore::Ring {
 
 NvmeStore::NvmeStore(const SpillDir& dir, const std::vector<std::uint64_t>& extent_bytes, NvmeConfig config,
                      std::vector<std::size_t> names)
-    : ring_(std::make_unique<Ring>()), config_(config), names_(std::move(names)) {
+    : read_ring_(std::make_unique<Ring>()), write_ring_(std::make_unique<Ring>()), config_(config),
+      names_(std::move(names)) {
   if (!names_.empty() && names_.size() != extent_bytes.size()) {
     throw InvalidArgument("NvmeStore: " + std::to_string(names_.size()) + " names for " +
                           std::to_string(extent_bytes.size()) + " extents");
@@ -144,18 +145,23 @@ NvmeStore::NvmeStore(const SpillDir& dir, const std::vector<std::uint64_t>& exte
     throw IoError("NvmeStore: cannot reserve " + format_bytes(file_bytes_) + " in " + file_.string() + ": " + why +
                   " (the spill directory needs " + std::to_string(file_bytes_) + " bytes free)");
   }
-  if (const int rc = io_uring_queue_init(static_cast<unsigned>(config_.queue_depth), &ring_->ring, 0); rc < 0) {
-    ::close(fd_);
-    ::unlink(file_.c_str());
-    fd_ = -1;
-    throw IoError("NvmeStore: io_uring is not available: " + errno_text(-rc) +
-                  " (kernel >= 5.1, and not blocked by seccomp or io_uring_disabled)");
+  // One ring for reads and one for writes: a reader and a writer may run at once (NvmeStaging
+  // keeps the drive busy across extents that way).
+  for (Ring* r : {read_ring_.get(), write_ring_.get()}) {
+    if (const int rc = io_uring_queue_init(static_cast<unsigned>(config_.queue_depth), &r->ring, 0); rc < 0) {
+      ::close(fd_);
+      ::unlink(file_.c_str());
+      fd_ = -1;
+      throw IoError("NvmeStore: io_uring is not available: " + errno_text(-rc) +
+                    " (kernel >= 5.1, and not blocked by seccomp or io_uring_disabled)");
+    }
+    r->ready = true;
   }
-  ring_->ready = true;
 }
 
 NvmeStore::~NvmeStore() {
-  ring_.reset();
+  read_ring_.reset();
+  write_ring_.reset();
   if (fd_ >= 0) {
     ::close(fd_);
     ::unlink(file_.c_str());
@@ -176,12 +182,13 @@ std::string NvmeStore::transfer(Dir dir, std::uint64_t offset, void* buffer, std
   for (std::uint64_t at = 0; at < bytes; at += config_.block_bytes) {
     requests.push_back({at, std::min<std::uint64_t>(config_.block_bytes, bytes - at)});
   }
+  io_uring* ring = &(dir == Dir::write ? write_ring_ : read_ring_)->ring;
   std::string problem;
   std::size_t next = 0, in_flight = 0;
   auto* base = static_cast<unsigned char*>(buffer);
   while (next < requests.size() || in_flight > 0) {
     while (next < requests.size() && in_flight < config_.queue_depth && problem.empty()) {
-      io_uring_sqe* sqe = io_uring_get_sqe(&ring_->ring);
+      io_uring_sqe* sqe = io_uring_get_sqe(ring);
       if (sqe == nullptr) break;
       const Request& r = requests[next];
       if (dir == Dir::write) {
@@ -195,13 +202,13 @@ std::string NvmeStore::transfer(Dir dir, std::uint64_t offset, void* buffer, std
     }
     if (in_flight == 0) break;  // a failure stopped new submissions and all are reaped
     io_uring_cqe* cqe = nullptr;
-    const int rc = io_uring_submit_and_wait(&ring_->ring, 1);
+    const int rc = io_uring_submit_and_wait(ring, 1);
     if (rc < 0 && rc != -EINTR) {
       if (problem.empty()) problem = "io_uring: " + errno_text(-rc);
       // Nothing more can be reaped reliably; the file's state for this range is unknown.
       break;
     }
-    while (io_uring_peek_cqe(&ring_->ring, &cqe) == 0 && cqe != nullptr) {
+    while (io_uring_peek_cqe(ring, &cqe) == 0 && cqe != nullptr) {
       const Request& r = requests[io_uring_cqe_get_data64(cqe)];
       int res = cqe->res;
       if (dir == Dir::write && faults_.fail_write_errno != 0) {
@@ -223,7 +230,7 @@ std::string NvmeStore::transfer(Dir dir, std::uint64_t offset, void* buffer, std
                               std::to_string(offset + r.at) + "): the file was truncated";
         }
       }
-      io_uring_cqe_seen(&ring_->ring, cqe);
+      io_uring_cqe_seen(ring, cqe);
       --in_flight;
     }
   }
@@ -245,12 +252,16 @@ void NvmeStore::write(std::size_t i, const void* src, std::uint64_t bytes) {
   e.written = false;  // until this write is verified, the extent holds nothing trustworthy
   const auto t0 = std::chrono::steady_clock::now();
   const std::string why = transfer(Dir::write, e.offset, const_cast<void*>(src), round_up(bytes, kAlign));
-  counters_.write_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  {
+    std::lock_guard lock(counters_mutex_);
+    counters_.write_s += took;
+    if (why.empty()) counters_.bytes_written += bytes;
+  }
   if (!why.empty()) fail("write", i, why);
   e.bytes = bytes;
   e.checksum = checksum;
   e.written = true;
-  counters_.bytes_written += bytes;
 }
 
 void NvmeStore::read(std::size_t i, void* dst) {
@@ -266,7 +277,10 @@ void NvmeStore::read(std::size_t i, void* dst) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   const std::string why = transfer(Dir::read, e.offset, dst, round_up(e.bytes, kAlign));
-  counters_.read_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  {
+    std::lock_guard lock(counters_mutex_);
+    counters_.read_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   if (!why.empty()) fail("read", i, why);
   if (const std::uint64_t sum = XXH3_64bits(dst, e.bytes); sum != e.checksum) {
     char buf[96];
@@ -274,6 +288,7 @@ void NvmeStore::read(std::size_t i, void* dst) {
                   static_cast<unsigned long long>(sum), static_cast<unsigned long long>(e.checksum));
     fail("read", i, buf);
   }
+  std::lock_guard lock(counters_mutex_);
   counters_.bytes_read += e.bytes;
 }
 

@@ -322,6 +322,29 @@ void UpdateEngine::spill_host(std::size_t up_to) {
   }
 }
 
+double UpdateEngine::nvme_round_trip() {
+  if (!nvme_) return 0;
+  spill_host(n_);
+  std::vector<std::size_t> order;
+  for (std::size_t i = 0; i < on_nvme_.size(); ++i) {
+    if (on_nvme_[i]) order.push_back(i);
+  }
+  const double t0 = device_.host_now_ns();
+  NvmeStaging& staging = *nvme_->staging;
+  staging.begin(order, nvme_->read_ahead);
+  try {
+    for (std::size_t i : order) {
+      (void)staging.acquire(i);
+      staging.release(i);
+    }
+  } catch (...) {
+    staging.abandon();
+    throw;
+  }
+  nvme_->last = staging.finish();
+  return device_.host_now_ns() - t0;
+}
+
 void UpdateEngine::inject_nvme_faults(const NvmeFaults& faults) {
   if (nvme_ && nvme_->store) nvme_->store->inject(faults);
 }

@@ -392,6 +392,12 @@ class PyUpdateEngine {
     engine_->spill_host(at);
   }
 
+  double nvme_round_trip() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return engine_->nvme_round_trip();
+  }
+
   void inject_nvme_faults(int write_errno, bool short_write, int read_errno) {
     std::lock_guard<std::mutex> lock(mutex_);
     engine_->inject_nvme_faults(tiering::NvmeFaults{write_errno, short_write, read_errno});
@@ -610,6 +616,9 @@ void bind_tiering(nb::module_& m) {
       .def("spill_host", &PyUpdateEngine::spill_host, "up_to"_a,
            "Writes spilled subgroups wholly below element `up_to` whose host range is the truth to NVMe and\n"
            "drops their host pages (the next step does it for all).")
+      .def("nvme_round_trip", &PyUpdateEngine::nvme_round_trip,
+           "Reads every spilled subgroup through staging and writes it back unchanged, in update order, no\n"
+           "update between: the NVMe tier's I/O for one step alone, in ns on the engine's host clock.")
       .def("inject_nvme_faults", &PyUpdateEngine::inject_nvme_faults, "write_errno"_a = 0, "short_write"_a = false,
            "read_errno"_a = 0, "For tests: the NVMe tier's next write or read request fails as given.")
       .def("arrays", [](nb::handle self) { return nb::cast<PyUpdateEngine&>(self).arrays(self); },

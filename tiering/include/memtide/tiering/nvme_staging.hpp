@@ -5,12 +5,14 @@
 /// and written back behind it, so a phase takes the time of the slower of I/O and compute, not
 /// their sum.
 ///
-/// One drive serves reads and writes in turn, as the PerfModel's walk assumes: the transfers run
-/// in one queue, in the order the scheduler asks for the subgroups. A release queues the
-/// subgroup's write-back and then the next read into the buffer it frees, so reads stay
-/// `buffers` subgroups ahead. On a real device the queue is served by one I/O thread through
-/// NvmeStore (io_uring, O_DIRECT, checksummed); on a phantom SimDevice nothing is stored and the
-/// transfers are timed on the device's storage engine at the stated rates (the simulator).
+/// Reads run in the order the scheduler asks for the subgroups; a release queues the subgroup's
+/// write-back and then the next read into the buffer it frees, so reads stay `buffers` subgroups
+/// ahead. On a real device a read thread and a write thread serve them through NvmeStore
+/// (io_uring, O_DIRECT, checksummed), a read starting once the write-back out of its buffer is
+/// done: the drive has the next extent queued while one drains (one extent at a time left a
+/// drained queue after each on a virtio disk). Its bytes are the same as the PerfModel's walk
+/// counts, one drive serving both. On a phantom SimDevice nothing is stored and the transfers are
+/// timed on the device's storage engine at the stated rates (the simulator), in one queue.
 ///
 /// Nothing is lost on an I/O error: a subgroup whose write-back failed keeps its new state in
 /// its staging buffer ("held"); newest() reads it from there, and the next phase writes it first.
@@ -18,7 +20,7 @@
 /// write-back.
 ///
 /// A staging buffer holds p, m and v of one subgroup back to back (12 B/param), 4 KiB aligned.
-/// Thread-compatible: one caller (the scheduler's thread); the I/O thread is internal.
+/// Thread-compatible: one caller (the scheduler's thread); the I/O threads are internal.
 
 #include <condition_variable>
 #include <cstddef>
@@ -58,7 +60,7 @@ class NvmeStaging {
   NvmeStaging(Device& device, NvmeStore* store, const std::vector<std::size_t>& sizes, const std::vector<bool>& spilled,
               std::size_t buffers, SlabSource* slabs, double phantom_read_bytes_per_s = 0,
               double phantom_write_bytes_per_s = 0);
-  /// Waits for the I/O thread's queue (write-backs complete) and stops it.
+  /// Waits for the I/O threads (write-backs complete) and stops them.
   ~NvmeStaging();
   NvmeStaging(const NvmeStaging&) = delete;
   NvmeStaging& operator=(const NvmeStaging&) = delete;
@@ -114,13 +116,14 @@ class NvmeStaging {
     PinnedBuffer memory;
     std::size_t owner = kNone;  // the subgroup whose state it holds or will hold
     bool held = false;          // its write-back failed: it holds the only copy of `owner`
+    bool writing = false;       // a write-back out of it is queued or running
   };
 
   [[nodiscard]] Staged view(std::size_t buffer, std::size_t subgroup) const;
   void reserve(std::size_t buffers);
   void queue(Job job);
   void queue_next_read(std::size_t buffer);
-  void serve();  // the I/O thread
+  void serve(Kind kind);  // an I/O thread: the reads or the writes
   void run(const Job& job);
   void wait_idle(std::unique_lock<std::mutex>& lock);
   std::size_t free_buffer() const;
@@ -148,15 +151,15 @@ class NvmeStaging {
   double phase_start_ns_ = 0;
   NvmeUse use_;
 
-  // The I/O thread.
+  // The I/O threads.
   mutable std::mutex mutex_;
   std::condition_variable changed_;
-  std::deque<Job> jobs_;
-  bool busy_ = false;
+  std::deque<Job> reads_, writes_;
+  bool read_busy_ = false, write_busy_ = false;
   bool stop_ = false;
   std::exception_ptr error_;     // the phase's first I/O error
   bool reads_stopped_ = false;   // a read failed: later reads are skipped
-  std::thread thread_;
+  std::thread read_thread_, write_thread_;
 };
 
 }  // namespace memtide::tiering

@@ -14,12 +14,14 @@
 /// Each subgroup owns one extent of the file, aligned to the direct-I/O block. Writes and reads
 /// are split into `block_bytes` requests, at most `queue_depth` in flight. A write is verified
 /// (every request complete, no short write) before it counts; until then the caller keeps its
-/// copy. Thread-compatible: one caller at a time.
+/// copy. One reader and one writer may run at once (a ring each), on different extents; no two
+/// readers or two writers.
 
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -94,7 +96,10 @@ class NvmeStore {
     std::uint64_t bytes_written = 0, bytes_read = 0;
     double write_s = 0, read_s = 0;
   };
-  [[nodiscard]] Counters counters() const noexcept { return counters_; }
+  [[nodiscard]] Counters counters() const {
+    std::lock_guard lock(counters_mutex_);
+    return counters_;
+  }
   /// For tests: the next completions fail as `faults` says.
   void inject(const NvmeFaults& faults) { faults_ = faults; }
   /// The direct-I/O alignment buffers must have.
@@ -115,13 +120,14 @@ class NvmeStore {
   [[noreturn]] void fail(const char* what, std::size_t i, const std::string& why) const;
 
   struct Ring;
-  std::unique_ptr<Ring> ring_;
+  std::unique_ptr<Ring> read_ring_, write_ring_;
   NvmeConfig config_;
   std::filesystem::path file_;
   int fd_ = -1;
   std::vector<Extent> extents_;
   std::vector<std::size_t> names_;
   std::uint64_t file_bytes_ = 0;
+  mutable std::mutex counters_mutex_;
   Counters counters_;
   NvmeFaults faults_;
 };

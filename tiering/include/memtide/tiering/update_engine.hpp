@@ -223,6 +223,10 @@ class UpdateEngine {
   /// host_changed, or never written) to NVMe and drops their host pages: a caller filling the
   /// arrays in order keeps at most a subgroup of them in memory. step() does it for the rest.
   void spill_host(std::size_t up_to);
+  /// Reads every spilled subgroup through the staging pipeline and writes it back unchanged, in
+  /// update order, with no update between: the tier's I/O time for one step alone (benchmarks
+  /// set a phase against it). Returns the host clock's ns (0 without a tier).
+  double nvme_round_trip();
   /// For tests: the NVMe tier's next transfers fail as `faults` says (no tier: ignored).
   void inject_nvme_faults(const NvmeFaults& faults);
 
