@@ -18,9 +18,13 @@ using namespace memtide;
 namespace {
 
 thread_local std::string t_last_error;
+// Whether t_last_error holds anything: a trivial thread_local, so the hot path's check needs no
+// TLS initialization guard (the string's is paid only when an error is set or read).
+thread_local bool t_has_error = false;
 
 int fail(int code, const std::string& message) {
   t_last_error = message;
+  t_has_error = true;
   MEMTIDE_LOG(error, message);
   return code;
 }
@@ -28,7 +32,10 @@ int fail(int code, const std::string& message) {
 template <typename F>
 int guarded(const char* where, F&& body) noexcept {
   try {
-    t_last_error.clear();
+    if (t_has_error) {
+      t_last_error.clear();
+      t_has_error = false;
+    }
     body();
     return MEMTIDE_OK;
   } catch (const OutOfMemory& e) {

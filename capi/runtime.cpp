@@ -31,6 +31,9 @@ Runtime::Slot& Runtime::slot(int device) const {
 
 CachingAllocator& Runtime::allocator(int device) {
   Slot& slot = this->slot(device);
+  // Every tensor of torch comes through here: once made, one acquire load (call_once costs
+  // more than the rest of the ABI's overhead).
+  if (CachingAllocator* made = slot.ready.load(std::memory_order_acquire)) return *made;
   std::call_once(slot.once, [&] {
     slot.device = open_device(backend_, device);
     slot.allocator = std::make_unique<CachingAllocator>(*slot.device, AllocatorConfig::from_options());
