@@ -273,7 +273,7 @@ void* CachingAllocator::do_allocate(std::size_t bytes, Stream stream) {
   }
   const std::size_t size = round_up(bytes, kRound);
   const bool small = size <= kSmallSize;
-  std::lock_guard lock(mutex_);
+  std::unique_lock lock(mutex_);
   if (!pending_.empty()) process_pending_locked(/*wait=*/false);
 
   Block* b = find_free_locked(small, stream, size);
@@ -286,7 +286,21 @@ void* CachingAllocator::do_allocate(std::size_t bytes, Stream stream) {
     b = find_free_locked(small, stream, size);
     if (b == nullptr) b = alloc_segment_locked(small, stream, size);
   }
-  if (b == nullptr) throw_oom_locked(bytes, stream);
+  std::string loans;
+  if (b == nullptr) {
+    // Last: what tiering borrowed goes back (its frees come through here, so the lock is let go),
+    // and what they freed is returned to the device for one more try.
+    lock.unlock();
+    const std::uint64_t given = reclaim(size, loans);
+    lock.lock();
+    if (given > 0) {
+      process_pending_locked(/*wait=*/true);
+      release_cached_locked();
+      b = find_free_locked(small, stream, size);
+      if (b == nullptr) b = alloc_segment_locked(small, stream, size);
+    }
+  }
+  if (b == nullptr) throw_oom_locked(bytes, stream, loans);
 
   b = split_locked(b, size);
   b->allocated = true;
@@ -302,7 +316,49 @@ void* CachingAllocator::do_allocate(std::size_t bytes, Stream stream) {
   return reinterpret_cast<void*>(b->addr);
 }
 
-void CachingAllocator::throw_oom_locked(std::size_t bytes, Stream stream) {
+namespace {
+// Set while this thread asks the lenders: an allocation a lender makes meanwhile does not ask again.
+thread_local bool t_reclaiming = false;
+}  // namespace
+
+std::uint64_t CachingAllocator::add_lender(Lender lender) {
+  std::lock_guard lock(lenders_mutex_);
+  const std::uint64_t id = next_lender_++;
+  lenders_.emplace_back(id, std::move(lender));
+  return id;
+}
+
+void CachingAllocator::remove_lender(std::uint64_t id) {
+  std::lock_guard lock(lenders_mutex_);
+  lenders_.erase(std::remove_if(lenders_.begin(), lenders_.end(), [&](const auto& l) { return l.first == id; }),
+                 lenders_.end());
+}
+
+std::uint64_t CachingAllocator::reclaim(std::uint64_t needed, std::string& loans) {
+  if (t_reclaiming) return 0;
+  t_reclaiming = true;
+  struct Reset {
+    ~Reset() { t_reclaiming = false; }
+  } reset;
+  std::uint64_t given = 0;
+  try {
+    std::lock_guard lock(lenders_mutex_);
+    for (auto& [id, lender] : lenders_) {
+      if (lender.give_back) given += lender.give_back(needed);
+      const std::uint64_t still = lender.borrowed ? lender.borrowed() : 0;
+      if (still > 0) loans += (loans.empty() ? "" : ", ") + lender.name + " " + format_bytes(still);
+    }
+  } catch (const std::exception& e) {
+    // A lender that fails to give back leaves the allocation to fail as it would have.
+    MEMTIDE_LOG(warn, std::string("CachingAllocator: a lender could not give memory back: ") + e.what());
+  }
+  if (given > 0) {
+    MEMTIDE_LOG(info, "CachingAllocator: out of memory; lenders gave back " + format_bytes(given) + " and the allocation is retried");
+  }
+  return given;
+}
+
+void CachingAllocator::throw_oom_locked(std::size_t bytes, Stream stream, const std::string& loans) {
   ++stats_.num_ooms;
   trace_locked(TraceAction::oom, 0, bytes, stream);
   MemInfo mem{};
@@ -330,6 +386,8 @@ void CachingAllocator::throw_oom_locked(std::size_t bytes, Stream stream) {
   } else {
     msg += " No training iteration has completed yet (no phase history).";
   }
+  msg += loans.empty() ? " Nothing is on loan to tiering."
+                       : " Still on loan to tiering after asking for it back: " + loans + ".";
   msg += " Lower the batch size, or raise MEMTIDE_MEMORY_FRACTION / MEMTIDE_MAX_BYTES if they are set.";
   throw OutOfMemory(msg);
 }

@@ -120,6 +120,7 @@ UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::s
     phantom_host_ = reserve_phantom_host(phantom_bytes_);
     device_.host_register(phantom_host_, phantom_bytes_);
     for (std::size_t i = 0; i < 4; ++i) arrays_[i] = static_cast<float*>(phantom_host_) + i * n_;
+    lend();
     return;
   }
   std::size_t made = 0;
@@ -136,9 +137,40 @@ UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::s
     for (std::size_t i = nvme_ ? 3 : 0; i < made; ++i) arena_.deallocate(arrays_[i]);
     throw;
   }
+  lend();
+}
+
+// The allocator asks for the engine's loans back when an allocation would otherwise fail (torch
+// running out in forward while residents sit on the GPU): residents go back to the host, kept
+// gradients too. Not while the engine is at work itself (the allocation may be its own, mid-step)
+// or another thread is in it: then it gives nothing.
+void UpdateEngine::lend() {
+  Lender lender;
+  lender.name = "the update engine's residents and kept gradients";
+  lender.borrowed = [this] {
+    std::unique_lock lock(api_mutex_, std::try_to_lock);
+    return lock ? resident_bytes() + kept_grad_bytes() : std::uint64_t{0};
+  };
+  lender.give_back = [this](std::uint64_t) -> std::uint64_t {
+    std::unique_lock lock(api_mutex_, std::try_to_lock);
+    if (!lock || busy_ > 0) return 0;
+    const std::uint64_t before = resident_bytes() + kept_grad_bytes();
+    grads_to_host();
+    for (Entry& e : cache_) retire(e);
+    current_statics_ = 0;
+    const std::uint64_t after = resident_bytes() + kept_grad_bytes();
+    if (before > after) {
+      MEMTIDE_LOG(info, "UpdateEngine: gave back " + format_bytes(before - after) +
+                            " of device memory (residents and kept gradients moved to the host) for an allocation");
+    }
+    return before > after ? before - after : 0;
+  };
+  lender_id_ = allocator_.add_lender(std::move(lender));
 }
 
 UpdateEngine::~UpdateEngine() {
+  allocator_.remove_lender(lender_id_);  // first: the allocator must not call into a dying engine
+  Busy busy(*this);
   try {
     // The host arrays hold every step's result (and maybe later changes): drop the residents'
     // device copies first, so the schedulers' destructors do not copy stale ones back.
@@ -300,6 +332,7 @@ void UpdateEngine::drop_spilled_pages(std::size_t i) {
 }
 
 void UpdateEngine::spill_host(std::size_t up_to) {
+  Busy busy(*this);
   if (!nvme_ || nvme_->store == nullptr) return;
   NvmeTier& t = *nvme_;
   for (std::size_t i = 0; i < subgroups_.size() && subgroups_[i].second <= up_to; ++i) {
@@ -323,6 +356,7 @@ void UpdateEngine::spill_host(std::size_t up_to) {
 }
 
 double UpdateEngine::nvme_round_trip() {
+  Busy busy(*this);
   if (!nvme_) return 0;
   spill_host(n_);
   std::vector<std::size_t> order;
@@ -376,6 +410,7 @@ std::uint64_t UpdateEngine::resident_bytes() const {
 }
 
 void* UpdateEngine::model_params(DType dtype) {
+  Busy busy(*this);
   if (dtype != DType::fp16 && dtype != DType::bf16) {
     throw InvalidArgument(std::string("UpdateEngine::model_params: dtype must be fp16 or bf16, got ") + dtype_name(dtype));
   }
@@ -471,6 +506,7 @@ EngineBudget UpdateEngine::measure_budget(const Workload& work) const {
 }
 
 EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::optional<double> k) {
+  Busy busy(*this);
   EnginePlan out;
   Workload w;
   for (auto [s, e] : subgroups_) w.subgroup_params.push_back(e - s);
@@ -608,6 +644,7 @@ UpdateScheduler& UpdateEngine::scheduler_for(const std::vector<std::pair<std::si
 EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size_t gpu_slots,
                               const std::vector<Segment>& segments, double grad_scale, double clip, bool l2,
                               bool skip_if_nonfinite, double predicted_ns, std::optional<bool> path_verdict) {
+  Busy busy(*this);
   if (placement.size() != subgroups_.size()) {
     throw InvalidArgument("UpdateEngine::step: placement has " + std::to_string(placement.size()) +
                           " entries, there are " + std::to_string(subgroups_.size()) + " subgroups");
@@ -772,6 +809,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
 }
 
 void UpdateEngine::push_grad(std::size_t offset, const void* source, DType dtype, std::size_t n, Stream producer) {
+  Busy busy(*this);
   if (offset > n_ || n > n_ - offset) {
     throw InvalidArgument("UpdateEngine::push_grad: elements [" + std::to_string(offset) + ", " +
                           std::to_string(offset + n) + ") are past the " + std::to_string(n_) + " params");
@@ -798,12 +836,14 @@ void UpdateEngine::push_grad(std::size_t offset, const void* source, DType dtype
 }
 
 bool UpdateEngine::finish_grads() {
+  Busy busy(*this);
   if (!grads_open_) return true;
   grads_open_ = false;
   return sink_->finish();
 }
 
 void UpdateEngine::grads_to_host() {
+  Busy busy(*this);
   if (!sink_ || sink_->kept_bytes() == 0) return;
   if (grads_open_) finish_grads();
   const Stream s{};
@@ -816,6 +856,7 @@ void UpdateEngine::grads_to_host() {
 }
 
 void UpdateEngine::host_changed() {
+  Busy busy(*this);
   for (Entry& e : cache_) e.scheduler->discard_residents();
   if (nvme_) {
     // What sync_host brought back is what the caller may have changed: it is the truth now.
@@ -826,6 +867,7 @@ void UpdateEngine::host_changed() {
 }
 
 void UpdateEngine::sync_host() {
+  Busy busy(*this);
   for (Entry& e : cache_) {
     if (e.scheduler->resident_count() > 0) e.scheduler->sync_to_host();
   }

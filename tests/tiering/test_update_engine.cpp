@@ -471,6 +471,65 @@ TEST(UpdateEngineFailures, AFailedConstructionGivesItsHostMemoryBack) {
   EXPECT_GE(ok.host_bytes(), 16U * n);
 }
 
+// The engine's residents are a loan: an allocation that would fail takes them back (their state
+// to the host), and training goes on with the same bits; what is still on loan, or that nothing
+// is, is in the out-of-memory message.
+TEST(UpdateEngineLoans, AnAllocationThatWouldFailTakesTheResidentsBack) {
+  if (!device_ops_available(*std::make_unique<SimDevice>())) GTEST_SKIP() << "no device kernels in this build";
+  SimConfig sc;
+  sc.capacity = 96ULL << 20;
+  SimDevice dev(sc), ref_dev(sc);
+  CachingAllocator alloc(dev, small_margin()), ref_alloc(ref_dev, small_margin());
+  HostArena arena(arena_for(dev)), ref_arena(arena_for(ref_dev));
+  constexpr std::size_t n = 1'000'000, per = 125'000;
+  UpdateEngine e(alloc, arena, n, cut(n, per), nullptr);
+  UpdateEngine ref(ref_alloc, ref_arena, n, cut(n, per), nullptr);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  for (std::size_t i = 0; i < n; ++i) {
+    e.param()[i] = ref.param()[i] = normal(rng);
+    e.grad()[i] = ref.grad()[i] = normal(rng);
+  }
+  auto step = [&](UpdateEngine& engine, Policy policy, double fraction, std::int64_t s) {
+    const EnginePlan p = engine.plan(policy, fraction, std::nullopt);
+    (void)engine.step(p.plan.placement, p.plan.gpu_slots, all_segments(engine, s), 1, 1, false, false);
+  };
+  step(e, Policy::static_split, 0.5, 1);
+  step(ref, Policy::cpu, 0, 1);
+  const std::uint64_t lent = e.resident_bytes();
+  ASSERT_GT(lent, 4U << 20) << "the static plan put residents on the device";
+
+  // More than is free, less than is free with the residents back.
+  const std::uint64_t free = alloc.limit() - static_cast<std::uint64_t>(alloc.stats().reserved_bytes[0].current);
+  const std::size_t want = free + lent / 2;
+  void* big = alloc.allocate(want, Stream{});
+  EXPECT_LT(e.resident_bytes(), 4096U) << "the residents went back to the host (a counter stays)";
+  alloc.deallocate(big, Stream{});
+
+  step(e, Policy::cpu, 0, 2);
+  step(ref, Policy::cpu, 0, 2);
+  e.sync_host();
+  EXPECT_EQ(std::memcmp(e.param(), ref.param(), n * 4), 0) << "the loan's return lost state";
+  EXPECT_EQ(std::memcmp(e.exp_avg(), ref.exp_avg(), n * 4), 0);
+  EXPECT_EQ(std::memcmp(e.exp_avg_sq(), ref.exp_avg_sq(), n * 4), 0);
+
+  // With residents again, an allocation that cannot fit even after their return names the loans
+  // it asked for (a counter's bytes are left) and fails cleanly; the allocator keeps working.
+  step(e, Policy::static_split, 0.5, 3);
+  ASSERT_GT(e.resident_bytes(), 0U);
+  try {
+    (void)alloc.allocate(2 * sc.capacity, Stream{});
+    ADD_FAILURE() << "an allocation larger than the device succeeded";
+  } catch (const OutOfMemory& err) {
+    EXPECT_NE(std::string(err.what()).find("on loan to tiering after asking for it back: the update engine"),
+              std::string::npos)
+        << err.what();
+  }
+  EXPECT_LT(e.resident_bytes(), 4096U);
+  void* again = alloc.allocate(1 << 20, Stream{});
+  alloc.deallocate(again, Stream{});
+}
+
 // On a GPU (wall clocks everywhere) each step also checks the whole iteration: the passes as the
 // last iteration ran them plus the planned update, against this iteration's. Not on a SimDevice,
 // whose scheduler runs on a virtual clock.

@@ -19,7 +19,9 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
+#include <string>
 #include <optional>
 #include <set>
 #include <unordered_map>
@@ -44,6 +46,18 @@ struct AllocatorConfig {
 
   /// From the options table (MEMTIDE_MAX_BYTES, MEMTIDE_MEMORY_FRACTION, ...).
   static AllocatorConfig from_options();
+};
+
+/// Device memory a component holds on loan from the allocator (the tiering engine's static
+/// residents and kept gradients) that it can give back when an allocation would otherwise fail.
+struct Lender {
+  std::string name;
+  /// Bytes held now (for the out-of-memory message).
+  std::function<std::uint64_t()> borrowed;
+  /// Gives back what it can, with `needed` bytes in mind; returns the bytes it freed (0 when it
+  /// cannot now, e.g. because it is in the middle of its own work). Called without the
+  /// allocator's lock held, so it may free through the allocator.
+  std::function<std::uint64_t(std::uint64_t needed)> give_back;
 };
 
 /// Per-phase watermarks of the running iteration and the remembered ones.
@@ -106,6 +120,12 @@ class CachingAllocator final : public DeviceMemoryResource {
   /// The phase marks made while recording history, oldest first (at most history_entries / 16;
   /// the oldest go first), to put the trace's allocations into their phases.
   [[nodiscard]] std::vector<PhaseMark> phase_marks() const;
+
+  /// Registers a lender: when an allocation fails even after the cache is released, every
+  /// lender is asked to give back, and the allocation retried; what they still hold is named in
+  /// the out-of-memory error. Returns the id for remove_lender.
+  std::uint64_t add_lender(Lender lender);
+  void remove_lender(std::uint64_t id);
 
   /// Size of the block holding `ptr` (rounded), or nullopt when `ptr` is not allocated here.
   [[nodiscard]] std::optional<std::size_t> allocation_size(void* ptr) const;
@@ -172,7 +192,10 @@ class CachingAllocator final : public DeviceMemoryResource {
   }
   void trace_locked(TraceAction action, std::uintptr_t addr, std::size_t size, Stream stream);
   std::uint64_t compute_limit_locked() const;
-  [[noreturn]] void throw_oom_locked(std::size_t bytes, Stream stream);
+  [[noreturn]] void throw_oom_locked(std::size_t bytes, Stream stream, const std::string& loans);
+  /// Asks every lender to give back (the allocator's lock not held); returns the bytes freed and
+  /// sets `loans` to what they still hold, in words.
+  std::uint64_t reclaim(std::uint64_t needed, std::string& loans);
 
   Device& device_;
   AllocatorConfig config_;
@@ -192,6 +215,9 @@ class CachingAllocator final : public DeviceMemoryResource {
   std::deque<PhaseMark> phase_marks_;
   std::size_t trace_next_ = 0;
   bool trace_wrapped_ = false;
+  std::mutex lenders_mutex_;  // never held with mutex_
+  std::vector<std::pair<std::uint64_t, Lender>> lenders_;
+  std::uint64_t next_lender_ = 1;
 };
 
 }  // namespace memtide

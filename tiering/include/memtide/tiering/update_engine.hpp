@@ -28,6 +28,10 @@
 /// and host_changed() makes what is there the truth, written to NVMe before the next step.
 /// Gradients stay in host memory.
 ///
+/// Device memory the engine holds between steps (static residents, kept gradients) is lent, not
+/// owned: when an allocation on its device would fail, the allocator asks for it back (the
+/// residents' state goes to the host arrays, kept gradients too) unless an engine call is running.
+///
 /// Not thread-safe: one caller at a time (the Python binding serializes).
 
 #include <cstddef>
@@ -35,6 +39,7 @@
 #include <filesystem>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -269,6 +274,26 @@ class UpdateEngine {
   std::size_t current_statics_ = 0;    // static residents of the last plan
   void* phantom_host_ = nullptr;       // the arrays' phantom range on a phantom device
   std::size_t phantom_bytes_ = 0;
+
+  // The allocator's lender (see lend()): the engine's public calls hold api_mutex_ (recursive:
+  // they call each other) and count busy_, so the lender gives back only when no call is running.
+  struct Busy {
+    explicit Busy(UpdateEngine& e) : engine(e) {
+      engine.api_mutex_.lock();
+      ++engine.busy_;
+    }
+    ~Busy() {
+      --engine.busy_;
+      engine.api_mutex_.unlock();
+    }
+    Busy(const Busy&) = delete;
+    Busy& operator=(const Busy&) = delete;
+    UpdateEngine& engine;
+  };
+  void lend();
+  std::recursive_mutex api_mutex_;
+  int busy_ = 0;
+  std::uint64_t lender_id_ = 0;
 
   // The NVMe tier.
   struct NvmeTier;
