@@ -255,7 +255,7 @@ void UpdateEngine::setup_nvme() {
     }
     tier->store = std::make_unique<NvmeStore>(*tier->dir, extents, c.io, names);  // reserves the space now
     tier->staging = std::make_unique<NvmeStaging>(device_, tier->store.get(), w.subgroup_params, w.on_nvme,
-                                                  c.read_ahead, nullptr);
+                                                  c.read_ahead, &arena_);  // pinned slabs on the GPU's node
     // The arrays: address space for all n, memory only where the state stays in host memory.
     // Those ranges are registered (pinned) for the device's copies, each run rounded out to
     // whole pages; spilled ranges are never registered, so their pages can be dropped.
