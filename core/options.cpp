@@ -153,6 +153,15 @@ const std::vector<Row>& rows() {
       {"subgroup_size", "1..1000000000000", "parameters per optimizer subgroup (the unit of CPU/GPU placement)",
        [](Options& o, std::string_view v) { o.subgroup_size = parse_count("subgroup_size", v, 1, 1000000000000ULL); },
        [](const Options& o) { return std::to_string(o.subgroup_size); }},
+      {"nvme_queue_depth", "1..4096", "the NVMe tier's requests in flight per transfer (io_uring queue depth)",
+       [](Options& o, std::string_view v) { o.nvme_queue_depth = parse_count("nvme_queue_depth", v, 1, 4096); },
+       [](const Options& o) { return std::to_string(o.nvme_queue_depth); }},
+      {"nvme_block_size", "size, a multiple of 4KiB up to 1GiB", "bytes per NVMe tier request (direct I/O)",
+       [](Options& o, std::string_view v) {
+         o.nvme_block_size = parse_size("nvme_block_size", v, 4ULL << 10, 1ULL << 30);
+         if (o.nvme_block_size % 4096 != 0) reject("nvme_block_size", v, "a multiple of 4KiB (direct I/O)");
+       },
+       [](const Options& o) { return format_bytes(o.nvme_block_size); }},
       {"topology", "hwloc XML file path (empty = this machine)",
        "GPU/NUMA topology to use instead of discovering this machine (planning for another machine, tests)",
        [](Options& o, std::string_view v) { o.topology = std::string(v); },

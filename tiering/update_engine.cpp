@@ -12,6 +12,7 @@
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"
+#include "memtide/core/options.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
 #include "memtide/tiering/optimizer_state.hpp"
 
@@ -42,6 +43,13 @@ std::size_t page_round_up(std::size_t n) { return (n + os::page_bytes() - 1) / o
 std::size_t page_round_down(std::size_t n) { return n / os::page_bytes() * os::page_bytes(); }
 
 }  // namespace
+
+NvmeConfig NvmeTierConfig::io_from_options() {
+  NvmeConfig c;
+  c.queue_depth = static_cast<std::size_t>(options().nvme_queue_depth);
+  c.block_bytes = static_cast<std::size_t>(options().nvme_block_size);
+  return c;
+}
 
 /// The NVMe tier's parts. Destroyed in order: the staging (its I/O thread finishes), the store
 /// (the spill file goes), the directory, then the mappings of the param and moment arrays.

@@ -41,6 +41,8 @@ struct Options {
   std::string pinned_heap_backend = "auto"; ///< auto | jemalloc | mimalloc (PinnedHeap)
   std::uint64_t pinned_heap_slab_size = 256ULL << 20;  ///< largest slab PinnedHeap asks for (except for larger requests)
   std::uint64_t pinned_heap_direct_threshold = 64ULL << 10;  ///< requests >= this bypass the backend; 0 = never
+  std::uint64_t nvme_queue_depth = 32;       ///< NVMe tier: requests in flight (bench_nvme.py --sweep chose it)
+  std::uint64_t nvme_block_size = 1ULL << 20;  ///< NVMe tier: bytes per request
 
   /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
   static Options from_env(const std::function<const char*(const char*)>& lookup);

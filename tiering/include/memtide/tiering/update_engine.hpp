@@ -102,7 +102,8 @@ struct NvmeTierConfig {
   std::filesystem::path dir;          ///< where the private spill directory is made
   std::uint64_t host_budget_bytes = 0;
   std::size_t read_ahead = 2;         ///< staging buffers beyond those GPU-bound subgroups hold
-  NvmeConfig io{};                    ///< queue depth and request size
+  NvmeConfig io = io_from_options();  ///< queue depth and request size (MEMTIDE_NVME_QUEUE_DEPTH, _BLOCK_SIZE)
+  static NvmeConfig io_from_options();
   /// Rates to plan with until the tier's own transfers are measured (0: measured at setup from
   /// the first spill; required on a phantom device, which only times them).
   double read_bytes_per_s = 0;
