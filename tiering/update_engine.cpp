@@ -539,12 +539,8 @@ EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::option
   if (nvme_) {
     w.on_nvme = on_nvme_;
     w.nvme_read_ahead = nvme_->read_ahead;
-    // A spilled subgroup cannot be a static resident (its state would have to come from NVMe
-    // and stay on the GPU): residents are the last subgroups, so only those after the last
-    // spilled one qualify.
-    std::size_t tail = 0;
-    while (tail < n && !on_nvme_[n - 1 - tail]) ++tail;
-    w.gpu_static_limit = std::min(w.gpu_static_limit, tail);
+    // A spilled subgroup may be a static resident: its state comes from NVMe once, stays on the
+    // GPU, and goes back when it leaves (see move_spilled_residents): no NVMe I/O per step.
     // Until the tier's transfers are measured: a conservative 1 GB/s, corrected after one step.
     constexpr double kUnmeasured = 1e9;
     rates.nvme_read_bytes_per_s = nvme_->read_rate > 0 ? nvme_->read_rate : kUnmeasured;
@@ -753,7 +749,11 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     params.clip = clip;
     params.l2 = l2;
     params.grads_finite = true;  // checked above, once for the whole step
+    const std::vector<std::size_t> left = move_spilled_residents(scheduler, list, plan.placement);
     const StepReport r = scheduler.run(plan, params);
+    // Residents that left were copied back into their host ranges by the run (as they were before
+    // this step): NVMe has their new state, the pages go.
+    for (std::size_t g : left) drop_spilled_pages(g);
     for (std::size_t j = 0; j < list.size(); ++j) scheduler_state(scheduler, j).device_grad = nullptr;
     used.push_back(&scheduler);
     ++out.runs;
@@ -865,7 +865,19 @@ void UpdateEngine::grads_to_host() {
 
 void UpdateEngine::host_changed() {
   Busy busy(*this);
-  for (Entry& e : cache_) e.scheduler->discard_residents();
+  for (Entry& e : cache_) {
+    // A spilled resident whose host range was never filled has its only copy on the device:
+    // kept (to the host range, then NVMe) rather than dropped. The others' ranges are the truth.
+    if (nvme_) {
+      for (std::size_t j = 0; j < e.ranges.size(); ++j) {
+        const std::size_t g = subgroup_of(e.ranges[j].first);
+        if (!on_nvme_[g] || !e.scheduler->is_resident(j) || nvme_->materialized[g]) continue;
+        e.scheduler->sync_to_host(j);
+        nvme_->materialized[g] = 1;
+      }
+    }
+    e.scheduler->discard_residents();
+  }
   if (nvme_) {
     // What sync_host brought back is what the caller may have changed: it is the truth now.
     for (std::size_t i = 0; i < on_nvme_.size(); ++i) {
@@ -877,7 +889,10 @@ void UpdateEngine::host_changed() {
 void UpdateEngine::sync_host() {
   Busy busy(*this);
   for (Entry& e : cache_) {
-    if (e.scheduler->resident_count() > 0) e.scheduler->sync_to_host();
+    if (e.scheduler->resident_count() == 0) continue;
+    e.scheduler->sync_to_host();
+    // Their host ranges now hold their newest state (NVMe does not): not read from NVMe below.
+    for (std::size_t g : spilled_residents(e)) nvme_->materialized[g] = 1;
   }
   if (nvme_ && nvme_->store) {
     // Spilled subgroups are read back into their ranges until the next step drops them again.
@@ -906,7 +921,49 @@ Subgroup& UpdateEngine::scheduler_state(UpdateScheduler& scheduler, std::size_t 
 void UpdateEngine::retire(Entry& e) {
   if (e.scheduler->resident_count() == 0) return;
   e.scheduler->sync_to_host();
+  // A spilled resident's newest state is now in its host range only: on to NVMe before anything
+  // reads it from there (the run that retired it may be about to).
+  const std::vector<std::size_t> spilled = spilled_residents(e);
+  for (std::size_t g : spilled) nvme_->materialized[g] = nvme_->host_truth[g] = 1;
   e.scheduler->discard_residents();
+  if (!spilled.empty()) spill_host(n_);
+}
+
+std::vector<std::size_t> UpdateEngine::spilled_residents(Entry& e) const {
+  std::vector<std::size_t> out;
+  if (!nvme_) return out;
+  for (std::size_t j = 0; j < e.ranges.size(); ++j) {
+    const std::size_t g = subgroup_of(e.ranges[j].first);
+    if (on_nvme_[g] && e.scheduler->is_resident(j)) out.push_back(g);
+  }
+  return out;
+}
+
+std::vector<std::size_t> UpdateEngine::move_spilled_residents(UpdateScheduler& s, const std::vector<Segment>& list,
+                                                              const std::vector<Placement>& placement) {
+  std::vector<std::size_t> left;
+  if (!nvme_ || nvme_->store == nullptr) return left;
+  NvmeTier& t = *nvme_;
+  // Leaving first: the device holds the newest state; it goes to the host range and on to NVMe
+  // before this phase reads the subgroup from there.
+  for (std::size_t j = 0; j < list.size(); ++j) {
+    const std::size_t g = list[j].subgroup;
+    if (on_nvme_[g] && placement[j] != Placement::gpu_static && s.is_resident(j)) left.push_back(g);
+  }
+  if (!left.empty()) {
+    s.sync_to_host();
+    for (std::size_t g : left) t.materialized[g] = t.host_truth[g] = 1;
+    spill_host(n_);
+  }
+  // Entering: the scheduler moves a new resident's state to the device from its host range.
+  for (std::size_t j = 0; j < list.size(); ++j) {
+    const std::size_t g = list[j].subgroup;
+    if (!on_nvme_[g] || placement[j] != Placement::gpu_static || s.is_resident(j) || t.materialized[g]) continue;
+    const std::size_t a = subgroups_[g].first;
+    t.staging->load(g, param() + a, exp_avg() + a, exp_avg_sq() + a);
+    t.materialized[g] = 1;
+  }
+  return left;
 }
 
 void UpdateEngine::observe(const StepReport& r, double predicted_ns) {

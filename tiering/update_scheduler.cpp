@@ -177,9 +177,9 @@ void UpdateScheduler::place_residents(const std::vector<Placement>& placement) {
     const bool want = placement[i] == Placement::gpu_static;
     Arrays& r = residents_[i];
     const Subgroup& g = state_[i];
-    if (want && g.on_nvme()) {
-      throw InvalidArgument("UpdateScheduler::run: subgroup " + std::to_string(i) +
-                            " lives on NVMe and cannot be a static GPU resident");
+    if (want && g.on_nvme() && g.nvme_offset != 0) {
+      throw InvalidArgument("UpdateScheduler::run: part of spilled subgroup " + std::to_string(g.nvme_subgroup) +
+                            " cannot be a static GPU resident (only a whole one)");
     }
     const std::size_t bytes = g.n * sizeof(float);
     if (want && r.block == nullptr) {
@@ -201,16 +201,23 @@ void UpdateScheduler::place_residents(const std::vector<Placement>& placement) {
   if (moved) device_.stream_synchronize(config_.main_stream);
 }
 
+void UpdateScheduler::copy_back_async(std::size_t i) {
+  const Arrays& r = residents_.at(i);
+  if (r.block == nullptr) return;
+  const Subgroup& g = state_[i];
+  const std::size_t bytes = g.n * sizeof(float);
+  device_.copy_async(g.param, r.p, bytes, CopyKind::device_to_host, config_.main_stream);
+  device_.copy_async(g.exp_avg, r.m, bytes, CopyKind::device_to_host, config_.main_stream);
+  device_.copy_async(g.exp_avg_sq, r.v, bytes, CopyKind::device_to_host, config_.main_stream);
+}
+
 void UpdateScheduler::sync_to_host() {
-  for (std::size_t i = 0; i < state_.size(); ++i) {
-    const Arrays& r = residents_[i];
-    if (r.block == nullptr) continue;
-    const Subgroup& g = state_[i];
-    const std::size_t bytes = g.n * sizeof(float);
-    device_.copy_async(g.param, r.p, bytes, CopyKind::device_to_host, config_.main_stream);
-    device_.copy_async(g.exp_avg, r.m, bytes, CopyKind::device_to_host, config_.main_stream);
-    device_.copy_async(g.exp_avg_sq, r.v, bytes, CopyKind::device_to_host, config_.main_stream);
-  }
+  for (std::size_t i = 0; i < state_.size(); ++i) copy_back_async(i);
+  device_.stream_synchronize(config_.main_stream);
+}
+
+void UpdateScheduler::sync_to_host(std::size_t i) {
+  copy_back_async(i);
   device_.stream_synchronize(config_.main_stream);
 }
 

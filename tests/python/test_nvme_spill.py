@@ -101,7 +101,10 @@ def test_training_with_spill_equals_training_without(spill_dir, policy):
         if where is not None:
             info = opt.nvme_info()
             assert 4 <= info["spilled"] <= 8, info
-            assert info["last"]["reads"] == info["spilled"] and info["last"]["writes"] == info["spilled"]
+            # Each spilled subgroup is read and written once, but GPU residents (state stays there).
+            placement = opt.plan.engine_plan["placement"]
+            moved = sum(1 for p, s in zip(placement, info["on_nvme"]) if s and p != "s")
+            assert info["last"]["reads"] == moved and info["last"]["writes"] == moved, (placement, info["last"])
             assert opt.engine.native.host_bytes < 16 * numel(model)
         results.append((everything(model, opt), opt.loss_scale))
     assert results[0][1] == results[1][1]
@@ -268,7 +271,9 @@ def test_param_groups_added_later_and_a_relative_folder_left_behind(spill_dir, m
 
 
 def test_memtide_run_trains_with_the_nvme_tier(spill_dir, cli):
-    p = cli("run", "--host-budget", "60MB", "--nvme-dir", str(spill_dir), "--iterations", "2", "--json")
+    # The CPU policy: with auto, spilled subgroups may live on the (simulated) GPU and move nothing.
+    p = cli("run", "--host-budget", "60MB", "--nvme-dir", str(spill_dir), "--iterations", "2", "--policy", "cpu",
+            "--json")
     assert p.returncode == 0, p.stderr[-2000:]
     import json
 

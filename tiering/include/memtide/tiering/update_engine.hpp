@@ -300,6 +300,12 @@ class UpdateEngine {
   struct NvmeTier;
   void setup_nvme();
   void drop_spilled_pages(std::size_t subgroup);
+  /// Spilled subgroups resident on the device in entry `e`.
+  std::vector<std::size_t> spilled_residents(Entry& e) const;
+  /// Before a run: spilled residents leaving residency go back to their host range and NVMe,
+  /// entering ones are read into theirs. Returns those that left.
+  std::vector<std::size_t> move_spilled_residents(UpdateScheduler& s, const std::vector<Segment>& list,
+                                                  const std::vector<Placement>& placement);
   [[nodiscard]] std::size_t subgroup_of(std::size_t element) const;
   std::vector<bool> on_nvme_;
   std::unique_ptr<NvmeTier> nvme_;

@@ -131,6 +131,8 @@ class UpdateScheduler {
 
   /// Copies the state of static residents back into the host arrays (checkpoints, tests).
   void sync_to_host();
+  /// The same for subgroup `i` alone (nothing when it is not resident).
+  void sync_to_host(std::size_t i);
   /// Moves every static resident back to the host and frees its device memory.
   void release_residents();
   /// Frees every static resident's device memory without copying it back: for when the host
@@ -184,6 +186,7 @@ class UpdateScheduler {
                 double params, Work&& work);
 
   void place_residents(const std::vector<Placement>& placement);
+  void copy_back_async(std::size_t i);  ///< resident i's state D2H into its host arrays, queued
   Arrays carve(void* block, std::size_t n, bool with_grad) const;
   AdamwArgs args_for(const StepParams& params, std::size_t i) const;
   double host_now_ns();
