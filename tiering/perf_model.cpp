@@ -301,9 +301,14 @@ class Walk {
       const std::size_t j = input_issued_;
       double ready = j == 0 ? 0.0 : input_ready_at_[j - 1];
       double issued = 0;
-      // A subgroup on NVMe goes NVMe -> pinned host -> GPU: its read comes first.
-      if (!read_done(gpu_tasks_[j].subgroup)) return;
-      if (!read_done_at_.empty()) ready = std::max(ready, read_done_at_[gpu_tasks_[j].subgroup]);
+      // A streamed subgroup on NVMe goes NVMe -> pinned host -> GPU: its read comes first. A
+      // static resident's state stays on the GPU (only its gradient comes over): no read.
+      if (gpu_tasks_[j].streamed) {
+        if (!read_done(gpu_tasks_[j].subgroup)) return;
+        if (!read_done_at_.empty() && spilled(w_, gpu_tasks_[j].subgroup)) {
+          ready = std::max(ready, read_done_at_[gpu_tasks_[j].subgroup]);
+        }
+      }
       if (gpu_tasks_[j].streamed) {
         if (streamed_issued_ >= slots_) {
           const std::size_t holder = streamed_issued_ - slots_;  // the flush that frees our slot
