@@ -42,7 +42,7 @@ NvmeStaging::NvmeStaging(Device& device, NvmeStore* store, const std::vector<std
                          const std::vector<bool>& spilled, std::size_t buffers, SlabSource* slabs,
                          double phantom_read_bytes_per_s, double phantom_write_bytes_per_s)
     : device_(device), store_(store), slabs_(slabs), phantom_(is_phantom(device)),
-      phantom_read_rate_(phantom_read_bytes_per_s), phantom_write_rate_(phantom_write_bytes_per_s), sizes_(sizes),
+      timed_read_rate_(phantom_read_bytes_per_s), timed_write_rate_(phantom_write_bytes_per_s), sizes_(sizes),
       sim_(dynamic_cast<SimDevice*>(&device)) {
   if (spilled.size() != sizes.size()) {
     throw InvalidArgument("NvmeStaging: " + std::to_string(spilled.size()) + " spill flags for " +
@@ -57,7 +57,7 @@ NvmeStaging::NvmeStaging(Device& device, NvmeStore* store, const std::vector<std
     largest_ = std::max(largest_, sizes[i]);
   }
   if (phantom_) {
-    if (!(phantom_read_rate_ > 0) || !(phantom_write_rate_ > 0)) {
+    if (!(timed_read_rate_ > 0) || !(timed_write_rate_ > 0)) {
       throw InvalidArgument("NvmeStaging: a phantom device times the NVMe tier at stated rates; read and write "
                             "rates must be > 0");
     }
@@ -200,19 +200,19 @@ void NvmeStaging::queue_next_read(std::size_t buffer) {
 }
 
 void NvmeStaging::set_rates(double read_bytes_per_s, double write_bytes_per_s) {
-  phantom_read_rate_ = read_bytes_per_s;
-  phantom_write_rate_ = write_bytes_per_s;
+  timed_read_rate_ = read_bytes_per_s;
+  timed_write_rate_ = write_bytes_per_s;
 }
 
 void NvmeStaging::queue(Job job) {
   const double bytes = 3.0 * sizeof(float) * static_cast<double>(sizes_[job.subgroup]);
-  if (sim_ != nullptr && phantom_read_rate_ > 0 && phantom_write_rate_ > 0) {
+  if (sim_ != nullptr && timed_read_rate_ > 0 && timed_write_rate_ > 0) {
     // On a SimDevice the transfers also take their time on its storage engine, in queue order
     // as one drive serves them, so the virtual clock shows the drive (in data mode the
     // real transfers below move the bytes).
     if (job.after.valid()) device_.stream_wait_event(storage_, job.after);
     const bool read = job.kind == Kind::read;
-    const double rate = read ? phantom_read_rate_ : phantom_write_rate_;
+    const double rate = read ? timed_read_rate_ : timed_write_rate_;
     sim_->enqueue_storage(storage_, bytes, rate);
     if (read) device_.record_event(read_done_[job.subgroup], storage_);
     if (phantom_) {
@@ -293,14 +293,13 @@ NvmeUse NvmeStaging::finish() {
   return use_;
 }
 
-NvmeUse NvmeStaging::abandon() noexcept {
+void NvmeStaging::abandon() noexcept {
   try {
-    return finish();
+    (void)finish();
   } catch (const std::exception& e) {
     MEMTIDE_LOG(warn, std::string("NvmeStaging: after a failed phase: ") + e.what());
   } catch (...) {
   }
-  return use_;
 }
 
 // ---- the I/O threads ------------------------------------------------------------------------

@@ -59,16 +59,16 @@ struct UpdateEngine::NvmeTier {
     staging.reset();
     store.reset();
     dir.reset();
-    for (float* base : maps) {
-      if (base == nullptr) continue;
-      for (auto [lo, hi] : registered) {
+    for (std::size_t k = 0; k < 3; ++k) {
+      if (maps[k] == nullptr) continue;
+      for (std::size_t r = 0; k < registered_maps && r < registered.size(); ++r) {
         try {
-          device.host_unregister(reinterpret_cast<unsigned char*>(base) + lo);
+          device.host_unregister(reinterpret_cast<unsigned char*>(maps[k]) + registered[r].first);
         } catch (const Error& e) {
           MEMTIDE_LOG(warn, std::string("UpdateEngine: ") + e.what());
         }
       }
-      os::unmap(base, map_bytes);
+      os::unmap(maps[k], map_bytes);
     }
   }
   NvmeTier(const NvmeTier&) = delete;
@@ -84,6 +84,7 @@ struct UpdateEngine::NvmeTier {
   float* maps[3] = {};             // param, exp_avg, exp_avg_sq (a device that stores data)
   std::size_t map_bytes = 0;
   std::vector<std::pair<std::size_t, std::size_t>> registered;  // byte ranges registered in each map
+  std::size_t registered_maps = 0;  // maps whose every range is registered (the first ones)
   double read_rate = 0, write_rate = 0;  // planned with; measured once transfers ran
   bool read_measured = false, write_measured = false;
   NvmeUse last;
@@ -300,17 +301,13 @@ void UpdateEngine::setup_nvme() {
           device_.host_register(reinterpret_cast<unsigned char*>(base) + lo, hi - lo);
         }
       } catch (...) {
+        // This map's ranges so far; the tier's destructor does the maps before it, and unmaps all.
         for (std::size_t k = 0; k < done; ++k) {
           device_.host_unregister(reinterpret_cast<unsigned char*>(base) + tier->registered[k].first);
         }
-        // The tier's destructor unregisters every range of the maps before this one.
-        const auto at = std::find(std::begin(tier->maps), std::end(tier->maps), base) - std::begin(tier->maps);
-        for (auto k = at; k < 3; ++k) {
-          os::unmap(tier->maps[k], tier->map_bytes);
-          tier->maps[k] = nullptr;
-        }
         throw;
       }
+      ++tier->registered_maps;
     }
     // The state starts as zeros in host memory: written to NVMe by spill_host or the first step.
     for (std::size_t i = 0; i < n_sub; ++i) tier->host_truth[i] = tier->materialized[i] = w.on_nvme[i] ? 1 : 0;
@@ -777,14 +774,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     t.setup_allocations += r.setup_allocations;
     t.loop_allocations += r.loop_allocations;
     t.loop_device_allocs += r.loop_device_allocs;
-    t.nvme.read_bytes += r.nvme.read_bytes;
-    t.nvme.write_bytes += r.nvme.write_bytes;
-    t.nvme.read_busy_ns += r.nvme.read_busy_ns;
-    t.nvme.write_busy_ns += r.nvme.write_busy_ns;
-    t.nvme.stall_ns += r.nvme.stall_ns;
-    t.nvme.stall_wall_ns += r.nvme.stall_wall_ns;
-    t.nvme.reads += r.nvme.reads;
-    t.nvme.writes += r.nvme.writes;
+    t.nvme += r.nvme;
   }
   if (nvme_) {
     // The drive's rates as this step saw them (smoothed), for the next plans.
@@ -898,11 +888,15 @@ void UpdateEngine::sync_host() {
     // Spilled subgroups are read back into their ranges until the next step drops them again.
     for (std::size_t i = 0; i < on_nvme_.size(); ++i) {
       if (!on_nvme_[i] || nvme_->materialized[i]) continue;
-      const std::size_t s = subgroups_[i].first;
-      nvme_->staging->load(i, param() + s, exp_avg() + s, exp_avg_sq() + s);
-      nvme_->materialized[i] = 1;
+      load_spilled(i);
     }
   }
+}
+
+void UpdateEngine::load_spilled(std::size_t g) {
+  const std::size_t a = subgroups_[g].first;
+  nvme_->staging->load(g, param() + a, exp_avg() + a, exp_avg_sq() + a);
+  nvme_->materialized[g] = 1;
 }
 
 std::size_t UpdateEngine::subgroup_of(std::size_t element) const {
@@ -948,20 +942,18 @@ std::vector<std::size_t> UpdateEngine::move_spilled_residents(UpdateScheduler& s
   // before this phase reads the subgroup from there.
   for (std::size_t j = 0; j < list.size(); ++j) {
     const std::size_t g = list[j].subgroup;
-    if (on_nvme_[g] && placement[j] != Placement::gpu_static && s.is_resident(j)) left.push_back(g);
+    if (!on_nvme_[g] || placement[j] == Placement::gpu_static || !s.is_resident(j)) continue;
+    s.sync_to_host(j);
+    t.materialized[g] = t.host_truth[g] = 1;
+    left.push_back(g);
   }
-  if (!left.empty()) {
-    s.sync_to_host();
-    for (std::size_t g : left) t.materialized[g] = t.host_truth[g] = 1;
-    spill_host(n_);
-  }
+  if (!left.empty()) spill_host(n_);
   // Entering: the scheduler moves a new resident's state to the device from its host range.
   for (std::size_t j = 0; j < list.size(); ++j) {
     const std::size_t g = list[j].subgroup;
-    if (!on_nvme_[g] || placement[j] != Placement::gpu_static || s.is_resident(j) || t.materialized[g]) continue;
-    const std::size_t a = subgroups_[g].first;
-    t.staging->load(g, param() + a, exp_avg() + a, exp_avg_sq() + a);
-    t.materialized[g] = 1;
+    if (on_nvme_[g] && placement[j] == Placement::gpu_static && !s.is_resident(j) && !t.materialized[g]) {
+      load_spilled(g);
+    }
   }
   return left;
 }

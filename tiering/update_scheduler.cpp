@@ -308,7 +308,7 @@ void UpdateScheduler::stop_phase() noexcept {
     }
   }
   slots_.clear();
-  if (nvme_ != nullptr) nvme_->abandon();
+  if (nvme_active_) nvme_->abandon();
 }
 
 // A NaN or Inf anywhere skips the whole step, on every device alike (dynamic loss scaling).
@@ -382,7 +382,8 @@ void UpdateScheduler::begin_phase(const Plan& plan) {
   std::fill(staging_free_.begin(), staging_free_.end(), Event{});
   staged_.assign(streamed_.size(), NvmeStaging::Staged{});
   const std::vector<bool> on_nvme = spilled();
-  if (std::find(on_nvme.begin(), on_nvme.end(), true) != on_nvme.end()) {
+  nvme_active_ = std::find(on_nvme.begin(), on_nvme.end(), true) != on_nvme.end();
+  if (nvme_active_) {
     if (nvme_ == nullptr) {
       throw InvalidArgument("UpdateScheduler::run: a subgroup's state is on NVMe but the scheduler has no NvmeStaging");
     }
@@ -521,10 +522,8 @@ StepReport UpdateScheduler::end_phase(double phase_start_ns) {
   for (Stream s : {prefetch_, upload_, compute_, flush_}) device_.stream_synchronize(s);
   StepReport r;
   // The phase ends with the last write-back; a failed one is rethrown once the rest is done.
-  bool any_nvme = false;
-  for (std::size_t i = 0; i < state_.size() && !any_nvme; ++i) any_nvme = state_[i].on_nvme();
   std::exception_ptr nvme_error;
-  if (any_nvme) {
+  if (nvme_active_) {
     try {
       r.nvme = nvme_->finish();
     } catch (...) {

@@ -49,6 +49,18 @@ struct NvmeUse {
   double stall_ns = 0;                         ///< time the scheduler waited for a read (host clock)
   double stall_wall_ns = 0;                    ///< the same on the wall clock (real transfers)
   std::uint64_t reads = 0, writes = 0;
+
+  NvmeUse& operator+=(const NvmeUse& o) noexcept {
+    read_bytes += o.read_bytes;
+    write_bytes += o.write_bytes;
+    read_busy_ns += o.read_busy_ns;
+    write_busy_ns += o.write_busy_ns;
+    stall_ns += o.stall_ns;
+    stall_wall_ns += o.stall_wall_ns;
+    reads += o.reads;
+    writes += o.writes;
+    return *this;
+  }
 };
 
 class NvmeStaging {
@@ -86,7 +98,7 @@ class NvmeStaging {
   NvmeUse finish();
   /// After an error: waits for the queue (write-backs complete), never throws; buffers not
   /// released are dropped (their NVMe copy is still the subgroup's state).
-  NvmeUse abandon() noexcept;
+  void abandon() noexcept;
 
   /// The newest state of spilled subgroup `i` into p, m, v (n floats each): a held buffer's, else
   /// read from NVMe. Between phases. Throws IoError naming the subgroup and the file.
@@ -98,7 +110,6 @@ class NvmeStaging {
   [[nodiscard]] std::vector<std::size_t> held() const;
   /// Bytes the staging buffers take in pinned host memory.
   [[nodiscard]] std::uint64_t staging_bytes() const;
-  [[nodiscard]] NvmeStore* nvme_store() const noexcept { return store_; }
   /// The rates at which a SimDevice's virtual clock times the transfers (the stated ones on a
   /// phantom device; in data mode the tier's measured ones, the real transfers aside). 0: none.
   void set_rates(double read_bytes_per_s, double write_bytes_per_s);
@@ -133,7 +144,7 @@ class NvmeStaging {
   NvmeStore* store_;
   SlabSource* slabs_;
   bool phantom_;
-  double phantom_read_rate_, phantom_write_rate_;
+  double timed_read_rate_, timed_write_rate_;
   std::vector<std::size_t> sizes_;
   std::vector<std::size_t> index_;  // subgroup -> extent in the store; kNone: not spilled
   std::size_t largest_ = 0;

@@ -300,6 +300,8 @@ class UpdateEngine {
   struct NvmeTier;
   void setup_nvme();
   void drop_spilled_pages(std::size_t subgroup);
+  /// Reads spilled subgroup `g` from NVMe (or its held buffer) into its host range.
+  void load_spilled(std::size_t g);
   /// Spilled subgroups resident on the device in entry `e`.
   std::vector<std::size_t> spilled_residents(Entry& e) const;
   /// Before a run: spilled residents leaving residency go back to their host range and NVMe,

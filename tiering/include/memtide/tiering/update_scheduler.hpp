@@ -228,6 +228,7 @@ class UpdateScheduler {
   std::size_t params_[3] = {0, 0, 0};
   std::uint64_t last_slot_bytes_ = 0;
   NvmeStaging* nvme_ = nullptr;
+  bool nvme_active_ = false;  ///< the running phase has subgroups on NVMe (begun on nvme_)
   std::size_t nvme_read_ahead_ = 1;
   std::vector<NvmeStaging::Staged> staged_;  ///< per streamed subgroup: its state in staging
 };
