@@ -139,7 +139,7 @@ void CachingAllocator::insert_free_locked(Block* block) {
     update_stat(stats_.inactive_split, block->small, 1);
     update_stat(stats_.inactive_split_bytes, block->small, static_cast<std::int64_t>(block->size));
   }
-  FreeSet& set = pool(block->small);
+  FreeSet& set = block->pool->free(block->small);
   if (!block->free_node.empty()) {
     block->free_node.value() = block;
     block->free_it = set.insert(std::move(block->free_node)).position;
@@ -149,8 +149,9 @@ void CachingAllocator::insert_free_locked(Block* block) {
 }
 
 void CachingAllocator::remove_free_locked(Block* block) {
-  MEMTIDE_ASSERT_EXPENSIVE(pool(block->small).find(block) == block->free_it);
-  block->free_node = pool(block->small).extract(block->free_it);
+  FreeSet& set = block->pool->free(block->small);
+  MEMTIDE_ASSERT_EXPENSIVE(set.find(block) == block->free_it);
+  block->free_node = set.extract(block->free_it);
   if (block->prev != nullptr || block->next != nullptr) {
     update_stat(stats_.inactive_split, block->small, -1);
     update_stat(stats_.inactive_split_bytes, block->small, -static_cast<std::int64_t>(block->size));
@@ -160,8 +161,20 @@ void CachingAllocator::remove_free_locked(Block* block) {
 // ---------------------------------------------------------------------------------------------
 // Allocation
 
-CachingAllocator::Block* CachingAllocator::find_free_locked(bool small, Stream stream, std::size_t size) {
-  FreeSet& set = pool(small);
+CachingAllocator::Pool& CachingAllocator::pool_for_locked(Stream stream) {
+  for (auto& [pool, filter] : routes_) {
+    if (!filter || filter(stream)) return *pool;
+  }
+  return default_pool_;
+}
+
+CachingAllocator::Pool* CachingAllocator::find_pool_locked(PoolId id) const {
+  auto it = private_pools_.find(id);
+  return it == private_pools_.end() ? nullptr : it->second.get();
+}
+
+CachingAllocator::Block* CachingAllocator::find_free_locked(Pool& pool, bool small, Stream stream, std::size_t size) {
+  FreeSet& set = pool.free(small);
   Block key;
   key.stream = stream;
   key.size = size;
@@ -173,7 +186,7 @@ CachingAllocator::Block* CachingAllocator::find_free_locked(bool small, Stream s
   return b;
 }
 
-CachingAllocator::Block* CachingAllocator::alloc_segment_locked(bool small, Stream stream, std::size_t size) {
+CachingAllocator::Block* CachingAllocator::alloc_segment_locked(Pool& pool, bool small, Stream stream, std::size_t size) {
   std::size_t seg = small ? kSmallSegment : size < kMediumLimit ? kMediumSegment : round_up(size, kLargeRound);
   const auto reserved = static_cast<std::uint64_t>(stats_.reserved_bytes[0].current);
   if (reserved + seg > limit_ && !small && seg != round_up(size, kLargeRound)) {
@@ -191,17 +204,19 @@ CachingAllocator::Block* CachingAllocator::alloc_segment_locked(bool small, Stre
   b->addr = reinterpret_cast<std::uintptr_t>(ptr);
   b->size = seg;
   b->stream = stream;
+  b->pool = &pool;
   b->small = small;
   segments_[b->addr] = Segment{b, seg};
+  ++pool.segments;
   update_stat(stats_.segment, small, 1);
   update_stat(stats_.reserved_bytes, small, static_cast<std::int64_t>(seg));
   trace_locked(TraceAction::segment_alloc, b->addr, seg, stream);
   return b;
 }
 
-CachingAllocator::Block* CachingAllocator::steal_segment_locked(bool small, Stream stream, std::size_t size) {
+CachingAllocator::Block* CachingAllocator::steal_segment_locked(Pool& pool, bool small, Stream stream, std::size_t size) {
   Block* best = nullptr;
-  for (Block* b : pool(small)) {
+  for (Block* b : pool.free(small)) {
     if (b->stream != stream && b->prev == nullptr && b->next == nullptr && b->size >= size &&
         (best == nullptr || b->size < best->size)) {
       best = b;
@@ -225,6 +240,7 @@ void CachingAllocator::release_segment_locked(Block* head) {
   const bool small = head->small;
   device_.deallocate(reinterpret_cast<void*>(addr), size);
   ++stats_.num_device_free;
+  --head->pool->segments;
   segments_.erase(addr);
   update_stat(stats_.segment, small, -1);
   update_stat(stats_.reserved_bytes, small, -static_cast<std::int64_t>(size));
@@ -232,8 +248,8 @@ void CachingAllocator::release_segment_locked(Block* head) {
   recycle_block_locked(head);
 }
 
-void CachingAllocator::release_cached_locked() {
-  for (FreeSet* set : {&small_free_, &large_free_}) {
+void CachingAllocator::release_free_segments_locked(Pool& pool) {
+  for (FreeSet* set : {&pool.small_free, &pool.large_free}) {
     for (auto it = set->begin(); it != set->end();) {
       Block* b = *it;
       if (b->prev == nullptr && b->next == nullptr) {
@@ -244,6 +260,21 @@ void CachingAllocator::release_cached_locked() {
       } else {
         ++it;
       }
+    }
+  }
+}
+
+void CachingAllocator::release_cached_locked() {
+  release_free_segments_locked(default_pool_);
+  // A private pool's cache belongs to its graph until the graph lets go of it.
+  for (auto it = private_pools_.begin(); it != private_pools_.end();) {
+    Pool& pool = *it->second;
+    if (pool.use_count == 0) release_free_segments_locked(pool);
+    const bool routed = std::any_of(routes_.begin(), routes_.end(), [&](const auto& r) { return r.first == &pool; });
+    if (pool.use_count == 0 && pool.segments == 0 && !routed) {
+      it = private_pools_.erase(it);
+    } else {
+      ++it;
     }
   }
   observe_locked();
@@ -257,6 +288,7 @@ CachingAllocator::Block* CachingAllocator::split_locked(Block* block, std::size_
   rest->addr = block->addr + size;
   rest->size = remaining;
   rest->stream = block->stream;
+  rest->pool = block->pool;
   rest->small = block->small;
   rest->prev = block;
   rest->next = block->next;
@@ -276,15 +308,16 @@ void* CachingAllocator::do_allocate(std::size_t bytes, Stream stream) {
   std::unique_lock lock(mutex_);
   if (!pending_.empty()) process_pending_locked(/*wait=*/false);
 
-  Block* b = find_free_locked(small, stream, size);
-  if (b == nullptr) b = alloc_segment_locked(small, stream, size);
-  if (b == nullptr) b = steal_segment_locked(small, stream, size);
+  Pool& pool = routes_.empty() ? default_pool_ : pool_for_locked(stream);
+  Block* b = find_free_locked(pool, small, stream, size);
+  if (b == nullptr) b = alloc_segment_locked(pool, small, stream, size);
+  if (b == nullptr) b = steal_segment_locked(pool, small, stream, size);
   if (b == nullptr) {
     ++stats_.num_alloc_retries;
     process_pending_locked(/*wait=*/true);
     release_cached_locked();
-    b = find_free_locked(small, stream, size);
-    if (b == nullptr) b = alloc_segment_locked(small, stream, size);
+    b = find_free_locked(pool, small, stream, size);
+    if (b == nullptr) b = alloc_segment_locked(pool, small, stream, size);
   }
   std::string loans;
   if (b == nullptr) {
@@ -296,8 +329,8 @@ void* CachingAllocator::do_allocate(std::size_t bytes, Stream stream) {
     if (given > 0) {
       process_pending_locked(/*wait=*/true);
       release_cached_locked();
-      b = find_free_locked(small, stream, size);
-      if (b == nullptr) b = alloc_segment_locked(small, stream, size);
+      b = find_free_locked(pool, small, stream, size);
+      if (b == nullptr) b = alloc_segment_locked(pool, small, stream, size);
     }
   }
   if (b == nullptr) throw_oom_locked(bytes, stream, loans);
@@ -629,6 +662,96 @@ void CachingAllocator::set_record_history(bool enabled) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Private pools
+
+void CachingAllocator::create_or_incref_pool(PoolId id) {
+  if (id == PoolId{0, 0}) throw InvalidArgument("memtide: pool id (0, 0) is the default pool, not a private one");
+  std::lock_guard lock(mutex_);
+  std::unique_ptr<Pool>& pool = private_pools_[id];
+  if (!pool) {
+    pool = std::make_unique<Pool>();
+    pool->id = id;
+  }
+  ++pool->use_count;
+}
+
+void CachingAllocator::begin_allocate_to_pool(PoolId id, std::function<bool(Stream)> filter) {
+  if (id == PoolId{0, 0}) throw InvalidArgument("memtide: pool id (0, 0) is the default pool, not a private one");
+  std::lock_guard lock(mutex_);
+  if (Pool* p = find_pool_locked(id)) {
+    for (const auto& route : routes_) {
+      if (route.first == p) {
+        throw InvalidArgument("memtide: already allocating to pool (" + std::to_string(id.first) + ", " +
+                              std::to_string(id.second) + ")");
+      }
+    }
+  }
+  routes_.reserve(routes_.size() + 1);
+  std::unique_ptr<Pool>& pool = private_pools_[id];
+  if (!pool) {
+    pool = std::make_unique<Pool>();
+    pool->id = id;
+  }
+  ++pool->use_count;
+  routes_.emplace_back(pool.get(), std::move(filter));
+}
+
+void CachingAllocator::end_allocate_to_pool(PoolId id) {
+  std::lock_guard lock(mutex_);
+  Pool* pool = find_pool_locked(id);
+  auto it = std::find_if(routes_.begin(), routes_.end(), [&](const auto& r) { return pool != nullptr && r.first == pool; });
+  if (it == routes_.end()) {
+    throw InvalidArgument("memtide: end_allocate_to_pool(" + std::to_string(id.first) + ", " + std::to_string(id.second) +
+                          ") without a matching begin_allocate_to_pool");
+  }
+  routes_.erase(it);
+}
+
+void CachingAllocator::release_pool(PoolId id) {
+  std::lock_guard lock(mutex_);
+  Pool* pool = find_pool_locked(id);
+  if (pool == nullptr || pool->use_count == 0) {
+    throw InvalidArgument("memtide: release_pool(" + std::to_string(id.first) + ", " + std::to_string(id.second) +
+                          ") of a pool that is not held");
+  }
+  if (--pool->use_count > 0) return;
+  process_pending_locked(/*wait=*/false);
+  release_cached_locked();
+}
+
+int CachingAllocator::pool_use_count(PoolId id) const {
+  std::lock_guard lock(mutex_);
+  const Pool* pool = find_pool_locked(id);
+  return pool == nullptr ? 0 : pool->use_count;
+}
+
+std::size_t CachingAllocator::largest_free_block() const {
+  std::lock_guard lock(mutex_);
+  std::size_t largest = 0;
+  for (const FreeSet* set : {&default_pool_.small_free, &default_pool_.large_free}) {
+    for (const Block* b : *set) largest = std::max(largest, b->size);
+  }
+  // What a new segment could still get: the limit's remainder, bounded by what the device has.
+  const auto reserved = static_cast<std::uint64_t>(stats_.reserved_bytes[0].current);
+  std::uint64_t room = limit_ > reserved ? limit_ - reserved : 0;
+  try {
+    room = std::min<std::uint64_t>(room, device_.mem_info().free);
+  } catch (const Error&) {
+    room = 0;  // no device view: only what is cached counts
+  }
+  return std::max<std::size_t>(largest, static_cast<std::size_t>(room));
+}
+
+std::optional<std::pair<void*, std::size_t>> CachingAllocator::segment_of(void* ptr) const {
+  std::lock_guard lock(mutex_);
+  Block* const* found = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (found == nullptr) return std::nullopt;
+  const Block* head = *found;
+  while (head->prev != nullptr) head = head->prev;
+  return std::pair{reinterpret_cast<void*>(head->addr), segments_.at(head->addr).size};
+}
+
 std::optional<std::size_t> CachingAllocator::allocation_size(void* ptr) const {
   std::lock_guard lock(mutex_);
   Block* const* found = allocated_.find(reinterpret_cast<std::uintptr_t>(ptr));
@@ -650,6 +773,8 @@ Snapshot CachingAllocator::snapshot() const {
     s.total_size = seg->size;
     s.stream = stream_id(seg->head->stream);
     s.small = seg->head->small;
+    s.pool_first = seg->head->pool->id.first;
+    s.pool_second = seg->head->pool->id.second;
     for (const Block* b = seg->head; b != nullptr; b = b->next) {
       BlockSnapshot bs;
       bs.address = b->addr;

@@ -115,8 +115,8 @@ void write_memory_viz_pickle(const Snapshot& snapshot, std::ostream& out) {
     w.key("segment_type"), w.str(s.small ? "small" : "large");
     w.key("segment_pool_id");
     w.list_begin();
-    w.integer(0);
-    w.integer(0);
+    w.uinteger(s.pool_first);
+    w.uinteger(s.pool_second);
     w.list_end();
     w.key("is_expandable");
     w.integer(0);

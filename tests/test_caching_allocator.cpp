@@ -344,6 +344,107 @@ TYPED_TEST(CachingAllocatorTest, RandomWorkloadKeepsStatsAndSnapshotConsistent) 
   EXPECT_EQ(current(s.inactive_split), 0);
 }
 
+TYPED_TEST(CachingAllocatorTest, PrivatePoolKeepsItsSegmentsFromOtherAllocations) {
+  Stream capture = this->device().create_stream();
+  const PoolId graph{7, 0};
+  this->a().begin_allocate_to_pool(graph, [capture](Stream s) { return s == capture; });
+  EXPECT_EQ(this->a().pool_use_count(graph), 1);
+  void* in_pool = this->a().allocate(300 * KiB, capture);
+  void* outside = this->a().allocate(300 * KiB, Stream{});  // another stream: the default pool
+  this->a().deallocate(in_pool, capture);
+  // Freed inside the pool: reused by the pool's next allocation, not by anyone else's.
+  EXPECT_EQ(this->a().allocate(300 * KiB, capture), in_pool);
+  this->a().deallocate(in_pool, capture);
+  this->a().end_allocate_to_pool(graph);
+  void* after = this->a().allocate(300 * KiB, capture);
+  EXPECT_NE(after, in_pool) << "the pool's cache went to an allocation outside the capture";
+
+  const Snapshot snap = this->a().snapshot();
+  int pool_segments = 0;
+  for (const SegmentSnapshot& s : snap.segments) {
+    if (s.pool_first == 7) {
+      ++pool_segments;
+      EXPECT_EQ(s.allocated_size, 0u);
+    }
+  }
+  EXPECT_EQ(pool_segments, 1);
+  this->a().deallocate(after, capture);
+  this->a().deallocate(outside, Stream{});
+  this->a().release_pool(graph);
+  EXPECT_EQ(this->a().pool_use_count(graph), 0);
+  this->a().empty_cache();
+  EXPECT_EQ(current(this->a().stats().reserved_bytes), 0);
+  this->device().destroy_stream(capture);
+}
+
+TYPED_TEST(CachingAllocatorTest, ReleasedPoolReturnsItsMemoryWhenItsLastBlockIsFreed) {
+  const PoolId pool{0, 3};  // torch.cuda.MemPool ids have first == 0
+  this->a().create_or_incref_pool(pool);
+  this->a().begin_allocate_to_pool(pool, {});  // shares the pool: use count 2
+  EXPECT_EQ(this->a().pool_use_count(pool), 2);
+  void* kept = this->a().allocate(12 * MiB, Stream{});  // a segment of its own
+  void* dropped = this->a().allocate(100 * KiB, Stream{});
+  this->a().end_allocate_to_pool(pool);
+  this->a().deallocate(dropped, Stream{});
+  this->a().release_pool(pool);
+  this->a().release_pool(pool);
+  // The small segment was free: returned at once. The live block's segment stays.
+  EXPECT_EQ(current(this->a().stats().reserved_bytes), static_cast<std::int64_t>(12 * MiB));
+  EXPECT_EQ(this->a().stats().segment[0].current, 1);
+  this->a().deallocate(kept, Stream{});
+  // Back in the released pool's cache, which no allocation can use: empty_cache (or an OOM
+  // retry) returns it.
+  void* other = this->a().allocate(12 * MiB, Stream{});
+  EXPECT_NE(other, kept);
+  this->a().deallocate(other, Stream{});
+  this->a().empty_cache();
+  EXPECT_EQ(current(this->a().stats().reserved_bytes), 0);
+  EXPECT_THROW(this->a().release_pool(pool), InvalidArgument);
+}
+
+TYPED_TEST(CachingAllocatorTest, PoolMisuseIsRefusedAndChangesNothing) {
+  EXPECT_THROW(this->a().begin_allocate_to_pool({0, 0}, {}), InvalidArgument);
+  EXPECT_THROW(this->a().create_or_incref_pool({0, 0}), InvalidArgument);
+  EXPECT_THROW(this->a().end_allocate_to_pool({1, 0}), InvalidArgument);
+  EXPECT_THROW(this->a().release_pool({1, 0}), InvalidArgument);
+  this->a().begin_allocate_to_pool({1, 0}, {});
+  EXPECT_THROW(this->a().begin_allocate_to_pool({1, 0}, {}), InvalidArgument);
+  EXPECT_EQ(this->a().pool_use_count({1, 0}), 1);
+  this->a().end_allocate_to_pool({1, 0});
+  EXPECT_THROW(this->a().end_allocate_to_pool({1, 0}), InvalidArgument);
+  this->a().release_pool({1, 0});
+  EXPECT_EQ(this->a().pool_use_count({1, 0}), 0);
+}
+
+TYPED_TEST(CachingAllocatorTest, OutOfMemoryRetryTakesBackReleasedPoolsCache) {
+  const PoolId pool{9, 0};
+  this->a().begin_allocate_to_pool(pool, {});
+  void* p = this->a().allocate(40 * MiB, Stream{});
+  this->a().end_allocate_to_pool(pool);
+  this->a().release_pool(pool);
+  this->a().deallocate(p, Stream{});
+  // 40 MiB sits in the released pool; a 40 MiB request elsewhere fits only once it is returned.
+  void* q = this->a().allocate(40 * MiB, Stream{});
+  EXPECT_EQ(this->a().stats().num_alloc_retries, 1);
+  this->a().deallocate(q, Stream{});
+}
+
+TYPED_TEST(CachingAllocatorTest, CacheInfoAndBaseAllocation) {
+  void* a = this->a().allocate(3 * MiB, Stream{});
+  void* b = this->a().allocate(4 * MiB, Stream{});  // same 20 MiB segment
+  const auto base = this->a().segment_of(b);
+  ASSERT_TRUE(base.has_value());
+  EXPECT_EQ(base->first, a);
+  EXPECT_EQ(base->second, 20 * MiB);
+  EXPECT_FALSE(this->a().segment_of(static_cast<char*>(b) + 512).has_value());
+  // 13 MiB free in the segment, 44 MiB left under the 64 MiB cap (the device has more).
+  EXPECT_EQ(this->a().largest_free_block(), 44 * MiB);
+  this->a().set_max_bytes(20 * MiB);
+  EXPECT_EQ(this->a().largest_free_block(), 13 * MiB);
+  this->a().deallocate(a, Stream{});
+  this->a().deallocate(b, Stream{});
+}
+
 TEST(DirectResource, GoesStraightToTheDevice) {
   SimDevice d;
   DirectResource r(d);

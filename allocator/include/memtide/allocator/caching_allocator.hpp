@@ -19,6 +19,8 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
+#include <memory>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -59,6 +61,10 @@ struct Lender {
   /// allocator's lock held, so it may free through the allocator.
   std::function<std::uint64_t(std::uint64_t needed)> give_back;
 };
+
+/// A private pool's id: torch's MempoolId_t (CUDA graph capture, torch.cuda.MemPool). {0, 0} is the
+/// default pool.
+using PoolId = std::pair<std::uint64_t, std::uint64_t>;
 
 /// Per-phase watermarks of the running iteration and the remembered ones.
 struct PhaseReport {
@@ -127,6 +133,34 @@ class CachingAllocator final : public DeviceMemoryResource {
   std::uint64_t add_lender(Lender lender);
   void remove_lender(std::uint64_t id);
 
+  /// @name Private pools (torch's CUDA graph pools and MemPool)
+  /// A private pool's segments serve only allocations routed to it, so memory a captured graph
+  /// replays into is never handed to anyone else; its blocks are freed and reused within it.
+  /// @{
+  /// Routes allocations on streams `filter` accepts (all streams when it is empty) into pool
+  /// `id` until end_allocate_to_pool(id); creates the pool or raises its use count. Throws
+  /// InvalidArgument for the default pool's id or a pool already being allocated to.
+  void begin_allocate_to_pool(PoolId id, std::function<bool(Stream)> filter);
+  /// Stops routing into `id`. Throws InvalidArgument when nothing was routed there.
+  void end_allocate_to_pool(PoolId id);
+  /// Creates pool `id` (use count 1) or raises its use count.
+  void create_or_incref_pool(PoolId id);
+  /// Lowers the use count; at zero the pool's free segments go back to the device now and the
+  /// rest as soon as their blocks are freed and the cache is released. Throws InvalidArgument for
+  /// an unknown pool.
+  void release_pool(PoolId id);
+  /// The pool's use count; 0 for one that does not exist (any more).
+  [[nodiscard]] int pool_use_count(PoolId id) const;
+  /// @}
+
+  /// The largest cached free block of the default pool (torch's cacheInfo, which cudnn's
+  /// benchmark mode uses to size its workspace), or the device's free memory within the limit
+  /// when that is larger.
+  [[nodiscard]] std::size_t largest_free_block() const;
+  /// The segment holding the allocated `ptr`: its base and size; nullopt when `ptr` is not
+  /// allocated here (torch's getBaseAllocation, for IPC handles).
+  [[nodiscard]] std::optional<std::pair<void*, std::size_t>> segment_of(void* ptr) const;
+
   /// Size of the block holding `ptr` (rounded), or nullopt when `ptr` is not allocated here.
   [[nodiscard]] std::optional<std::size_t> allocation_size(void* ptr) const;
 
@@ -138,11 +172,21 @@ class CachingAllocator final : public DeviceMemoryResource {
     bool operator()(const Block* a, const Block* b) const noexcept;
   };
   using FreeSet = std::set<Block*, BlockLess>;
+  /// The default pool or a private one: the free blocks of the segments it owns.
+  struct Pool {
+    PoolId id{0, 0};
+    FreeSet small_free;
+    FreeSet large_free;
+    int use_count = 0;        ///< private pools: creators and captures holding it
+    std::size_t segments = 0; ///< segments it owns
+    FreeSet& free(bool small) { return small ? small_free : large_free; }
+  };
   struct Block {
     std::uintptr_t addr = 0;
     std::size_t size = 0;
     std::size_t requested = 0;
     Stream stream{};
+    Pool* pool = nullptr;        ///< the owner of its segment
     bool small = false;
     bool allocated = false;
     int pending_events = 0;      ///< outstanding record_stream events after free
@@ -167,11 +211,16 @@ class CachingAllocator final : public DeviceMemoryResource {
   void do_deallocate(void* ptr, Stream stream) override;
   void deallocate_locked(void* ptr, std::optional<std::size_t> size, std::optional<Stream> stream);
 
-  FreeSet& pool(bool small) { return small ? small_free_ : large_free_; }
-  Block* find_free_locked(bool small, Stream stream, std::size_t size);
-  Block* alloc_segment_locked(bool small, Stream stream, std::size_t size);
-  Block* steal_segment_locked(bool small, Stream stream, std::size_t size);
+  /// The pool an allocation on `stream` goes to: a routed private pool, else the default one.
+  Pool& pool_for_locked(Stream stream);
+  Pool* find_pool_locked(PoolId id) const;
+  Block* find_free_locked(Pool& pool, bool small, Stream stream, std::size_t size);
+  Block* alloc_segment_locked(Pool& pool, bool small, Stream stream, std::size_t size);
+  Block* steal_segment_locked(Pool& pool, bool small, Stream stream, std::size_t size);
+  /// Returns the fully free segments of the default pool and of released private pools; drops
+  /// released pools left without segments.
   void release_cached_locked();
+  void release_free_segments_locked(Pool& pool);
   void release_segment_locked(Block* head);
   Block* split_locked(Block* block, std::size_t size);
   void free_block_locked(Block* block);
@@ -201,8 +250,10 @@ class CachingAllocator final : public DeviceMemoryResource {
   AllocatorConfig config_;
   mutable std::mutex mutex_;
   std::uint64_t limit_ = 0;
-  FreeSet small_free_;
-  FreeSet large_free_;
+  Pool default_pool_;
+  std::map<PoolId, std::unique_ptr<Pool>> private_pools_;
+  /// Allocations being routed into private pools (graph captures), with their stream filters.
+  std::vector<std::pair<Pool*, std::function<bool(Stream)>>> routes_;
   detail::AddressMap<Block*> allocated_{4096};
   std::unordered_map<std::uintptr_t, Segment> segments_;
   std::deque<Block> block_storage_;

@@ -29,6 +29,8 @@ struct SegmentSnapshot {
   std::uint64_t requested_size = 0;
   std::uint64_t stream = 0;
   bool small = false;  ///< segment_type "small" or "large"
+  std::uint64_t pool_first = 0;   ///< the owning private pool's id (0, 0: the default pool)
+  std::uint64_t pool_second = 0;
   std::vector<BlockSnapshot> blocks;  ///< tile the segment in address order
 };
 
