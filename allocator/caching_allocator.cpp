@@ -587,6 +587,11 @@ void CachingAllocator::set_max_bytes(std::uint64_t bytes) {
   tracker_.set_limit(limit_);
 }
 
+double CachingAllocator::memory_fraction() const {
+  std::lock_guard lock(mutex_);
+  return config_.memory_fraction;
+}
+
 std::uint64_t CachingAllocator::limit() const {
   std::lock_guard lock(mutex_);
   return limit_;
@@ -750,6 +755,11 @@ std::optional<std::pair<void*, std::size_t>> CachingAllocator::segment_of(void* 
   const Block* head = *found;
   while (head->prev != nullptr) head = head->prev;
   return std::pair{reinterpret_cast<void*>(head->addr), segments_.at(head->addr).size};
+}
+
+bool CachingAllocator::record_history() const {
+  std::lock_guard lock(mutex_);
+  return config_.record_history;
 }
 
 std::optional<std::size_t> CachingAllocator::allocation_size(void* ptr) const {

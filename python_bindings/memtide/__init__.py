@@ -140,34 +140,32 @@ def preload_library_path() -> str:
 
 
 def torch_allocator():
-    """A ``torch.cuda.memory.CUDAPluggableAllocator`` backed by memtide."""
+    """A ``torch.cuda.memory.CUDAPluggableAllocator`` backed by memtide's C ABI (malloc and free
+    only; :func:`use_with_torch` prefers the bridge, which gives torch everything)."""
     import torch.cuda.memory  # lazily: torch is optional and slow to import
 
     return torch.cuda.memory.CUDAPluggableAllocator(library_path(), "memtide_malloc", "memtide_free")
 
 
-def use_with_torch():
-    """Makes memtide torch's CUDA allocator and returns the allocator object.
+def use_with_torch() -> dict:
+    """Makes memtide torch's CUDA allocator; returns which path did it and why.
 
-    Must run before the first CUDA allocation of the process: torch refuses to
-    swap an allocator that has already handed out memory.
+    The bridge (memtide as torch's own C++ allocator, built against torch at install time) when
+    it can, else torch's pluggable allocator: ``{"path": "bridge" | "pluggable", "why": ...,
+    "built": ...}``; see :mod:`memtide.torch_bridge`. Must run before the first CUDA allocation
+    of the process: torch refuses to swap an allocator that has already handed out memory.
     """
-    global _installed_allocator
-    import torch.cuda.memory
+    from . import torch_bridge
 
-    alloc = torch_allocator()
-    torch.cuda.memory.change_current_allocator(alloc)
-    _installed_allocator = alloc
-    return alloc
-
-
-_installed_allocator = None
+    return torch_bridge.install()
 
 
 def torch_allocator_installed() -> bool:
     """Whether use_with_torch() (or ``backend:memtide`` in PYTORCH_CUDA_ALLOC_CONF) made memtide
     torch's CUDA allocator in this process."""
-    return _installed_allocator is not None
+    from . import torch_bridge
+
+    return torch_bridge.installed()
 
 
 def apply_alloc_conf() -> None:
@@ -197,7 +195,7 @@ def apply_alloc_conf() -> None:
             if f"{_alloc_conf.env_name(option)}=" in str(e):
                 raise ConfigError(f"{item}: {e}") from None
         raise
-    if _os.environ.get(_alloc_conf.SELECTED) == "1" and _installed_allocator is None:
+    if _os.environ.get(_alloc_conf.SELECTED) == "1" and not torch_allocator_installed():
         import torch.cuda
 
         if torch.cuda.is_initialized():

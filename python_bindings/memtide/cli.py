@@ -106,8 +106,16 @@ def _info() -> Dict[str, Any]:
         "device_count": memtide.device_count(),
         "cuda": memtide.cuda_status(),
         "cupti": _cupti_probe(),
+        "torch_allocator": _torch_allocator_path(),
         "options": table,
     }
+
+
+def _torch_allocator_path() -> Dict[str, Any]:
+    """Which way use_with_torch() would make memtide torch's allocator here (and why)."""
+    from . import torch_bridge
+
+    return torch_bridge.status()
 
 
 def _cupti_probe() -> Dict[str, Any]:
@@ -134,6 +142,8 @@ def _print_info(info: Dict[str, Any]) -> None:
     cupti = info["cupti"]
     print(f"CUPTI     {cupti['status']}" + (f": {cupti['detail']}" if cupti["detail"] else "")
           + (f" ({cupti['library']})" if cupti["library"] else ""))
+    path = info["torch_allocator"]
+    print(f"torch allocator  {path['why']} (bridge {path['built']})")
     print()
     print("options (environment variable, current value, accepted values):")
     env_w = max(len(row["env"]) for row in info["options"])

@@ -1,4 +1,5 @@
-"""memtide as torch's CUDA allocator through CUDAPluggableAllocator.
+"""memtide as torch's CUDA allocator through CUDAPluggableAllocator (the fallback when the
+bridge of test_torch_bridge.py cannot be used; MEMTIDE_TORCH_BRIDGE=false chooses it).
 
 Each case runs in a fresh interpreter: torch only accepts a new allocator before CUDA's first
 allocation, and the test process may already have touched CUDA.
@@ -25,9 +26,11 @@ print({MARKER!r})
 """
 
 USE_WITH_TORCH = f"""
+import os
+os.environ["MEMTIDE_TORCH_BRIDGE"] = "false"
 import torch, memtide
-alloc = memtide.use_with_torch()
-assert isinstance(alloc, torch.cuda.memory.CUDAPluggableAllocator)
+chosen = memtide.use_with_torch()
+assert chosen["path"] == "pluggable", chosen
 print({MARKER!r})
 """
 
@@ -63,8 +66,9 @@ def test_change_current_allocator(script):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_tensors_are_allocated_by_memtide():
-    p = run_python(["-c", ALLOCATE], env=clean_env())
+@pytest.mark.parametrize("bridge", ["true", "false"], ids=["bridge", "pluggable"])
+def test_tensors_are_allocated_by_memtide(bridge):
+    p = run_python(["-c", ALLOCATE], env=clean_env(MEMTIDE_TORCH_BRIDGE=bridge))
     assert p.returncode == 0, p.stderr
     report = json.loads(p.stdout.strip().splitlines()[-1])
     if "skip" in report:

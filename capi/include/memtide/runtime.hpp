@@ -29,6 +29,11 @@ class Runtime {
   CachingAllocator& allocator(int device);
   /// Allocators opened so far (null for devices never used).
   std::vector<CachingAllocator*> opened();
+  /// `device`'s allocator if it is open, else null (also for a bad index); one load, no lock.
+  [[nodiscard]] CachingAllocator* opened(int device) const noexcept {
+    if (device < 0 || device >= device_count()) return nullptr;
+    return slots_[static_cast<std::size_t>(device)]->ready.load(std::memory_order_acquire);
+  }
 
   /// The NUMA node whose memory serves `device`'s pinned host buffers; -1 = not bound. The one
   /// place that maps a GPU to a node: MEMTIDE_HOST_NODE when set, else (CUDA) the GPU's nearest

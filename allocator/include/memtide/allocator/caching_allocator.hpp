@@ -100,6 +100,8 @@ class CachingAllocator final : public DeviceMemoryResource {
   /// Byte cap on reserved memory; 0 removes it.
   void set_max_bytes(std::uint64_t bytes);
   [[nodiscard]] std::uint64_t limit() const;
+  /// The memory fraction the limit is computed from.
+  [[nodiscard]] double memory_fraction() const;
 
   [[nodiscard]] AllocatorStats stats() const;
   void reset_peak_stats();
@@ -118,6 +120,7 @@ class CachingAllocator final : public DeviceMemoryResource {
   /// Segments, blocks and (when recording) the trace, in memory_viz's model.
   [[nodiscard]] Snapshot snapshot() const;
   void set_record_history(bool enabled);
+  [[nodiscard]] bool record_history() const;
   /// A phase mark while recording: when (microseconds, the trace's clock) and which phase.
   struct PhaseMark {
     std::int64_t time_us;

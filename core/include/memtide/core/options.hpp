@@ -28,6 +28,7 @@ struct Options {
   std::uint64_t headroom_margin = 256ULL << 20;  ///< kept free when lending headroom
   std::uint64_t phase_history = 4;          ///< iterations remembered for headroom
   std::string preload_log = "memtide_preload.jsonl";  ///< LD_PRELOAD observer output file
+  bool torch_bridge = true;                 ///< memtide.use_with_torch(): the bridge when built, else pluggable
   std::string cpu_isa = "auto";             ///< auto | scalar | avx2 | avx512 (CPU optimizer kernels)
   double calibration_alpha = 0.3;           ///< EWMA weight of a new rate measurement
   std::uint64_t calibration_history = 100;  ///< update-phase prediction errors kept for reports
