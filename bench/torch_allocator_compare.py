@@ -21,10 +21,11 @@ use_memtide = sys.argv[1] == "memtide"
 layers, hidden, seq, batch, steps = map(int, sys.argv[2:7])
 if use_memtide:
     import memtide
-    memtide.use_with_torch()
+    path = memtide.use_with_torch()["path"]
     phase = memtide.mark_phase
 else:
     phase = lambda name: None
+    path = "native"
 torch.manual_seed(0)
 dev = "cuda"
 block = lambda: torch.nn.TransformerEncoderLayer(hidden, hidden // 64, 4 * hidden, batch_first=True, device=dev)
@@ -52,7 +53,7 @@ if use_memtide:
 else:
     peak_reserved, peak_allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
     headroom = None
-print(json.dumps({"step_ms": statistics.median(times[2:]) * 1e3, "peak_reserved": peak_reserved,
+print(json.dumps({"path": path, "step_ms": statistics.median(times[2:]) * 1e3, "peak_reserved": peak_reserved,
                   "peak_allocated": peak_allocated, "update_headroom": headroom,
                   "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}))
 """
@@ -92,10 +93,10 @@ def main() -> int:
              f"GPU {n['gpu']}, torch {n['torch']}; model: {args.layers} x TransformerEncoderLayer(hidden "
              f"{args.hidden}), seq {args.seq}, batch {args.batch}, bf16 autocast, fused AdamW; "
              f"median of steps 3..{args.steps}.", "",
-             "| allocator | step (ms) | peak reserved (GiB) | peak allocated (GiB) | reserved/allocated |",
+             "| allocator (path) | step (ms) | peak reserved (GiB) | peak allocated (GiB) | reserved/allocated |",
              "|---|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['step_ms']:.2f} | {r['peak_reserved'] / gib:.2f} | "
+        lines.append(f"| {name} ({r['path']}) | {r['step_ms']:.2f} | {r['peak_reserved'] / gib:.2f} | "
                      f"{r['peak_allocated'] / gib:.2f} | {r['peak_reserved'] / r['peak_allocated']:.3f} |")
     lines += ["", f"memtide step time / native: {m['step_ms'] / n['step_ms']:.3f}; "
                   f"update-phase headroom until forward (memtide): {m['update_headroom'] / gib:.2f} GiB"]

@@ -171,6 +171,21 @@ assert installed and allocated >= 4 << 20, 'backend:memtide did not route the te
 "
 }
 
+bridge_check() {
+  # memtide as torch's own allocator, built here against this machine's torch at install.
+  "$py" -c "
+import json, torch, memtide, memtide.torch_bridge as tb
+chosen = memtide.use_with_torch()
+print(json.dumps(chosen))
+assert chosen['path'] == 'bridge', chosen
+print(json.dumps(tb.selfcheck()))
+x = torch.ones(1 << 20, device='cuda')
+s = torch.cuda.memory_stats()
+print('allocated', s['allocated_bytes.all.current'], 'reserved', s['reserved_bytes.all.current'])
+assert s['allocated_bytes.all.current'] >= 4 << 20, s
+"
+}
+
 observe_check() {
   "$py" -m memtide.cli observe --json --log "$logs/observe.jsonl" -- \
     "$py" -c "import torch; x = torch.ones(1 << 28, device='cuda'); torch.cuda.synchronize()" | tee "$logs/observe.json"
@@ -246,7 +261,7 @@ gbench_report() {  # target title label
 gpu_label=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 | tr 'A-Z' 'a-z' |
   sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
 gpu_label=${gpu_label:-nogpu}
-export -f machine configure_and_build cuda_suites_ran install_package alloc_conf_check observe_check gbench_report \
+export -f machine configure_and_build cuda_suites_ran install_package alloc_conf_check bridge_check observe_check gbench_report \
   timeline_check nvme_check nvme_train_check
 export mode budget bundle_note py build jobs logs outdir date_tag gpu_label bench_min_time
 
@@ -257,6 +272,7 @@ run cuda-suites 10 gpu build -- cuda_suites_ran
 run install 120 gpu build -- install_package
 run probe 30 gpu install -- "$py" -m memtide.cli probe
 run backend-memtide 60 gpu install -- alloc_conf_check
+run torch-bridge 60 gpu install -- bridge_check
 run observe 60 gpu install -- observe_check
 run timeline 120 gpu install -- timeline_check
 run nvme-probe 60 gpu install -- nvme_check

@@ -98,6 +98,12 @@ def install() -> Dict[str, Any]:
         return status()
     import torch.cuda.memory
 
+    from . import backend
+
+    if backend() != "cuda" and torch.cuda.is_available():
+        # torch would hand the simulated device's addresses to CUDA kernels.
+        raise RuntimeError("memtide: torch sees a GPU but memtide runs on its simulated device (MEMTIDE_DEVICE=sim, "
+                           "or memtide was built without CUDA: see `memtide info`); torch's tensors need GPU memory")
     why = "MEMTIDE_TORCH_BRIDGE=false" if not _bridge_enabled() else None
     if why is None:
         try:
