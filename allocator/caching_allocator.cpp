@@ -42,6 +42,7 @@ AllocatorConfig AllocatorConfig::from_options() {
   c.history_entries = static_cast<std::size_t>(o.history_entries);
   c.phase_history = static_cast<std::size_t>(o.phase_history);
   c.headroom_margin = o.headroom_margin;
+  c.expandable_segments = o.expandable_segments;
   return c;
 }
 
@@ -69,6 +70,13 @@ CachingAllocator::CachingAllocator(Device& device, AllocatorConfig config)
   limit_ = compute_limit_locked();
   tracker_.set_limit(limit_);
   if (config_.record_history) trace_.reserve(std::min<std::size_t>(config_.history_entries, 1 << 16));
+  if (config_.expandable_segments) {
+    granule_ = device_.vmm_granularity();
+    if (granule_ == 0) {
+      MEMTIDE_LOG(info, "CachingAllocator: " + device_.properties().name +
+                            " has no virtual memory management; expandable segments are off");
+    }
+  }
 }
 
 CachingAllocator::~CachingAllocator() {
@@ -81,6 +89,9 @@ CachingAllocator::~CachingAllocator() {
                             "); their segments are not returned");
     }
     release_cached_locked();
+    for (const Expandable& x : expandable_) {
+      if (x.mapped == 0) device_.release_address(reinterpret_cast<void*>(x.base), x.reserved);
+    }
     for (Event e : spare_events_) device_.destroy_event(e);
   } catch (const std::exception& e) {
     MEMTIDE_LOG(error, std::string("CachingAllocator teardown: ") + e.what());
@@ -206,6 +217,7 @@ CachingAllocator::Block* CachingAllocator::alloc_segment_locked(Pool& pool, bool
   b->stream = stream;
   b->pool = &pool;
   b->small = small;
+  b->expandable = false;
   segments_[b->addr] = Segment{b, seg};
   ++pool.segments;
   update_stat(stats_.segment, small, 1);
@@ -217,7 +229,7 @@ CachingAllocator::Block* CachingAllocator::alloc_segment_locked(Pool& pool, bool
 CachingAllocator::Block* CachingAllocator::steal_segment_locked(Pool& pool, bool small, Stream stream, std::size_t size) {
   Block* best = nullptr;
   for (Block* b : pool.free(small)) {
-    if (b->stream != stream && b->prev == nullptr && b->next == nullptr && b->size >= size &&
+    if (b->stream != stream && !b->expandable && b->prev == nullptr && b->next == nullptr && b->size >= size &&
         (best == nullptr || b->size < best->size)) {
       best = b;
     }
@@ -252,7 +264,7 @@ void CachingAllocator::release_free_segments_locked(Pool& pool) {
   for (FreeSet* set : {&pool.small_free, &pool.large_free}) {
     for (auto it = set->begin(); it != set->end();) {
       Block* b = *it;
-      if (b->prev == nullptr && b->next == nullptr) {
+      if (b->prev == nullptr && b->next == nullptr && !b->expandable) {
         it = set->erase(it);
         b->free_node = {};
         b->free_it = {};
@@ -266,6 +278,7 @@ void CachingAllocator::release_free_segments_locked(Pool& pool) {
 
 void CachingAllocator::release_cached_locked() {
   release_free_segments_locked(default_pool_);
+  if (!expandable_.empty()) trim_expandable_locked();
   // A private pool's cache belongs to its graph until the graph lets go of it.
   for (auto it = private_pools_.begin(); it != private_pools_.end();) {
     Pool& pool = *it->second;
@@ -290,6 +303,7 @@ CachingAllocator::Block* CachingAllocator::split_locked(Block* block, std::size_
   rest->stream = block->stream;
   rest->pool = block->pool;
   rest->small = block->small;
+  rest->expandable = block->expandable;
   rest->prev = block;
   rest->next = block->next;
   if (rest->next != nullptr) rest->next->prev = rest;
@@ -309,15 +323,17 @@ void* CachingAllocator::do_allocate(std::size_t bytes, Stream stream) {
   if (!pending_.empty()) process_pending_locked(/*wait=*/false);
 
   Pool& pool = routes_.empty() ? default_pool_ : pool_for_locked(stream);
+  const bool grow = granule_ != 0 && !small && &pool == &default_pool_;
+  auto fresh = [&] { return grow ? grow_expandable_locked(stream, size) : alloc_segment_locked(pool, small, stream, size); };
   Block* b = find_free_locked(pool, small, stream, size);
-  if (b == nullptr) b = alloc_segment_locked(pool, small, stream, size);
+  if (b == nullptr) b = fresh();
   if (b == nullptr) b = steal_segment_locked(pool, small, stream, size);
   if (b == nullptr) {
     ++stats_.num_alloc_retries;
     process_pending_locked(/*wait=*/true);
     release_cached_locked();
     b = find_free_locked(pool, small, stream, size);
-    if (b == nullptr) b = alloc_segment_locked(pool, small, stream, size);
+    if (b == nullptr) b = fresh();
   }
   std::string loans;
   if (b == nullptr) {
@@ -330,7 +346,7 @@ void* CachingAllocator::do_allocate(std::size_t bytes, Stream stream) {
       process_pending_locked(/*wait=*/true);
       release_cached_locked();
       b = find_free_locked(pool, small, stream, size);
-      if (b == nullptr) b = alloc_segment_locked(pool, small, stream, size);
+      if (b == nullptr) b = fresh();
     }
   }
   if (b == nullptr) throw_oom_locked(bytes, stream, loans);
@@ -668,6 +684,110 @@ void CachingAllocator::set_record_history(bool enabled) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Expandable segments
+
+CachingAllocator::Block* CachingAllocator::grow_expandable_locked(Stream stream, std::size_t size) {
+  auto x = std::find_if(expandable_.begin(), expandable_.end(), [&](const Expandable& e) { return e.stream == stream; });
+  if (x == expandable_.end()) {
+    // The whole device's worth of address space, so the segment never needs a second one.
+    Expandable fresh;
+    fresh.reserved = round_up(device_.properties().total_memory, granule_);
+    fresh.stream = stream;
+    try {
+      fresh.base = reinterpret_cast<std::uintptr_t>(device_.reserve_address(fresh.reserved));
+    } catch (const Error& e) {
+      MEMTIDE_LOG(warn, std::string("CachingAllocator: expandable segments are off: ") + e.what());
+      granule_ = 0;
+      return alloc_segment_locked(default_pool_, false, stream, size);
+    }
+    expandable_.push_back(fresh);
+    x = std::prev(expandable_.end());
+  }
+  // The last block, if free (and not waiting for other streams), grows into the new granules.
+  Block* tail = nullptr;
+  if (x->mapped > 0) {
+    for (tail = segments_.at(x->base).head; tail->next != nullptr;) tail = tail->next;
+  }
+  const bool extend = tail != nullptr && !tail->allocated && tail->pending_events == 0;
+  const std::size_t need = extend ? size - std::min(size, tail->size) : size;
+  const std::size_t bytes = round_up(need, granule_);
+  const auto reserved = static_cast<std::uint64_t>(stats_.reserved_bytes[0].current);
+  if (reserved + bytes > limit_ || x->mapped + bytes > x->reserved) return nullptr;
+  const std::uintptr_t at = x->base + x->mapped;
+  try {
+    device_.map_memory(reinterpret_cast<void*>(at), bytes);
+  } catch (const OutOfMemory&) {
+    return nullptr;
+  }
+  ++stats_.num_device_alloc;
+  x->mapped += bytes;
+  update_stat(stats_.reserved_bytes, false, static_cast<std::int64_t>(bytes));
+  trace_locked(TraceAction::segment_map, at, bytes, stream);
+  if (extend) {
+    remove_free_locked(tail);
+    tail->size += bytes;
+    segments_.at(x->base).size = x->mapped;
+    return tail;
+  }
+  Block* b = new_block_locked();
+  b->addr = at;
+  b->size = bytes;
+  b->stream = stream;
+  b->pool = &default_pool_;
+  b->small = false;
+  b->expandable = true;
+  if (tail == nullptr) {
+    segments_[x->base] = Segment{b, x->mapped};
+    ++default_pool_.segments;
+    update_stat(stats_.segment, false, 1);
+  } else {
+    // The old tail is allocated or waits for other streams: not in the free set, not counted
+    // as an inactive split until it is freed (with its new neighbour).
+    b->prev = tail;
+    tail->next = b;
+    segments_.at(x->base).size = x->mapped;
+  }
+  return b;
+}
+
+void CachingAllocator::trim_expandable_locked() {
+  for (Expandable& x : expandable_) {
+    if (x.mapped == 0) continue;
+    Block* tail = segments_.at(x.base).head;
+    while (tail->next != nullptr) tail = tail->next;
+    if (tail->allocated || tail->pending_events != 0) continue;
+    const std::uintptr_t end = x.base + x.mapped;
+    const std::uintptr_t from = round_up(tail->addr, granule_);
+    if (from >= end) continue;
+    const std::size_t bytes = end - from;
+    device_.unmap_memory(reinterpret_cast<void*>(from), bytes);
+    ++stats_.num_device_free;
+    x.mapped -= bytes;
+    update_stat(stats_.reserved_bytes, false, -static_cast<std::int64_t>(bytes));
+    trace_locked(TraceAction::segment_unmap, from, bytes, x.stream);
+    remove_free_locked(tail);
+    if (from > tail->addr) {
+      tail->size = from - tail->addr;
+      insert_free_locked(tail);
+      segments_.at(x.base).size = x.mapped;
+      continue;
+    }
+    // The whole tail block went.
+    Block* prev = tail->prev;
+    if (prev == nullptr) {
+      segments_.erase(x.base);
+      --default_pool_.segments;
+      update_stat(stats_.segment, false, -1);
+    } else {
+      // prev is allocated or pending (a free one would have coalesced with the tail).
+      prev->next = nullptr;
+      segments_.at(x.base).size = x.mapped;
+    }
+    recycle_block_locked(tail);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Private pools
 
 void CachingAllocator::create_or_incref_pool(PoolId id) {
@@ -783,6 +903,7 @@ Snapshot CachingAllocator::snapshot() const {
     s.total_size = seg->size;
     s.stream = stream_id(seg->head->stream);
     s.small = seg->head->small;
+    s.expandable = seg->head->expandable;
     s.pool_first = seg->head->pool->id.first;
     s.pool_second = seg->head->pool->id.second;
     for (const Block* b = seg->head; b != nullptr; b = b->next) {

@@ -13,7 +13,7 @@
 #include <limits>
 #include <sstream>
 
-#include "memtide/allocator/detail/os.hpp"
+#include "memtide/core/os.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "memtide/allocator/detail/os.hpp"
+#include "memtide/core/os.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"

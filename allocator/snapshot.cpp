@@ -23,6 +23,8 @@ const char* trace_action_name(TraceAction action) noexcept {
     case TraceAction::free_completed: return "free_completed";
     case TraceAction::segment_alloc: return "segment_alloc";
     case TraceAction::segment_free: return "segment_free";
+    case TraceAction::segment_map: return "segment_map";
+    case TraceAction::segment_unmap: return "segment_unmap";
     case TraceAction::oom: return "oom";
     case TraceAction::snapshot: return "snapshot";
   }
@@ -119,7 +121,7 @@ void write_memory_viz_pickle(const Snapshot& snapshot, std::ostream& out) {
     w.uinteger(s.pool_second);
     w.list_end();
     w.key("is_expandable");
-    w.integer(0);
+    w.integer(s.expandable ? 1 : 0);
     w.key("frames");
     w.list_begin();
     w.list_end();
@@ -207,6 +209,8 @@ std::string validate_snapshot(const Snapshot& snapshot) {
         case TraceAction::segment_free:
           if (!segments.insert(e.addr).second) return "trace replay: " + where + " of a segment that exists after it";
           break;
+        case TraceAction::segment_map:    // an expandable segment's size, not its existence
+        case TraceAction::segment_unmap:
         case TraceAction::oom:
         case TraceAction::snapshot:
           break;

@@ -1,6 +1,10 @@
 #include "memtide/device/cuda_device.hpp"
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
@@ -13,6 +17,56 @@ void check(cudaError_t err, const char* what) {
   (void)cudaGetLastError();  // clear non-sticky errors so the next call starts clean
   throw CudaError(static_cast<int>(err), std::string(what) + " failed: " + cudaGetErrorName(err) + " (" +
                                              cudaGetErrorString(err) + ")");
+}
+
+// The driver's virtual memory functions, looked up once. Null members: this driver has none.
+struct VmmApi {
+  PFN_cuMemGetAllocationGranularity_v10020 granularity = nullptr;
+  PFN_cuMemAddressReserve_v10020 reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 release = nullptr;
+  PFN_cuMemCreate_v10020 create = nullptr;
+  PFN_cuMemRelease_v10020 free_handle = nullptr;
+  PFN_cuMemMap_v10020 map = nullptr;
+  PFN_cuMemUnmap_v10020 unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 set_access = nullptr;
+  bool complete = false;
+};
+
+const VmmApi& vmm_api() {
+  static const VmmApi api = [] {
+    VmmApi a;
+    auto get = [](const char* name, auto& fn) {
+      void* p = nullptr;
+      cudaDriverEntryPointQueryResult found{};
+      if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+          found == cudaDriverEntryPointSuccess) {
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
+      } else {
+        (void)cudaGetLastError();
+      }
+      return fn != nullptr;
+    };
+    a.complete = get("cuMemGetAllocationGranularity", a.granularity) & get("cuMemAddressReserve", a.reserve) &
+                 get("cuMemAddressFree", a.release) & get("cuMemCreate", a.create) &
+                 get("cuMemRelease", a.free_handle) & get("cuMemMap", a.map) & get("cuMemUnmap", a.unmap) &
+                 get("cuMemSetAccess", a.set_access);
+    return a;
+  }();
+  return api;
+}
+
+void check_cu(CUresult rc, const char* what) {
+  if (rc == CUDA_SUCCESS) return;
+  if (rc == CUDA_ERROR_OUT_OF_MEMORY) throw OutOfMemory(std::string(what) + " failed: out of device memory");
+  throw CudaError(static_cast<int>(rc), std::string(what) + " failed: CUresult " + std::to_string(static_cast<int>(rc)));
+}
+
+CUmemAllocationProp device_prop(int index) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = index;
+  return prop;
 }
 
 cudaStream_t raw(Stream s) { return static_cast<cudaStream_t>(s.handle); }
@@ -31,6 +85,62 @@ CudaDevice::CudaDevice(int index) : index_(index) {
   props_.copy_engines = prop.asyncEngineCount;
   char bus[32] = {};
   if (cudaDeviceGetPCIBusId(bus, sizeof bus, index) == cudaSuccess) props_.pci_bus_id = bus;
+  // A device or driver without virtual memory management answers the granularity query with an
+  // error (CUDA_ERROR_NOT_SUPPORTED): granularity_ stays 0 and segments are plain cudaMalloc.
+  if (const VmmApi& api = vmm_api(); api.complete) {
+    const CUmemAllocationProp vmm_prop = device_prop(index);
+    std::size_t g = 0;
+    if (api.granularity(&g, &vmm_prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) == CUDA_SUCCESS) granularity_ = g;
+  }
+  (void)cudaGetLastError();
+}
+
+std::size_t CudaDevice::do_vmm_granularity() { return granularity_; }
+
+void* CudaDevice::do_reserve_address(std::size_t bytes) {
+  activate();
+  CUdeviceptr base = 0;
+  check_cu(vmm_api().reserve(&base, bytes, granularity_, 0, 0), "cuMemAddressReserve");
+  return reinterpret_cast<void*>(base);
+}
+
+void CudaDevice::do_release_address(void* base, std::size_t bytes) {
+  check_cu(vmm_api().release(reinterpret_cast<CUdeviceptr>(base), bytes), "cuMemAddressFree");
+}
+
+void CudaDevice::do_map_memory(void* at, std::size_t bytes) {
+  activate();
+  const VmmApi& api = vmm_api();
+  const CUmemAllocationProp prop = device_prop(index_);
+  const auto base = reinterpret_cast<CUdeviceptr>(at);
+  std::size_t done = 0;
+  try {
+    for (; done < bytes; done += granularity_) {
+      CUmemGenericAllocationHandle handle{};
+      check_cu(api.create(&handle, granularity_, &prop, 0), "cuMemCreate");
+      // The mapping keeps the memory alive; the handle is not needed after it.
+      const CUresult mapped = api.map(base + done, granularity_, 0, handle, 0);
+      (void)api.free_handle(handle);
+      check_cu(mapped, "cuMemMap");
+    }
+    CUmemAccessDesc access{};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    check_cu(api.set_access(base, bytes, &access, 1), "cuMemSetAccess");
+  } catch (...) {
+    // Nothing stays mapped from a failed call.
+    for (std::size_t undo = 0; undo < done; undo += granularity_) (void)api.unmap(base + undo, granularity_);
+    throw;
+  }
+}
+
+void CudaDevice::do_unmap_memory(void* at, std::size_t bytes) {
+  activate();
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // like cudaFree: queued work is done first
+  const auto base = reinterpret_cast<CUdeviceptr>(at);
+  for (std::size_t off = 0; off < bytes; off += granularity_) {
+    check_cu(vmm_api().unmap(base + off, granularity_), "cuMemUnmap");
+  }
 }
 
 void CudaDevice::activate() const {

@@ -73,6 +73,40 @@ void Device::host_unregister(void* ptr) {
 
 MemInfo Device::mem_info() { return do_mem_info(); }
 
+std::size_t Device::vmm_granularity() { return do_vmm_granularity(); }
+
+namespace {
+void check_granules(Device& d, const void* at, std::size_t bytes, const char* what) {
+  const std::size_t g = d.vmm_granularity();
+  if (g == 0) throw Error(std::string("Device::") + what + ": " + d.properties().name + " has no virtual memory management");
+  if (bytes == 0 || bytes % g != 0 || reinterpret_cast<std::uintptr_t>(at) % g != 0) {
+    throw InvalidArgument(std::string("Device::") + what + ": address and size must be multiples of the " +
+                          std::to_string(g) + "-byte granule (got " + std::to_string(bytes) + " bytes)");
+  }
+}
+}  // namespace
+
+void* Device::reserve_address(std::size_t bytes) {
+  check_granules(*this, nullptr, bytes, "reserve_address");
+  return do_reserve_address(bytes);
+}
+void Device::release_address(void* base, std::size_t bytes) {
+  check_granules(*this, base, bytes, "release_address");
+  do_release_address(base, bytes);
+}
+void Device::map_memory(void* at, std::size_t bytes) {
+  check_granules(*this, at, bytes, "map_memory");
+  do_map_memory(at, bytes);
+}
+void Device::unmap_memory(void* at, std::size_t bytes) {
+  check_granules(*this, at, bytes, "unmap_memory");
+  do_unmap_memory(at, bytes);
+}
+void* Device::do_reserve_address(std::size_t) { throw Error("virtual memory is not supported by " + props_.name); }
+void Device::do_release_address(void*, std::size_t) { throw Error("virtual memory is not supported by " + props_.name); }
+void Device::do_map_memory(void*, std::size_t) { throw Error("virtual memory is not supported by " + props_.name); }
+void Device::do_unmap_memory(void*, std::size_t) { throw Error("virtual memory is not supported by " + props_.name); }
+
 void Device::enqueue_kernel(Stream stream, const DeviceKernel& kernel) {
   if (!(kernel.hbm_bytes >= 0) || !(kernel.params >= 0)) {
     throw InvalidArgument("Device::enqueue_kernel: hbm_bytes and params must be >= 0, got " +

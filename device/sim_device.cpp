@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "memtide/core/error.hpp"
+#include "memtide/core/os.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/options.hpp"
 
@@ -256,6 +257,96 @@ void SimDevice::do_deallocate(void* ptr, std::size_t /*bytes*/) {
   allocations_.erase(it);
 }
 
+// ---- virtual memory ----
+
+namespace {
+constexpr std::size_t kGranule = 2ULL << 20;  // CUDA's minimum granularity on current GPUs
+}
+
+std::size_t SimDevice::do_vmm_granularity() { return kGranule; }
+
+void* SimDevice::do_reserve_address(std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  std::uintptr_t base = 0;
+  if (config_.phantom) {
+    base = round_up(next_phantom_, kGranule);
+    next_phantom_ = base + bytes;
+  } else {
+    int err = 0;
+    void* p = os::reserve(bytes, kGranule, err);
+    if (p == nullptr) {
+      throw OutOfMemory("SimDevice: reserving " + format_bytes(bytes) + " of address space failed: " +
+                        std::strerror(err));
+    }
+    base = reinterpret_cast<std::uintptr_t>(p);
+  }
+  reservations_.emplace(base, bytes);
+  return reinterpret_cast<void*>(base);
+}
+
+void SimDevice::do_release_address(void* base, std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  const auto addr = reinterpret_cast<std::uintptr_t>(base);
+  auto it = reservations_.find(addr);
+  if (it == reservations_.end() || it->second != bytes) {
+    throw InvalidArgument("SimDevice::release_address: not a reservation of this device (or not its size)");
+  }
+  auto m = mapped_.lower_bound(addr);
+  if (m != mapped_.end() && m->first < addr + bytes) {
+    throw InvalidArgument("SimDevice::release_address: " + format_bytes(m->second) + " are still mapped in it");
+  }
+  if (!config_.phantom) (void)os::unmap(base, bytes);
+  reservations_.erase(it);
+}
+
+void SimDevice::do_map_memory(void* at, std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  const auto addr = reinterpret_cast<std::uintptr_t>(at);
+  auto r = reservations_.upper_bound(addr);
+  if (r == reservations_.begin() || addr + bytes > std::prev(r)->first + std::prev(r)->second) {
+    throw InvalidArgument("SimDevice::map_memory: the range is not inside a reservation of this device");
+  }
+  auto m = mapped_.upper_bound(addr);
+  if ((m != mapped_.end() && m->first < addr + bytes) ||
+      (m != mapped_.begin() && std::prev(m)->first + std::prev(m)->second > addr)) {
+    throw InvalidArgument("SimDevice::map_memory: part of the range is mapped already");
+  }
+  if (bytes > config_.capacity - used_) {
+    throw OutOfMemory("SimDevice " + std::to_string(config_.index) + ": cannot map " + format_bytes(bytes) + ": " +
+                      format_bytes(used_) + " of " + format_bytes(config_.capacity) + " in use");
+  }
+  if (!config_.phantom) {
+    if (const int err = os::protect(at, bytes, true); err != 0) {
+      throw OutOfMemory("SimDevice: mapping " + format_bytes(bytes) + " failed: " + std::strerror(err));
+    }
+  }
+  // One physical allocation per granule, as CudaDevice makes them: any run can be unmapped.
+  for (std::size_t off = 0; off < bytes; off += kGranule) mapped_.emplace(addr + off, kGranule);
+  used_ += bytes;
+}
+
+void SimDevice::do_unmap_memory(void* at, std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  const auto addr = reinterpret_cast<std::uintptr_t>(at);
+  std::size_t found = 0;
+  for (auto m = mapped_.find(addr); m != mapped_.end() && m->first == addr + found && found < bytes; ++m) {
+    found += m->second;
+  }
+  if (found != bytes) {
+    throw InvalidArgument("SimDevice::unmap_memory: part of the range is not mapped");
+  }
+  // Like cudaFree: queued work finishes before the memory goes away.
+  double all_done = std::max(default_stream_.ready_ns, host_now_ns_);
+  for (auto& [h, st] : streams_) all_done = std::max(all_done, st->ready_ns);
+  set_host_now_locked(all_done);
+  if (!config_.phantom) {
+    (void)os::discard(at, bytes);  // the granules' contents are gone, as on a GPU
+    (void)os::protect(at, bytes, false);
+  }
+  mapped_.erase(mapped_.find(addr), mapped_.lower_bound(addr + bytes));
+  used_ -= bytes;
+}
+
 Stream SimDevice::do_create_stream() {
   auto s = std::make_unique<SimStream>();
   s->ready_ns = 0;
@@ -346,6 +437,14 @@ void SimDevice::check_device_range_locked(const void* ptr, std::size_t bytes, co
   if (it != allocations_.begin()) {
     --it;
     if (addr >= it->first && addr + bytes <= it->first + it->second.bytes) return;
+  }
+  // Or inside mapped virtual memory, across adjacent mappings.
+  auto m = mapped_.upper_bound(addr);
+  if (m != mapped_.begin()) {
+    --m;
+    std::uintptr_t covered = m->first;
+    for (; m != mapped_.end() && m->first == covered && covered < addr + bytes; ++m) covered += m->second;
+    if (covered >= addr + bytes) return;
   }
   throw InvalidArgument(std::string("SimDevice: ") + what + " range of " + format_bytes(bytes) +
                         " is not inside device memory allocated by this device");

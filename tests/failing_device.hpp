@@ -23,6 +23,8 @@ class FailingDevice final : public Device {
   /// Failable calls made since the last fail_at().
   [[nodiscard]] int calls() const { return calls_; }
   [[nodiscard]] SimDevice& inner() { return *inner_; }
+  /// Offers the inner device's virtual memory (off by default: a device without it).
+  void enable_vmm(bool on) { vmm_ = on; }
 
  private:
   void maybe_fail(const char* what) {
@@ -34,6 +36,17 @@ class FailingDevice final : public Device {
     return inner_->allocate(bytes);
   }
   void do_deallocate(void* ptr, std::size_t bytes) override { inner_->deallocate(ptr, bytes); }
+  std::size_t do_vmm_granularity() override { return vmm_ ? inner_->vmm_granularity() : 0; }
+  void* do_reserve_address(std::size_t bytes) override {
+    maybe_fail("reserve_address");
+    return inner_->reserve_address(bytes);
+  }
+  void do_release_address(void* base, std::size_t bytes) override { inner_->release_address(base, bytes); }
+  void do_map_memory(void* at, std::size_t bytes) override {
+    maybe_fail("map_memory");
+    inner_->map_memory(at, bytes);
+  }
+  void do_unmap_memory(void* at, std::size_t bytes) override { inner_->unmap_memory(at, bytes); }
   Stream do_create_stream() override {
     maybe_fail("create_stream");
     return inner_->create_stream();
@@ -89,6 +102,7 @@ class FailingDevice final : public Device {
 
   std::unique_ptr<SimDevice> inner_;
   int countdown_ = 0;
+  bool vmm_ = false;
   int calls_ = 0;
 };
 

@@ -19,7 +19,7 @@
 #include "failing_device.hpp"
 #include "failing_new.hpp"
 #include "memtide/allocator/caching_allocator.hpp"
-#include "memtide/allocator/detail/os.hpp"
+#include "memtide/core/os.hpp"
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/allocator/mmap_slab_source.hpp"
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "device_types.hpp"
+#include "failing_device.hpp"
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/core/error.hpp"
 
@@ -443,6 +444,177 @@ TYPED_TEST(CachingAllocatorTest, CacheInfoAndBaseAllocation) {
   EXPECT_EQ(this->a().largest_free_block(), 13 * MiB);
   this->a().deallocate(a, Stream{});
   this->a().deallocate(b, Stream{});
+}
+
+// ---- expandable segments -------------------------------------------------------------------
+
+template <typename B>
+class ExpandableSegmentTest : public WithDevice<B> {
+ protected:
+  void SetUp() override {
+    WithDevice<B>::SetUp();
+    if (this->IsSkipped()) return;
+    if (this->device().vmm_granularity() == 0) GTEST_SKIP() << "the device has no virtual memory management";
+    AllocatorConfig c = capped(64 * MiB);
+    c.expandable_segments = true;
+    alloc_ = std::make_unique<CachingAllocator>(this->device(), c);
+    granule_ = this->device().vmm_granularity();
+  }
+  void TearDown() override {
+    if (alloc_) {
+      EXPECT_EQ(validate_snapshot(alloc_->snapshot()), "");
+      alloc_.reset();
+    }
+  }
+  CachingAllocator& a() { return *alloc_; }
+  std::unique_ptr<CachingAllocator> alloc_;
+  std::size_t granule_ = 0;
+};
+TYPED_TEST_SUITE(ExpandableSegmentTest, memtide::test::DeviceBackends, memtide::test::BackendNames);
+
+TYPED_TEST(ExpandableSegmentTest, LargeAllocationsGrowOneSegmentInPlace) {
+  ASSERT_TRUE(this->a().expandable_segments());
+  const std::size_t g = this->granule_;
+  auto* p = static_cast<char*>(this->a().allocate(2 * g, Stream{}));
+  auto* q = static_cast<char*>(this->a().allocate(3 * g, Stream{}));
+  auto* r = static_cast<char*>(this->a().allocate(g + 4 * KiB, Stream{}));  // rounds up to 2 granules mapped
+  EXPECT_EQ(q, p + 2 * g);
+  EXPECT_EQ(r, q + 3 * g);
+  AllocatorStats s = this->a().stats();
+  EXPECT_EQ(s.segment[0].current, 1);
+  EXPECT_EQ(current(s.reserved_bytes), static_cast<std::int64_t>(7 * g));
+  const Snapshot snap = this->a().snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  EXPECT_TRUE(snap.segments[0].expandable);
+  EXPECT_EQ(snap.segments[0].total_size, 7 * g);
+
+  // Freeing the middle leaves a hole that the next fitting allocation takes; freeing the end
+  // and releasing the cache unmaps from the end.
+  this->a().deallocate(q, Stream{});
+  EXPECT_EQ(this->a().allocate(3 * g, Stream{}), q);
+  this->a().deallocate(q, Stream{});
+  this->a().deallocate(r, Stream{});
+  this->a().empty_cache();
+  s = this->a().stats();
+  EXPECT_EQ(current(s.reserved_bytes), static_cast<std::int64_t>(2 * g));
+  EXPECT_EQ(s.segment[0].current, 1);
+  this->a().deallocate(p, Stream{});
+  this->a().empty_cache();
+  s = this->a().stats();
+  EXPECT_EQ(current(s.reserved_bytes), 0);
+  EXPECT_EQ(s.segment[0].current, 0);
+  EXPECT_EQ(current(s.inactive_split), 0);
+  // And it grows again from its base.
+  EXPECT_EQ(this->a().allocate(2 * g, Stream{}), p);
+  this->a().deallocate(p, Stream{});
+}
+
+TYPED_TEST(ExpandableSegmentTest, AFreeTailGrowsInsteadOfStrandingIt) {
+  const std::size_t g = this->granule_;
+  void* p = this->a().allocate(4 * g, Stream{});
+  void* q = this->a().allocate(4 * g, Stream{});
+  this->a().deallocate(q, Stream{});
+  // 4 granules free at the end; a 6-granule request maps only 2 more and takes them with it.
+  void* r = this->a().allocate(6 * g, Stream{});
+  EXPECT_EQ(r, q);
+  EXPECT_EQ(current(this->a().stats().reserved_bytes), static_cast<std::int64_t>(10 * g));
+  this->a().deallocate(p, Stream{});
+  this->a().deallocate(r, Stream{});
+}
+
+TYPED_TEST(ExpandableSegmentTest, TheLimitHoldsAndOutOfMemoryTrimsFirst) {
+  // 64 MiB cap: with 40 MiB live and 20 MiB free at the end, 30 MiB more fits only after the
+  // free end is unmapped and the segment grows again from the live part.
+  void* a = this->a().allocate(40 * MiB, Stream{});
+  void* b = this->a().allocate(20 * MiB, Stream{});
+  this->a().deallocate(b, Stream{});
+  EXPECT_THROW(this->a().allocate(30 * MiB, Stream{}), OutOfMemory);
+  void* c = this->a().allocate(24 * MiB, Stream{});  // 20 free at the end + 4 mapped
+  EXPECT_EQ(c, b);
+  EXPECT_LE(current(this->a().stats().reserved_bytes), static_cast<std::int64_t>(64 * MiB));
+  this->a().deallocate(a, Stream{});
+  this->a().deallocate(c, Stream{});
+}
+
+TYPED_TEST(ExpandableSegmentTest, StreamsHaveTheirOwnSegmentsAndSmallRequestsTheirPool) {
+  Stream side = this->device().create_stream();
+  void* a = this->a().allocate(4 * MiB, Stream{});
+  void* b = this->a().allocate(4 * MiB, side);
+  void* small = this->a().allocate(64 * KiB, Stream{});
+  const Snapshot snap = this->a().snapshot();
+  int expandable = 0;
+  for (const SegmentSnapshot& s : snap.segments) expandable += s.expandable ? 1 : 0;
+  EXPECT_EQ(expandable, 2);
+  EXPECT_EQ(snap.segments.size(), 3u);
+  this->a().deallocate(a, Stream{});
+  this->a().deallocate(b, side);
+  this->a().deallocate(small, Stream{});
+  this->a().empty_cache();
+  EXPECT_EQ(current(this->a().stats().reserved_bytes), 0);
+  this->device().destroy_stream(side);
+}
+
+TYPED_TEST(ExpandableSegmentTest, RandomWorkloadKeepsStatsAndSnapshotConsistent) {
+  std::mt19937 rng(11);
+  std::vector<void*> live;
+  for (int step = 0; step < 4000; ++step) {
+    if (live.empty() || rng() % 3 != 0) {
+      const std::size_t bytes = (rng() % 2 == 0) ? (rng() % (2 * MiB)) + 1 : (rng() % (6 * MiB)) + MiB;
+      try {
+        live.push_back(this->a().allocate(bytes, Stream{}));
+      } catch (const OutOfMemory&) {
+        ASSERT_LE(current(this->a().stats().reserved_bytes), static_cast<std::int64_t>(64 * MiB));
+      }
+    } else {
+      const std::size_t i = rng() % live.size();
+      this->a().deallocate(live[i], Stream{});
+      live[i] = live.back();
+      live.pop_back();
+    }
+    if (step % 97 == 0) this->a().empty_cache();
+    if (step % 500 == 0) {
+      ASSERT_EQ(validate_snapshot(this->a().snapshot()), "") << "at step " << step;
+    }
+  }
+  for (void* p : live) this->a().deallocate(p, Stream{});
+  this->a().empty_cache();
+  const AllocatorStats s = this->a().stats();
+  EXPECT_EQ(current(s.allocated_bytes), 0);
+  EXPECT_EQ(current(s.reserved_bytes), 0);
+  EXPECT_EQ(current(s.inactive_split), 0);
+  EXPECT_EQ(current(s.inactive_split_bytes), 0);
+}
+
+TEST(ExpandableSegments, OffWhereTheDeviceHasNoVirtualMemory) {
+  memtide::test::FailingDevice plain;  // forwards no virtual memory calls unless asked to
+  ASSERT_EQ(plain.vmm_granularity(), 0u);
+  AllocatorConfig c;
+  c.expandable_segments = true;
+  CachingAllocator a(plain, c);
+  EXPECT_FALSE(a.expandable_segments());
+  void* p = a.allocate(4 * MiB, Stream{});
+  EXPECT_FALSE(a.snapshot().segments.at(0).expandable);
+  a.deallocate(p, Stream{});
+}
+
+TEST(ExpandableSegments, AFailedMapLeavesTheAllocatorAsItWas) {
+  memtide::test::FailingDevice d;
+  d.enable_vmm(true);
+  AllocatorConfig c;
+  c.expandable_segments = true;
+  c.record_history = true;
+  CachingAllocator a(d, c);
+  void* p = a.allocate(4 * MiB, Stream{});
+  const AllocatorStats before = a.stats();
+  d.fail_at(1);  // the next map
+  EXPECT_THROW(a.allocate(8 * MiB, Stream{}), Error);
+  const AllocatorStats after = a.stats();
+  EXPECT_EQ(current(after.reserved_bytes), current(before.reserved_bytes));
+  EXPECT_EQ(current(after.allocated_bytes), current(before.allocated_bytes));
+  EXPECT_EQ(validate_snapshot(a.snapshot()), "");
+  void* q = a.allocate(8 * MiB, Stream{});  // and the next try works
+  a.deallocate(q, Stream{});
+  a.deallocate(p, Stream{});
 }
 
 TEST(DirectResource, GoesStraightToTheDevice) {

@@ -169,3 +169,59 @@ TYPED_TEST(DeviceContract, HostWorkRunsOnTheHostClock) {
   }
   EXPECT_THROW(d.run_host_work(HostWork{-1, 0}, [] {}), InvalidArgument);
 }
+
+TYPED_TEST(DeviceContract, VirtualMemoryMapsGranulesIntoAReservation) {
+  Device& d = this->device();
+  const std::size_t g = d.vmm_granularity();
+  if (g == 0) GTEST_SKIP() << d.properties().name << " has no virtual memory management";
+  const std::size_t before = d.mem_info().free;
+  auto* base = static_cast<unsigned char*>(d.reserve_address(8 * g));
+  ASSERT_NE(base, nullptr);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(base) % g, 0u);
+  d.map_memory(base, 2 * g);
+  d.map_memory(base + 2 * g, g);  // adjacent mappings are one usable range
+  if (d.properties().backend == "sim") {
+    EXPECT_EQ(d.mem_info().free, before - 3 * g);
+  }
+  Stream s = d.create_stream();
+  std::vector<unsigned char> out(3 * g, 0);
+  d.memset_async(base, 0x5A, 3 * g, s);
+  d.copy_async(out.data(), base, 3 * g, CopyKind::device_to_host, s);
+  d.stream_synchronize(s);
+  if (d.properties().stores_data) {
+    EXPECT_EQ(out.front(), 0x5A);
+    EXPECT_EQ(out.back(), 0x5A);
+  }
+  // Any run of granules can go back on its own, here the middle one of three.
+  d.unmap_memory(base + g, g);
+  d.unmap_memory(base, g);
+  d.unmap_memory(base + 2 * g, g);
+  if (d.properties().backend == "sim") {
+    EXPECT_EQ(d.mem_info().free, before);
+  }
+  d.release_address(base, 8 * g);
+  d.destroy_stream(s);
+  EXPECT_THROW(d.map_memory(base + 1, g), InvalidArgument);        // not on a granule
+  EXPECT_THROW((void)d.reserve_address(g + 1), InvalidArgument);   // not a granule multiple
+}
+
+TEST(SimDeviceVmm, RefusesWhatCudaWouldRefuse) {
+  SimConfig c;
+  c.capacity = 8ULL << 20;
+  SimDevice d(c);
+  const std::size_t g = d.vmm_granularity();
+  ASSERT_EQ(g, 2u << 20);
+  auto* base = static_cast<unsigned char*>(d.reserve_address(8 * g));
+  EXPECT_THROW(d.map_memory(base + 8 * g, g), InvalidArgument);  // outside the reservation
+  d.map_memory(base, g);
+  EXPECT_THROW(d.map_memory(base, g), InvalidArgument);          // mapped already
+  EXPECT_THROW(d.map_memory(base + g, 4 * g), OutOfMemory);      // 8 MiB device: 2 in use, 8 asked
+  EXPECT_EQ(d.used_bytes(), g);                                   // nothing mapped by the failure
+  EXPECT_THROW(d.unmap_memory(base + g, g), InvalidArgument);    // never mapped
+  EXPECT_THROW(d.release_address(base, 8 * g), InvalidArgument); // still mapped inside
+  // A kernel or copy must stay inside mapped memory.
+  EXPECT_THROW(d.memset_async(base, 0, 2 * g, Stream{}), InvalidArgument);
+  d.unmap_memory(base, g);
+  d.release_address(base, 8 * g);
+  EXPECT_THROW(d.release_address(base, 8 * g), InvalidArgument); // released already
+}

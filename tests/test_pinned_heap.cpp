@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "failing_new.hpp"
-#include "memtide/allocator/detail/os.hpp"
+#include "memtide/core/os.hpp"
 #include "memtide/allocator/mmap_slab_source.hpp"
 #include "memtide/allocator/pinned_heap.hpp"
 #include "memtide/core/error.hpp"

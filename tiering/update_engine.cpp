@@ -8,7 +8,7 @@
 #include <string>
 #include <tuple>
 
-#include "memtide/allocator/detail/os.hpp"
+#include "memtide/core/os.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"

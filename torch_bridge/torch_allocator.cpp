@@ -389,6 +389,8 @@ class MemtideTorchAllocator final : public cca::CUDAAllocator {
       case memtide::TraceAction::free_completed: return A::FREE_COMPLETED;
       case memtide::TraceAction::segment_alloc: return A::SEGMENT_ALLOC;
       case memtide::TraceAction::segment_free: return A::SEGMENT_FREE;
+      case memtide::TraceAction::segment_map: return A::SEGMENT_MAP;
+      case memtide::TraceAction::segment_unmap: return A::SEGMENT_UNMAP;
       case memtide::TraceAction::oom: return A::OOM;
       case memtide::TraceAction::snapshot: return A::SNAPSHOT;
     }
@@ -433,7 +435,7 @@ class MemtideTorchAllocator final : public cca::CUDAAllocator {
         seg.active_size = s.active_size;
         seg.stream = reinterpret_cast<void*>(static_cast<std::uintptr_t>(s.stream));
         seg.is_large = !s.small;
-        seg.is_expandable = false;
+        seg.is_expandable = s.expandable;
         seg.owner_private_pool_id = owner;
         for (const memtide::BlockSnapshot& b : s.blocks) {
           c10::CachingDeviceAllocator::BlockInfo block;

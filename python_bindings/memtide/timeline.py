@@ -227,9 +227,9 @@ def trace_from_allocator(events: Dict[str, Any], path: str, base_allocated: int 
             elif action == "free_completed":
                 allocated -= size
                 w.event(type="free", t=t, addr=addr, bytes=size, stream=stream)
-            elif action == "segment_alloc":
+            elif action in ("segment_alloc", "segment_map"):
                 reserved += size
-            elif action == "segment_free":
+            elif action in ("segment_free", "segment_unmap"):
                 reserved -= size
             elif action == "oom":
                 w.event(type="oom", t=t, bytes=size, stream=stream)

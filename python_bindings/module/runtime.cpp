@@ -349,7 +349,8 @@ void bind_runtime(nb::module_& m) {
       },
       "device"_a = 0,
       "What the allocator recorded since record_history(True): its trace, (action, t_s, addr, size,\n"
-      "stream) with action alloc, free_requested, free_completed, segment_alloc, segment_free or oom, and\n"
+      "stream) with action alloc, free_requested, free_completed, segment_alloc, segment_free, segment_map,\n"
+      "segment_unmap (an expandable segment growing and shrinking) or oom, and\n"
       "the phase marks (t_s, phase), on one clock; and its limit.");
   m.def("phase_report", [](int device) { return phase_report_dict(allocator(device).phase_report()); },
         "device"_a = 0, "Current phase, finished iterations and per-phase watermarks (running + remembered).");

@@ -123,6 +123,13 @@ def split(var: str, text: str) -> Tuple[List[str], bool, Dict[str, Tuple[str, st
         opts[option] = (value, item)
     if selected and other_backend is not None:
         raise AllocConfError(f"{var}: backend:memtide and {other_backend} both choose an allocator; keep one")
+    if selected:
+        # torch's own spelling of the one torch option memtide has too; it stays in torch's items
+        # (torch accepts it), and memtide_expandable_segments, when given as well, wins.
+        for item in kept:
+            key, sep, value = (part.strip() for part in item.partition(":"))
+            if key.lower() == "expandable_segments" and sep and value and "expandable_segments" not in opts:
+                opts["expandable_segments"] = (value, item)
     return kept, selected, opts
 
 

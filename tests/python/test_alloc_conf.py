@@ -47,6 +47,17 @@ def test_a_variable_with_only_memtide_items_is_removed():
     assert env[alloc_conf.SELECTED] == "1"
 
 
+def test_torchs_expandable_segments_spelling_reaches_memtide_too():
+    env = strip({"PYTORCH_CUDA_ALLOC_CONF": "backend:memtide,expandable_segments:False"})
+    assert env["MEMTIDE_EXPANDABLE_SEGMENTS"] == "False"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"  # torch accepts it
+    # memtide's own item wins over torch's spelling; without backend:memtide it is torch's alone.
+    env = strip({"PYTORCH_CUDA_ALLOC_CONF": "backend:memtide,expandable_segments:False,memtide_expandable_segments:1"})
+    assert env["MEMTIDE_EXPANDABLE_SEGMENTS"] == "1"
+    env = strip({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,memtide_record_history:1"})
+    assert "MEMTIDE_EXPANDABLE_SEGMENTS" not in env
+
+
 def test_options_without_the_backend_do_not_select_memtide():
     env = strip({"PYTORCH_CUDA_ALLOC_CONF": "memtide_record_history:1"})
     assert env["MEMTIDE_RECORD_HISTORY"] == "1"

@@ -45,6 +45,11 @@ struct AllocatorConfig {
   std::size_t history_entries = 100000;
   std::size_t phase_history = 4;      ///< finished iterations remembered by the PhaseTracker
   std::uint64_t headroom_margin = 256ULL << 20;
+  /// Large allocations of the default pool share one segment per stream that grows by mapping
+  /// granules at its end and shrinks by unmapping free ones there (Device virtual memory), so
+  /// fragmentation cannot strand memory between segments. Off where the device has no virtual
+  /// memory management.
+  bool expandable_segments = false;
 
   /// From the options table (MEMTIDE_MAX_BYTES, MEMTIDE_MEMORY_FRACTION, ...).
   static AllocatorConfig from_options();
@@ -116,6 +121,8 @@ class CachingAllocator final : public DeviceMemoryResource {
   [[nodiscard]] PhaseReport phase_report() const;
   /// Bytes a headroom answer keeps free (AllocatorConfig::headroom_margin).
   [[nodiscard]] std::uint64_t headroom_margin() const noexcept { return config_.headroom_margin; }
+  /// Whether large allocations go to expandable segments (asked for, and the device can).
+  [[nodiscard]] bool expandable_segments() const noexcept { return granule_ != 0; }
 
   /// Segments, blocks and (when recording) the trace, in memory_viz's model.
   [[nodiscard]] Snapshot snapshot() const;
@@ -191,6 +198,7 @@ class CachingAllocator final : public DeviceMemoryResource {
     Stream stream{};
     Pool* pool = nullptr;        ///< the owner of its segment
     bool small = false;
+    bool expandable = false;     ///< in an expandable segment (never released or stolen whole)
     bool allocated = false;
     int pending_events = 0;      ///< outstanding record_stream events after free
     Block* prev = nullptr;       ///< neighbours within the segment, in address order
@@ -204,6 +212,13 @@ class CachingAllocator final : public DeviceMemoryResource {
   struct Segment {
     Block* head = nullptr;
     std::size_t size = 0;
+  };
+  /// One stream's expandable segment: a reservation whose first `mapped` bytes are memory.
+  struct Expandable {
+    std::uintptr_t base = 0;
+    std::size_t reserved = 0;
+    std::size_t mapped = 0;
+    Stream stream{};
   };
   struct PendingFree {
     Block* block;
@@ -224,6 +239,12 @@ class CachingAllocator final : public DeviceMemoryResource {
   /// released pools left without segments.
   void release_cached_locked();
   void release_free_segments_locked(Pool& pool);
+  /// Maps enough at the end of `stream`'s expandable segment for `size` and returns a free block
+  /// of at least that size (its last block grown, or a new one); null at the limit or when the
+  /// device has no room.
+  Block* grow_expandable_locked(Stream stream, std::size_t size);
+  /// Unmaps the free granules at the end of every expandable segment.
+  void trim_expandable_locked();
   void release_segment_locked(Block* head);
   Block* split_locked(Block* block, std::size_t size);
   void free_block_locked(Block* block);
@@ -253,6 +274,8 @@ class CachingAllocator final : public DeviceMemoryResource {
   AllocatorConfig config_;
   mutable std::mutex mutex_;
   std::uint64_t limit_ = 0;
+  std::size_t granule_ = 0;  ///< the device's VMM granule when expandable segments are on, else 0
+  std::vector<Expandable> expandable_;
   Pool default_pool_;
   std::map<PoolId, std::unique_ptr<Pool>> private_pools_;
   /// Allocations being routed into private pools (graph captures), with their stream filters.

@@ -29,12 +29,14 @@ struct SegmentSnapshot {
   std::uint64_t requested_size = 0;
   std::uint64_t stream = 0;
   bool small = false;  ///< segment_type "small" or "large"
+  bool expandable = false;  ///< grown and shrunk in place with virtual memory
   std::uint64_t pool_first = 0;   ///< the owning private pool's id (0, 0: the default pool)
   std::uint64_t pool_second = 0;
   std::vector<BlockSnapshot> blocks;  ///< tile the segment in address order
 };
 
-enum class TraceAction { alloc, free_requested, free_completed, segment_alloc, segment_free, oom, snapshot };
+/// segment_map / segment_unmap: an expandable segment grew or shrank by [addr, addr + size).
+enum class TraceAction { alloc, free_requested, free_completed, segment_alloc, segment_free, segment_map, segment_unmap, oom, snapshot };
 const char* trace_action_name(TraceAction action) noexcept;
 
 struct TraceEntry {

@@ -28,6 +28,7 @@ struct Options {
   std::uint64_t headroom_margin = 256ULL << 20;  ///< kept free when lending headroom
   std::uint64_t phase_history = 4;          ///< iterations remembered for headroom
   std::string preload_log = "memtide_preload.jsonl";  ///< LD_PRELOAD observer output file
+  bool expandable_segments = true;          ///< grow large-pool segments with virtual memory where the device can
   bool torch_bridge = true;                 ///< memtide.use_with_torch(): the bridge when built, else pluggable
   std::string cpu_isa = "auto";             ///< auto | scalar | avx2 | avx512 (CPU optimizer kernels)
   double calibration_alpha = 0.3;           ///< EWMA weight of a new rate measurement

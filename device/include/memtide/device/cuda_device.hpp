@@ -34,10 +34,19 @@ class CudaDevice final : public Device {
   MemInfo do_mem_info() override;
   void do_enqueue_kernel(Stream stream, const DeviceKernel& kernel) override;
   [[nodiscard]] bool do_can_run(const DeviceKernel& kernel) const override;
+  /// Virtual memory through the driver API (cuMemAddressReserve, cuMemCreate, cuMemMap), reached
+  /// with cudaGetDriverEntryPointByVersion so libmemtide.so needs no libcuda to load. One physical
+  /// allocation per granule, so any run of granules can be unmapped on its own.
+  std::size_t do_vmm_granularity() override;
+  void* do_reserve_address(std::size_t bytes) override;
+  void do_release_address(void* base, std::size_t bytes) override;
+  void do_map_memory(void* at, std::size_t bytes) override;
+  void do_unmap_memory(void* at, std::size_t bytes) override;
 
   /// Makes this device current on the calling thread (CUDA's current device is per thread).
   void activate() const;
   int index_;
+  std::size_t granularity_ = 0;  ///< 0: no virtual memory management (set in the constructor)
 };
 
 }  // namespace memtide

@@ -84,6 +84,24 @@ class Device {
   /// Returns memory from allocate(). Implicitly synchronizes the device, like cudaFree.
   void deallocate(void* ptr, std::size_t bytes);
 
+  /// @name Virtual memory
+  /// Address ranges whose memory is mapped and unmapped in granules (CUDA's cuMemAddressReserve,
+  /// cuMemCreate, cuMemMap): the caching allocator's expandable segments grow and shrink in place.
+  /// @{
+  /// The granule in bytes; 0 when this device cannot (a driver without virtual memory management).
+  [[nodiscard]] std::size_t vmm_granularity();
+  /// Reserves `bytes` (a multiple of the granule) of address space; no memory yet. Throws Error
+  /// when the device cannot, OutOfMemory when the address space is exhausted.
+  void* reserve_address(std::size_t bytes);
+  /// Releases a reservation; nothing in it may be mapped.
+  void release_address(void* base, std::size_t bytes);
+  /// Backs [at, at + bytes) of a reservation (granule-aligned) with device memory, readable and
+  /// writable by this device. Throws OutOfMemory when the device has no room (nothing mapped then).
+  void map_memory(void* at, std::size_t bytes);
+  /// Returns the memory of a mapped range; synchronizes the device first, like cudaFree.
+  void unmap_memory(void* at, std::size_t bytes);
+  /// @}
+
   Stream create_stream();
   void destroy_stream(Stream stream);
   /// `timing` events can be passed to event_elapsed_ms; others are cheaper to record.
@@ -136,6 +154,12 @@ class Device {
  private:
   virtual void* do_allocate(std::size_t bytes) = 0;
   virtual void do_deallocate(void* ptr, std::size_t bytes) = 0;
+  /// Virtual memory: unsupported (granule 0, the rest throw) unless overridden.
+  virtual std::size_t do_vmm_granularity() { return 0; }
+  virtual void* do_reserve_address(std::size_t bytes);
+  virtual void do_release_address(void* base, std::size_t bytes);
+  virtual void do_map_memory(void* at, std::size_t bytes);
+  virtual void do_unmap_memory(void* at, std::size_t bytes);
   virtual Stream do_create_stream() = 0;
   virtual void do_destroy_stream(Stream stream) = 0;
   virtual Event do_create_event(bool timing) = 0;

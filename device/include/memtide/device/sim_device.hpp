@@ -155,6 +155,13 @@ class SimDevice final : public Device {
   void do_host_register(void* ptr, std::size_t bytes) override;
   void do_host_unregister(void* ptr) override;
   MemInfo do_mem_info() override;
+  /// Virtual memory like CUDA's: 2 MiB granules; in data mode the reservation is inaccessible
+  /// host address space whose mapped granules become readable and writable.
+  std::size_t do_vmm_granularity() override;
+  void* do_reserve_address(std::size_t bytes) override;
+  void do_release_address(void* base, std::size_t bytes) override;
+  void do_map_memory(void* at, std::size_t bytes) override;
+  void do_unmap_memory(void* at, std::size_t bytes) override;
   /// Runs the kernel's host form at its simulated time: HBM-bound, or bound by the simulated
   /// GPU's optimizer rate for a step.
   void do_enqueue_kernel(Stream stream, const DeviceKernel& kernel) override;
@@ -183,6 +190,8 @@ class SimDevice final : public Device {
   };
   std::map<std::uintptr_t, Allocation> allocations_;
   std::map<std::uintptr_t, std::size_t> registered_;
+  std::map<std::uintptr_t, std::size_t> reservations_;  ///< base -> bytes
+  std::map<std::uintptr_t, std::size_t> mapped_;        ///< mapped granules of reservations
   SimStream default_stream_;
   std::unordered_map<void*, std::unique_ptr<SimStream>> streams_;
   std::unordered_map<void*, std::unique_ptr<SimEvent>> events_;

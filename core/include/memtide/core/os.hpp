@@ -1,7 +1,7 @@
 #pragma once
 /// @file
-/// The allocator layer's calls into the OS for host memory, in one place (as mimalloc's prim.c):
-/// mapping, huge-page advice, NUMA binding and page-placement queries. None throws: each returns
+/// memtide's calls into the OS for memory, in one place (as mimalloc's prim.c): mapping, address
+/// space reservation, huge-page advice, NUMA binding and page-placement queries. None throws: each returns
 /// 0 or an errno value (or null and the errno), and callers turn that into their own errors.
 ///
 /// Every call can be made to fail from a test (os::testing), so each caller's failure path,
@@ -21,7 +21,15 @@ namespace memtide::os {
 /// the errno in `err`.
 [[nodiscard]] void* map(std::size_t bytes, std::size_t alignment, bool noreserve, int& err) noexcept;
 
-/// Unmaps what map() returned (the same bytes). 0 or errno.
+/// Address space only: like map() but inaccessible (PROT_NONE) and reserving no memory or swap;
+/// protect() makes parts of it usable. Null on failure, with the errno in `err`.
+[[nodiscard]] void* reserve(std::size_t bytes, std::size_t alignment, int& err) noexcept;
+
+/// Makes a page-aligned range of mapped or reserved space readable and writable, or inaccessible
+/// again. 0 or errno.
+int protect(void* p, std::size_t bytes, bool accessible) noexcept;
+
+/// Unmaps what map() or reserve() returned (the same bytes). 0 or errno.
 int unmap(void* p, std::size_t bytes) noexcept;
 
 /// Gives the pages of a page-aligned range back to the OS (MADV_DONTNEED): they read as zeros
@@ -44,8 +52,8 @@ int page_nodes(void* const* pages, std::size_t count, int* nodes) noexcept;
 /// Fault injection for tests. Thread-safe; costs one relaxed atomic load per call when unused.
 namespace testing {
 
-enum class Call : int { map, unmap, advise, bind, page_nodes, discard };
-inline constexpr int kCalls = 6;
+enum class Call : int { map, unmap, advise, bind, page_nodes, discard, protect };  ///< reserve() counts as map
+inline constexpr int kCalls = 7;
 
 /// The `nth` call of `call` from now on (0 = the next) fails with `err`, once; the call itself is
 /// not made. One armed failure per kind; arming again replaces it.

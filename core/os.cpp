@@ -1,4 +1,4 @@
-#include "memtide/allocator/detail/os.hpp"
+#include "memtide/core/os.hpp"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -43,7 +43,8 @@ std::size_t page_bytes() noexcept {
   return p;
 }
 
-void* map(std::size_t bytes, std::size_t alignment, bool noreserve, int& err) noexcept {
+namespace {
+void* map_aligned(std::size_t bytes, std::size_t alignment, int prot, int flags, int& err) noexcept {
   err = 0;
   if (injected(testing::Call::map)) {
     err = errno;
@@ -56,8 +57,7 @@ void* map(std::size_t bytes, std::size_t alignment, bool noreserve, int& err) no
     err = ENOMEM;
     return nullptr;
   }
-  const int flags = MAP_PRIVATE | MAP_ANONYMOUS | (noreserve ? MAP_NORESERVE : 0);
-  void* raw = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, flags, -1, 0);
+  void* raw = ::mmap(nullptr, length, prot, MAP_PRIVATE | MAP_ANONYMOUS | flags, -1, 0);
   if (raw == MAP_FAILED) {
     err = errno;
     return nullptr;
@@ -68,6 +68,20 @@ void* map(std::size_t bytes, std::size_t alignment, bool noreserve, int& err) no
   if (start > b) ::munmap(raw, start - b);
   if (b + length > start + bytes) ::munmap(reinterpret_cast<void*>(start + bytes), b + length - (start + bytes));
   return reinterpret_cast<void*>(start);
+}
+}  // namespace
+
+void* map(std::size_t bytes, std::size_t alignment, bool noreserve, int& err) noexcept {
+  return map_aligned(bytes, alignment, PROT_READ | PROT_WRITE, noreserve ? MAP_NORESERVE : 0, err);
+}
+
+void* reserve(std::size_t bytes, std::size_t alignment, int& err) noexcept {
+  return map_aligned(bytes, alignment, PROT_NONE, MAP_NORESERVE, err);
+}
+
+int protect(void* p, std::size_t bytes, bool accessible) noexcept {
+  if (injected(testing::Call::protect)) return errno;
+  return ::mprotect(p, bytes, accessible ? PROT_READ | PROT_WRITE : PROT_NONE) == 0 ? 0 : errno;
 }
 
 int unmap(void* p, std::size_t bytes) noexcept {
