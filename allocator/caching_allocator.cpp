@@ -295,7 +295,9 @@ void CachingAllocator::release_cached_locked() {
 
 CachingAllocator::Block* CachingAllocator::split_locked(Block* block, std::size_t size) {
   const std::size_t remaining = block->size - size;
-  const bool split = block->small ? remaining >= kRound : remaining > kSmallSize;
+  // In an expandable segment any rest is worth keeping apart: it is at most a granule's slack at
+  // the end, or a hole the next fitting request takes (torch splits the same way there).
+  const bool split = block->small || block->expandable ? remaining >= kRound : remaining > kSmallSize;
   if (!split) return block;
   Block* rest = new_block_locked();
   rest->addr = block->addr + size;

@@ -118,7 +118,7 @@ class MemtideTorchAllocator final : public cca::CUDAAllocator {
     initialized_.store(true);
   }
   bool initialized() override { return initialized_.load(); }
-  double getMemoryFraction(c10::DeviceIndex device) override {
+  double getMemoryFraction(c10::DeviceIndex device) {
     return translated("getMemoryFraction", [&] { return Runtime::get().allocator(device).memory_fraction(); });
   }
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
@@ -150,10 +150,10 @@ class MemtideTorchAllocator final : public cca::CUDAAllocator {
 
   // ---- statistics and snapshots ----------------------------------------------------------------
 
-  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+  cca::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     return translated("getDeviceStats", [&] {
       const memtide::AllocatorStats s = Runtime::get().allocator(device).stats();
-      c10::CachingDeviceAllocator::DeviceStats out;
+      cca::DeviceStats out;
       auto copy = [](const memtide::StatArray& from, auto& to) {
         for (std::size_t i = 0; i < from.size(); ++i) {
           to[i].current = from[i].current;
@@ -426,7 +426,7 @@ class MemtideTorchAllocator final : public cca::CUDAAllocator {
       for (const memtide::SegmentSnapshot& s : snap.segments) {
         const c10::MempoolId_t owner{s.pool_first, s.pool_second};
         if (pool != c10::MempoolId_t{0, 0} && owner != pool) continue;
-        c10::CachingDeviceAllocator::SegmentInfo seg;
+        cca::SegmentInfo seg;
         seg.device = device;
         seg.address = s.address;
         seg.total_size = s.total_size;
@@ -438,7 +438,7 @@ class MemtideTorchAllocator final : public cca::CUDAAllocator {
         seg.is_expandable = s.expandable;
         seg.owner_private_pool_id = owner;
         for (const memtide::BlockSnapshot& b : s.blocks) {
-          c10::CachingDeviceAllocator::BlockInfo block;
+          cca::BlockInfo block;
           block.size = b.size;
           block.requested_size = b.requested_size;
           block.allocated = b.state == memtide::BlockState::active_allocated;

@@ -19,7 +19,9 @@ import memtide
 from memtide_testing import clean_env, run_python
 
 STATES = {"active_allocated", "active_pending_free", "inactive"}
-ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "snapshot"}
+# segment_map / segment_unmap: an expandable segment grew or shrank (its size, not its existence).
+ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map", "segment_unmap",
+           "oom", "snapshot"}
 
 # Allocates through memtide_malloc, frees some, empties the cache, allocates again and dumps a
 # snapshot. Prints the pointers still live, so the test can match them against the snapshot.
@@ -148,7 +150,8 @@ def test_snapshot_is_consistent(tmp_path):
         assert blocks[int(p)]["requested_size"] == n
     trace: List[Dict[str, Any]] = snap["device_traces"][0]
     actions = {e["action"] for e in trace}
-    assert {"segment_alloc", "alloc", "free_requested", "free_completed", "segment_free"} <= actions
+    assert {"segment_alloc", "alloc", "free_requested", "free_completed"} <= actions
+    assert actions & {"segment_free", "segment_unmap"}  # memory went back (an expandable segment unmaps)
     assert {seg["segment_type"] for seg in snap["segments"]} == {"small", "large"}
 
 

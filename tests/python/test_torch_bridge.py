@@ -26,7 +26,9 @@ def bridge_expected() -> bool:
 
 
 def run(script: str, **env: str) -> dict:
-    """Runs `script` (which prints one JSON line last) in a fresh interpreter on the sim device."""
+    """Runs `script` (which prints one JSON line last) in a fresh interpreter on the sim device,
+    with torch's default segment policy (expandable segments off) unless `env` says otherwise."""
+    env.setdefault("MEMTIDE_EXPANDABLE_SEGMENTS", "false")
     p = run_python(["-c", script], env=clean_env(MEMTIDE_DEVICE="sim", **env))
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -180,6 +182,26 @@ print(json.dumps(out))
     with open(path, "rb") as f:
         dumped = pickle.load(f)
     assert "segments" in _memory_viz.segsum(dumped)
+
+
+def test_expandable_segments_show_in_torchs_snapshot(need_bridge):
+    r = run(PRELUDE + f"""
+a = C._cuda_cudaCachingAllocator_raw_alloc(3 * {MiB}, 0)
+b = C._cuda_cudaCachingAllocator_raw_alloc(5 * {MiB}, 0)
+snap = torch.cuda.memory._snapshot()
+stats = C._cuda_memoryStats(0)
+C._cuda_cudaCachingAllocator_raw_delete(a)
+C._cuda_cudaCachingAllocator_raw_delete(b)
+C._cuda_emptyCache()
+out.update(segments=[(s["is_expandable"], s["total_size"], len(s["blocks"])) for s in snap["segments"]],
+           actions=[e["action"] for e in snap["device_traces"][0]], allocated=stats["allocated_bytes"]["all"]["current"],
+           reserved=stats["reserved_bytes"]["all"]["current"], after=C._cuda_memoryStats(0)["reserved_bytes"]["all"]["current"])
+print(json.dumps(out))
+""", MEMTIDE_EXPANDABLE_SEGMENTS="true", MEMTIDE_RECORD_HISTORY="1")
+    # One segment grown twice by 2 MiB granules: 3 MiB + 5 MiB in 8 MiB, nothing stranded.
+    assert r["segments"] == [[True, 8 * MiB, 2]]
+    assert r["actions"] == ["segment_map", "alloc", "segment_map", "alloc"]
+    assert r["allocated"] == 8 * MiB and r["reserved"] == 8 * MiB and r["after"] == 0
 
 
 def test_bridge_off_falls_back_to_pluggable_and_says_why():
