@@ -48,6 +48,12 @@ thread_local std::string t_bridge_error;
 memtide::Stream to_stream(cudaStream_t s) { return memtide::Stream{static_cast<void*>(s)}; }
 memtide::PoolId to_pool(c10::MempoolId_t id) { return {id.first, id.second}; }
 
+// A memtide message without its own "memtide: " (the hook's name goes in front instead).
+const char* unprefixed(const char* what) {
+  constexpr const char kPrefix[] = "memtide: ";
+  return std::strncmp(what, kPrefix, sizeof kPrefix - 1) == 0 ? what + sizeof kPrefix - 1 : what;
+}
+
 // memtide's errors as torch's: OutOfMemory becomes torch.OutOfMemoryError in Python, a bad
 // argument ValueError, the rest RuntimeError. Every hook goes through here, so no memtide
 // exception type reaches torch's code (which catches only c10::Error and std::exception).
@@ -58,11 +64,11 @@ decltype(auto) translated(const char* where, F&& body) {
   } catch (const memtide::OutOfMemory& e) {
     C10_THROW_ERROR(OutOfMemoryError, e.what());
   } catch (const memtide::InvalidArgument& e) {
-    C10_THROW_ERROR(ValueError, std::string("memtide ") + where + ": " + e.what());
+    C10_THROW_ERROR(ValueError, std::string("memtide ") + where + ": " + unprefixed(e.what()));
   } catch (const c10::Error&) {
     throw;
   } catch (const std::exception& e) {
-    C10_THROW_ERROR(Error, std::string("memtide ") + where + ": " + e.what());
+    C10_THROW_ERROR(Error, std::string("memtide ") + where + ": " + unprefixed(e.what()));
   }
 }
 
