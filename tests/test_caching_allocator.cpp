@@ -36,8 +36,9 @@ class CachingAllocatorTest : public WithDevice<B> {
   void SetUp() override {
     WithDevice<B>::SetUp();
     if (this->IsSkipped()) return;
-    alloc_ = std::make_unique<CachingAllocator>(this->device(), capped(64 * MiB));
+    alloc_ = std::make_unique<CachingAllocator>(this->device(), config());
   }
+  [[nodiscard]] virtual AllocatorConfig config() const { return capped(64 * MiB); }
   void TearDown() override {
     if (alloc_) {
       EXPECT_EQ(validate_snapshot(alloc_->snapshot()), "");
@@ -449,25 +450,19 @@ TYPED_TEST(CachingAllocatorTest, CacheInfoAndBaseAllocation) {
 // ---- expandable segments -------------------------------------------------------------------
 
 template <typename B>
-class ExpandableSegmentTest : public WithDevice<B> {
+class ExpandableSegmentTest : public CachingAllocatorTest<B> {
  protected:
   void SetUp() override {
-    WithDevice<B>::SetUp();
+    CachingAllocatorTest<B>::SetUp();
     if (this->IsSkipped()) return;
-    if (this->device().vmm_granularity() == 0) GTEST_SKIP() << "the device has no virtual memory management";
+    granule_ = this->device().vmm_granularity();
+    if (granule_ == 0) GTEST_SKIP() << "the device has no virtual memory management";
+  }
+  [[nodiscard]] AllocatorConfig config() const override {
     AllocatorConfig c = capped(64 * MiB);
     c.expandable_segments = true;
-    alloc_ = std::make_unique<CachingAllocator>(this->device(), c);
-    granule_ = this->device().vmm_granularity();
+    return c;
   }
-  void TearDown() override {
-    if (alloc_) {
-      EXPECT_EQ(validate_snapshot(alloc_->snapshot()), "");
-      alloc_.reset();
-    }
-  }
-  CachingAllocator& a() { return *alloc_; }
-  std::unique_ptr<CachingAllocator> alloc_;
   std::size_t granule_ = 0;
 };
 TYPED_TEST_SUITE(ExpandableSegmentTest, memtide::test::DeviceBackends, memtide::test::BackendNames);
