@@ -12,6 +12,7 @@
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/thread_pool.hpp"
 #include "memtide/tiering/calibration.hpp"
+#include "memtide/tiering/layer_window.hpp"
 #include "memtide/tiering/perf_model.hpp"
 #include "memtide/core/error.hpp"
 #if MEMTIDE_HAVE_NVME
@@ -558,7 +559,50 @@ nb::dict nvme_probe(const std::string& dir, std::uint64_t bytes, std::size_t que
 }
 #endif
 
+namespace {
+std::vector<tiering::BlockProfile> block_profiles(const nb::list& blocks) {
+  std::vector<tiering::BlockProfile> out;
+  for (nb::handle h : blocks) {
+    const nb::dict d = nb::cast<nb::dict>(h);
+    tiering::BlockProfile b;
+    for (auto [key, value] : d) {
+      const std::string k = nb::cast<std::string>(key);
+      if (k == "forward_ns") b.forward_ns = nb::cast<double>(value);
+      else if (k == "backward_ns") b.backward_ns = nb::cast<double>(value);
+      else if (k == "h2d_ns") b.h2d_ns = nb::cast<double>(value);
+      else if (k == "d2h_ns") b.d2h_ns = nb::cast<double>(value);
+      else if (k == "bytes") b.bytes = nb::cast<std::uint64_t>(value);
+      else throw InvalidArgument("block profile: unknown key '" + k + "' (forward_ns, backward_ns, h2d_ns, d2h_ns, bytes)");
+    }
+    out.push_back(b);
+  }
+  return out;
+}
+}  // namespace
+
 void bind_tiering(nb::module_& m) {
+  m.def(
+      "choose_window",
+      [](const nb::list& blocks, std::uint64_t available, double async_ns) {
+        const tiering::WindowSize w = tiering::choose_window(block_profiles(blocks), available, async_ns);
+        nb::dict d;
+        d["blocks"] = w.blocks;
+        d["hides_transfers"] = w.hides_transfers;
+        d["peak_bytes"] = w.peak_bytes;
+        d["why"] = w.why;
+        return d;
+      },
+      "blocks"_a, "available"_a, "async_ns"_a = 0.0,
+      "The layer window's size (tiering::choose_window): `blocks` is a list of dicts with forward_ns,\n"
+      "backward_ns, h2d_ns, d2h_ns and bytes per block; returns blocks (m), hides_transfers,\n"
+      "peak_bytes and why. Raises ValueError, with the numbers, when one block and its prefetch do not fit.");
+  m.def(
+      "window_pass_ns",
+      [](const nb::list& blocks, int window, double async_ns) {
+        return tiering::window_pass_ns(block_profiles(blocks), window, async_ns);
+      },
+      "blocks"_a, "m"_a, "async_ns"_a = 0.0,
+      "The modelled forward + backward time with a window of m blocks (tiering::window_pass_ns).");
 #if MEMTIDE_HAVE_NVME
   m.def("nvme_probe", &nvme_probe, "dir"_a, "bytes"_a = std::uint64_t{1} << 30, "queue_depth"_a = 32,
         "block_bytes"_a = std::size_t{1} << 20,
