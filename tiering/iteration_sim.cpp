@@ -9,7 +9,9 @@
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/error.hpp"
+#include "memtide/core/format.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
+#include "memtide/tiering/optimizer_state.hpp"
 #include "memtide/tiering/update_engine.hpp"
 
 namespace memtide::tiering {
@@ -19,9 +21,10 @@ struct Table2Row {
   const char* name;
   int layers, hidden, heads;
 };
-// Deep Optimizer States, Table 2 (LLaMA2 7B/13B, Megatron 8.3B, GPT 10B, GPT-NeoX 20B).
-constexpr Table2Row kTable2[] = {
-    {"7B", 32, 4096, 32}, {"8.3B", 72, 3072, 24}, {"10B", 50, 4096, 32}, {"13B", 40, 5120, 40}, {"20B", 48, 6144, 64}};
+// Deep Optimizer States, Table 2 (LLaMA2 7B/13B, Megatron 8.3B, GPT 10B, GPT-NeoX 20B), and one
+// model at STRONGHOLD's scale for the layer window (39B: GPT-3's 8192 hidden, 48 layers).
+constexpr Table2Row kTable2[] = {{"7B", 32, 4096, 32},  {"8.3B", 72, 3072, 24}, {"10B", 50, 4096, 32},
+                                 {"13B", 40, 5120, 40}, {"20B", 48, 6144, 64},  {"40B", 48, 8192, 64}};
 
 void require(bool ok, const std::string& what) {
   if (!ok) throw InvalidArgument(what);
@@ -71,9 +74,10 @@ struct Units {
 // One rank's machine and the engine on it, for all iterations of one contender.
 class Rank {
  public:
-  Rank(const ModelShape& model, const NodeSpec& node, Contender contender)
+  Rank(const ModelShape& model, const NodeSpec& node, Contender contender, int window)
       : model_(model), node_(node), contender_(contender), units_{model, node, double(model.seq) * model.micro_batch},
-        device_(phantom(node.device)), allocator_(device_), arena_(HostArenaConfig{}) {
+        device_(phantom(node.device)), allocator_(device_), arena_(HostArenaConfig{}),
+        window_(window < model.layers ? window : 0) {
     compute_ = device_.create_stream();
     comm_ = device_.create_stream();
     flush_ = device_.create_stream();
@@ -90,11 +94,19 @@ class Rank {
     config.nvme.read_bytes_per_s = node.nvme_read_bytes_per_s;
     config.nvme.write_bytes_per_s = node.nvme_write_bytes_per_s;
     engine_ = std::make_unique<UpdateEngine>(allocator_, arena_, n_, std::move(subgroups), nullptr, config);
-    engine_->model_params(DType::bf16);  // the rank's fp16 params live in device memory for good
+    if (window_ == 0) {
+      engine_->model_params(DType::bf16);  // the rank's fp16 params live in device memory for good
+    } else {
+      open_window();
+    }
   }
+
+  /// The most device memory forward and backward held so far, less the engine's loans.
+  [[nodiscard]] std::uint64_t own_peak() const { return own_peak_; }
 
   ~Rank() {
     engine_.reset();
+    close_window();
     device_.destroy_stream(compute_);
     device_.destroy_stream(comm_);
     device_.destroy_stream(flush_);
@@ -110,6 +122,8 @@ class Rank {
     memory_.clear();
     const double bytes_before = engine_->grad_bytes_to_host();
 
+    window_h2d_bytes_ = 0;
+    if (window_ > 0 && next_fetch_ == 0) prefetch_window();  // the first iteration: no update before it
     const double t0 = now_s();
     allocator_.mark_phase(Phase::forward);
     sample();
@@ -128,6 +142,12 @@ class Rank {
 
     allocator_.mark_phase(Phase::update);
     sample();
+    if (window_ > 0) {
+      // The next forward's first window comes in while the update phase runs (it contends with
+      // the update's own copies on the H2D engine, as on a GPU).
+      next_use_ = next_fetch_ = 0;
+      prefetch_window();
+    }
     const Policy policy = contender_ == Contender::memtide ? Policy::automatic
                           : contender_ == Contender::twinflow ? Policy::static_split
                                                               : Policy::cpu;
@@ -165,6 +185,8 @@ class Rank {
     out.nvme_bytes = step.total.nvme.read_bytes + step.total.nvme.write_bytes;
     out.grad_bytes_to_host = engine_->grad_bytes_to_host() - bytes_before + blocking_bytes_;
     blocking_bytes_ = 0;
+    out.window_blocks = window_ > 0 ? window_ : 0;
+    out.window_h2d_bytes = window_h2d_bytes_;
     out.phase_start_s[0] = t0;
     out.phase_start_s[1] = t1;
     out.phase_start_s[2] = t2;
@@ -200,7 +222,10 @@ class Rank {
     const auto bytes = static_cast<std::size_t>(units_.params(u) * 2);
     void* buffer = allocator_.allocate(bytes, comm_);
     const double t = units_.collective_bytes(u) / node_.link_bytes_per_s * 1e9;
+    const bool windowed = window_ > 0 && !units_.head(u);
+    if (windowed) take_from_window(u);  // the all-gather reads the shard from its window buffer
     device_.enqueue_collective(comm_, units_.collective_bytes(u), node_.link_bytes_per_s);
+    if (windowed) release_to_window();
     work.comm_ns += t;
     if (work.lead_ns == 0) work.lead_ns = t;
     Event ready = device_.create_event();
@@ -229,6 +254,10 @@ class Rank {
   }
   void throttle() {
     sample();
+    // What forward and backward need of their own, the engine's loans aside (it gives them back).
+    const std::uint64_t allocated = static_cast<std::uint64_t>(allocator_.stats().allocated_bytes[0].current);
+    const std::uint64_t loans = engine_->resident_bytes() + engine_->kept_grad_bytes();
+    own_peak_ = std::max(own_peak_, allocated > loans ? allocated - loans : 0);
     Event done = device_.create_event();
     device_.record_event(done, compute_);
     in_flight_.push_back(done);
@@ -355,6 +384,106 @@ class Rank {
     allocator_.deallocate(shard, n * 2, comm_);
   }
 
+  // ---- the layer window ----------------------------------------------------------------------
+  // The rank's shards of the blocks live in (phantom, pinned) host memory; m + 1 device buffers
+  // take them in turn, in the order the all-gathers read them: every micro-batch's forward
+  // (blocks 0 .. L-1), then every micro-batch's backward (L-1 .. 0). The shard for the gather m
+  // places ahead is copied in when a gather takes its own, into the buffer the gather before it
+  // left (the copy waits for that gather on the link).
+  void open_window() {
+    home_offset_.assign(static_cast<std::size_t>(model_.layers), 0);
+    std::size_t home = 0;
+    for (int u = 0; u < model_.layers; ++u) {
+      home_offset_[static_cast<std::size_t>(u)] = home;
+      home += units_.shard(u) * 2;
+      slot_bytes_ = std::max(slot_bytes_, units_.shard(u) * 2);
+    }
+    home_bytes_ = home;
+    home_ = static_cast<unsigned char*>(reserve_phantom_host(home_bytes_));
+    device_.host_register(home_, home_bytes_);
+    head_ = allocator_.allocate(units_.shard(model_.layers) * 2, Stream{});  // the head stays
+    h2d_ = device_.create_stream();
+    for (int k = 0; k <= window_; ++k) {
+      slots_.push_back(allocator_.allocate(slot_bytes_, Stream{}));
+      free_.push_back({k, Event{}});
+    }
+    for (int mb = 0; mb < model_.micro_batches; ++mb) {
+      for (int u = 0; u < model_.layers; ++u) order_.push_back(u);
+    }
+    turn_ = order_.size();
+    for (int mb = 0; mb < model_.micro_batches; ++mb) {
+      for (int u = model_.layers - 1; u >= 0; --u) order_.push_back(u);
+    }
+    // At the turn from forward to backward the last m blocks stay (STRONGHOLD): the first m
+    // gathers of backward read the buffers the last m of forward filled.
+    for (std::size_t k = 0; k < order_.size(); ++k) {
+      if (!turn_kept(k) || k < turn_) fetches_.push_back(k);
+    }
+  }
+  // Whether use k is one of the last m of forward or the first m of backward.
+  [[nodiscard]] bool turn_kept(std::size_t k) const {
+    const auto m = static_cast<std::size_t>(window_);
+    return k + m >= turn_ && k < turn_ + m;
+  }
+  void close_window() {
+    if (home_ == nullptr) return;
+    device_.synchronize();
+    for (auto& f : fetched_) device_.destroy_event(f.second);
+    for (auto& f : free_) {
+      if (f.second.valid()) device_.destroy_event(f.second);
+    }
+    for (void* p : slots_) allocator_.deallocate(p, slot_bytes_, Stream{});
+    allocator_.deallocate(head_, units_.shard(model_.layers) * 2, Stream{});
+    device_.destroy_stream(h2d_);
+    device_.host_unregister(home_);
+  }
+  // Copies in the shard of the next use that needs one (into the buffer freed longest ago).
+  void fetch_next() {
+    if (free_.empty()) throw Error("iteration simulator: the layer window has no free buffer");
+    const int u = order_[fetches_[next_fetch_++]];
+    auto [slot, free] = free_.front();
+    free_.erase(free_.begin());
+    if (free.valid()) {
+      device_.stream_wait_event(h2d_, free);
+      device_.destroy_event(free);
+    }
+    const std::size_t bytes = units_.shard(u) * 2;
+    device_.copy_async(slots_[static_cast<std::size_t>(slot)], home_ + home_offset_[static_cast<std::size_t>(u)], bytes,
+                       CopyKind::host_to_device, h2d_);
+    window_h2d_bytes_ += static_cast<double>(bytes);
+    Event ready = device_.create_event();
+    device_.record_event(ready, h2d_);
+    fetched_.push_back({slot, ready});
+  }
+  void prefetch_window() {
+    while (static_cast<int>(fetched_.size()) < window_ && next_fetch_ < fetches_.size() && !free_.empty()) fetch_next();
+  }
+  // The gather of block u (the next in order_) reads its shard once the copy has landed.
+  void take_from_window(int u) {
+    if (order_[next_use_] != u) throw Error("iteration simulator: the window's order lost its place");
+    taken_use_ = next_use_++;
+    if (turn_kept(taken_use_) && taken_use_ >= turn_) {  // still there from forward
+      taken_slot_ = kept_slot_.at(u);
+      return;
+    }
+    if (fetched_.empty()) fetch_next();  // a window of one whose copy the gather waits for
+    auto [slot, ready] = fetched_.front();
+    fetched_.erase(fetched_.begin());
+    device_.stream_wait_event(comm_, ready);
+    device_.destroy_event(ready);
+    taken_slot_ = slot;
+  }
+  void release_to_window() {
+    if (turn_kept(taken_use_) && taken_use_ < turn_) {
+      kept_slot_[order_[taken_use_]] = taken_slot_;  // backward reads it again
+    } else {
+      Event done = device_.create_event();
+      device_.record_event(done, comm_);
+      free_.push_back({taken_slot_, done});
+    }
+    prefetch_window();  // the shard m gathers ahead
+  }
+
   const ModelShape& model_;
   const NodeSpec& node_;
   Contender contender_;
@@ -373,9 +502,49 @@ class Rank {
   std::vector<Event> in_flight_;  // compute of the units the host has run ahead by
   double blocking_bytes_ = 0;  // fp16 gradient bytes flushed the blocking way this iteration
   bool pushed_ = false;
+  // The layer window (window_ > 0).
+  int window_ = 0;
+  Stream h2d_{};
+  unsigned char* home_ = nullptr;
+  std::size_t home_bytes_ = 0;
+  std::vector<std::size_t> home_offset_;
+  std::size_t slot_bytes_ = 0;
+  std::vector<void*> slots_;
+  void* head_ = nullptr;
+  std::vector<int> order_;                      // blocks in the order their gathers come
+  std::size_t turn_ = 0;                        // the first use of backward in order_
+  std::vector<std::size_t> fetches_;            // the uses that copy their shard in
+  std::map<int, int> kept_slot_;                // block -> its buffer across the turn
+  std::size_t next_fetch_ = 0, next_use_ = 0;   // places in fetches_ and order_
+  std::size_t taken_use_ = 0;
+  std::vector<std::pair<int, Event>> fetched_;  // slot and copy-done, oldest first
+  std::vector<std::pair<int, Event>> free_;     // slot and when its last reader is done
+  int taken_slot_ = -1;
+  double window_h2d_bytes_ = 0;
+  std::uint64_t own_peak_ = 0;
 };
 
 }  // namespace
+
+std::vector<BlockProfile> window_profiles(const ModelShape& model, const NodeSpec& node) {
+  model.validate();
+  node.validate();
+  const Units units{model, node, double(model.seq) * model.micro_batch};
+  std::vector<BlockProfile> out;
+  for (int u = 0; u < model.layers; ++u) {
+    const double gather_ns = units.collective_bytes(u) / node.link_bytes_per_s * 1e9;
+    const double fwd = units.ns(units.forward_flops(u)) * model.micro_batches;
+    const double bwd = units.ns((node.checkpointing ? 3 : 2) * units.forward_flops(u)) * model.micro_batches;
+    BlockProfile b;
+    b.forward_ns = std::max(fwd, gather_ns);
+    b.backward_ns = std::max(bwd, 2 * gather_ns);  // gather and reduce-scatter share the link
+    b.h2d_ns = static_cast<double>(units.shard(u)) * 2 / node.device.h2d_bytes_per_s * 1e9;
+    b.d2h_ns = static_cast<double>(units.shard(u)) * 4 / node.device.d2h_bytes_per_s * 1e9;
+    b.bytes = units.shard(u) * 2;
+    out.push_back(b);
+  }
+  return out;
+}
 
 double ModelShape::layer_params() const {
   const double h = hidden;
@@ -467,10 +636,68 @@ IterationResult simulate_iteration(const ModelShape& model, const NodeSpec& node
   require(shard / static_cast<double>(node.subgroup_params) <= static_cast<double>(kMaxSubgroups),
           "simulate_iteration: the rank's " + std::to_string(static_cast<long long>(shard)) + " params in subgroups of " +
               std::to_string(node.subgroup_params) + " are more than " + std::to_string(kMaxSubgroups) + " subgroups");
-  Rank rank(model, node, contender);
+  require(node.window_blocks >= NodeSpec::kWindowAuto,
+          "simulate_iteration: window_blocks must be >= 0 or kWindowAuto, got " + std::to_string(node.window_blocks));
+  int window = contender == Contender::memtide ? node.window_blocks : 0;
+  std::string why;
+  if (window == NodeSpec::kWindowAuto) {
+    // What the rest of forward and backward needs: two iterations with the smallest window, less
+    // its two buffers and the engine's loans (which it gives back when asked); the window gets
+    // what is left, less a twentieth for the allocator's rounding and cache.
+    const std::vector<BlockProfile> blocks = window_profiles(model, node);
+    std::uint64_t other = 0;
+    try {
+      Rank probe(model, node, contender, 1);
+      for (int i = 0; i < 2; ++i) (void)probe.iterate(i, false);
+      other = probe.own_peak() - window_bytes(blocks, 1) + node.device.capacity / 20;
+    } catch (const OutOfMemory& e) {
+      throw OutOfMemory(std::string("the layer window cannot fit model ") + model.name +
+                        " even at one block and its prefetch: " + e.what());
+    }
+    const std::uint64_t capacity = node.device.capacity;
+    const WindowSize chosen = choose_window(blocks, capacity > other ? capacity - other : 0);
+    // choose_window judges the pass alone; every buffer the window takes is also memory the update
+    // phase's GPU subgroups and the gradient path no longer have. So the simulator judges its
+    // choice and the halvings below it on whole iterations and keeps the smallest within 1% of
+    // the best (one that runs out of memory is out).
+    std::vector<std::pair<int, double>> tried;
+    for (int m = chosen.blocks;; m = std::max(1, m / 2)) {
+      try {
+        Rank candidate(model, node, contender, m);
+        double t = 0;
+        for (int i = 0; i < options.iterations; ++i) t = candidate.iterate(i, false).simulated.iteration_s;
+        tried.emplace_back(m, t);
+      } catch (const OutOfMemory&) {
+        tried.emplace_back(m, INFINITY);
+      }
+      if (m == 1) break;
+    }
+    double best = INFINITY;
+    for (const auto& [m, t] : tried) best = std::min(best, t);
+    if (!std::isfinite(best)) {
+      throw OutOfMemory("the layer window cannot fit model " + model.name + ": every window from " +
+                        std::to_string(chosen.blocks) + " blocks down to 1 runs out of device memory");
+    }
+    window = 0;
+    why = "pass model: " + chosen.why + "; whole iterations:";
+    for (const auto& [m, t] : tried) {
+      why += " m=";
+      why += std::to_string(m);
+      why += std::isfinite(t) ? std::string(" ") + format_duration_ns(t * 1e9) : std::string(" out of memory");
+      why += ',';
+      if (t <= best * 1.01) window = m;  // the halvings come smallest last
+    }
+    why += " chose ";
+    why += std::to_string(window);
+  }
+  Rank rank(model, node, contender, window);
   IterationResult out;
   for (int i = 0; i < options.iterations; ++i) {
     out = rank.iterate(i, options.record_ops && i + 1 == options.iterations);
+  }
+  if (window > 0) {
+    out.window_blocks = std::min(window, model.layers);
+    out.window_why = why;
   }
   return out;
 }

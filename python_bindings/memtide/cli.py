@@ -851,6 +851,18 @@ _SIM_GPUS = {
 _CONTENDERS = ("zero3_offload", "twinflow", "memtide")
 
 
+def _window_arg(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of blocks >= 0 or auto, got {text!r}")
+    return n
+
+
 def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "micro_batch", "micro_batches", "vocab")
              if getattr(args, k) is not None}
@@ -874,6 +886,7 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         for key in ("nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
             node.setdefault(key, defaults[key])
     results = {}
+    failed = {}
     checkpoint = not args.no_checkpointing
     tokens = (args.seq or 2048) * (args.micro_batch or 1) * (args.micro_batches or 1)
     for name in _CONTENDERS:
@@ -883,11 +896,22 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         try:
             r = memtide.simulate_iteration(model=model, shape=shape or None, contender=name, node=node,
                                            checkpointing=not args.no_checkpointing, iterations=args.iterations,
-                                           record_ops=record)
+                                           record_ops=record, window=args.window if name == "memtide" else None)
         except ValueError as e:
-            if "host budget" not in str(e):
+            if "host budget" in str(e):
+                raise _UsageError(f"--host-mem: {e}") from None
+            if "layer window" in str(e):
+                raise _UsageError(f"--window: {e}") from None
+            raise
+        except MemoryError as e:
+            # With the layer window, the baselines (which keep every parameter on the GPU) may not
+            # fit where memtide does: say so instead of failing the comparison.
+            if name == "memtide" or args.window is None:
                 raise
-            raise _UsageError(f"--host-mem: {e}") from None
+            failed[name] = {"fits": False, "error": str(e)}
+            if not args.json:
+                print(f"  {name} does not fit: {e}", file=sys.stderr, flush=True)
+            continue
         if record:
             recorded = r
         sim, pred = r["simulated"], r["predicted"]
@@ -904,8 +928,21 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
             "nvme": {"subgroups": r["nvme_subgroups"], "bytes": r["nvme_bytes"]} if r["nvme_subgroups"] else None,
             "plan": {k: r["plan"][k] for k in (
                 "k", "gpu_streamed", "static_residents", "gpu_slots")},
+            "fits": True,
+            "window": r["window"],
         }
+        if r["window"]:
+            results[name]["window_why"] = r["window_why"]
+            results[name]["window_h2d_bytes"] = r["window_h2d_bytes"]
         params, model_name, capacity = r["params"], r["model"], r["capacity_bytes"]
+    results.update(failed)
+    results = {name: results[name] for name in _CONTENDERS}
+    out = {"model": model_name, "params": params, "shape": shape, "gpu": args.gpu, "node": node,
+           "checkpointing": not args.no_checkpointing, "capacity_bytes": capacity, "window": results["memtide"]["window"],
+           "contenders": results, **({"recorded": recorded} if args.timeline else {})}
+    if failed:
+        out["speedup"] = None
+        return out
     zero, mt = results["zero3_offload"], results["memtide"]
     # The speed-up in two steps, as the paper splits it: memtide's backward first, then its update.
     after_backward = zero["iteration_s"] - zero["backward_s"] + mt["backward_s"]
@@ -916,9 +953,8 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         "update_adds": after_backward / mt["iteration_s"] - 1,
         "paper": {"memtide_over_zero3": [2.0, 2.5], "from_backward": 1.9, "update_adds": 0.6},
     }
-    return {"model": model_name, "params": params, "shape": shape, "gpu": args.gpu, "node": node,
-            "checkpointing": not args.no_checkpointing, "capacity_bytes": capacity, "contenders": results,
-            "speedup": speedup, **({"recorded": recorded} if args.timeline else {})}
+    out["speedup"] = speedup
+    return out
 
 
 def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, Any]:
@@ -969,13 +1005,25 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
           f"activation checkpointing {'on' if result['checkpointing'] else 'off'}")
     print(f"{'':15}{'forward':>9}{'backward':>10}{'update':>9}{'iteration':>11}{'speed-up':>10}{'predicted':>11}"
           f"{'update/bound':>14}   peak forward / backward / update")
-    zero = result["contenders"]["zero3_offload"]["iteration_s"]
+    fitted = result["contenders"]["zero3_offload"]["fits"]
+    zero = result["contenders"]["zero3_offload"]["iteration_s"] if fitted else None
     for name, c in result["contenders"].items():
+        if not c["fits"]:
+            print(f"{name:15}does not fit in {format_bytes(int(result['capacity_bytes']))} without the layer window")
+            continue
         peaks = " / ".join(format_bytes(int(c["peak_bytes"][p])) for p in ("forward", "backward", "update"))
         bound = f"{c['update_vs_bound'] * 100:.0f}%" if c["update_vs_bound"] is not None else "-"
         print(f"{name:15}{c['forward_s']:8.2f}s{c['backward_s']:9.2f}s{c['update_s']:8.2f}s{c['iteration_s']:10.2f}s"
-              f"{zero / c['iteration_s']:9.2f}x{c['predicted']['iteration_s']:10.2f}s{bound:>14}   {peaks}")
+              + (f"{zero / c['iteration_s']:9.2f}x" if zero else f"{'-':>10}")
+              + f"{c['predicted']['iteration_s']:10.2f}s{bound:>14}   {peaks}")
+    if result["window"]:
+        mt = result["contenders"]["memtide"]
+        print(f"window    memtide keeps {result['window']} blocks' parameters on the GPU, the rest in host memory "
+              f"({format_bytes(int(mt['window_h2d_bytes']))} copied in per iteration)"
+              + (f": {mt['window_why']}" if mt.get("window_why") else " (as given)"))
     sp = result["speedup"]
+    if sp is None:
+        return 0
     print(f"memtide over ZeRO-3 offload: {sp['memtide_over_zero3']:.2f}x = {sp['from_backward']:.2f}x from the "
           f"backward pass, then +{sp['update_adds'] * 100:.0f}% from the update phase "
           f"(paper, 20B on 4 x H100: 2-2.5x = 1.9x, then +60%)")
@@ -1029,6 +1077,11 @@ def _add_simulate_parser(sub) -> None:
                      help="the NVMe tier's read rate per GPU (memtide probe --nvme DIR; default: 3)")
     sim.add_argument("--nvme-write", type=_rate, default=None, metavar="GB/s",
                      help="the NVMe tier's write rate per GPU (default: 2)")
+    sim.add_argument("--window", type=_window_arg, default=None, metavar="N|auto",
+                     help="memtide only: the layer window (STRONGHOLD), keeping N blocks' parameters on the GPU and "
+                     "the rest in host memory, or auto to size it from the modelled block times and the memory left "
+                     "(default: every parameter on the GPU); the contenders that do not fit without it are reported "
+                     "as such")
     sim.add_argument("--no-checkpointing", action="store_true", help="keep every activation (the paper: checkpointing)")
     sim.add_argument("--iterations", type=_positive_int, default=3, metavar="N",
                      help="iterations simulated; the last is reported (default: 3)")

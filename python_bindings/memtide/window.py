@@ -122,10 +122,19 @@ class LayerWindow:
                     v.copy_(p.data)
             self._host.append(flat)
             self._host_views.append(views)
+        # Where each parameter lives out of the window: the block's buffer, except for a parameter
+        # that is already a view of someone's larger host buffer (an optimizer's flat buffer, as
+        # TieredAdamW makes them, which its step writes in place): that stays its home.
+        self._home = [list(views) for views in self._host_views]
+        self._flat_home = [True] * len(self.layouts)  # every home is still the block's one buffer
         self._host_grad: Dict[int, torch.Tensor] = {}  # id(param) -> its gradient in host memory
-        for layout, views in zip(self.layouts, self._host_views):
-            for p, v in zip(layout.params, views):
-                p.data = v  # home is the host; the window moves blocks in and out
+        for b, (layout, views) in enumerate(zip(self.layouts, self._host_views)):
+            for k, (p, v) in enumerate(zip(layout.params, views)):
+                if self._owned_elsewhere(p):
+                    self._home[b][k] = p.data
+                    self._flat_home[b] = False
+                else:
+                    p.data = v  # home is the host; the window moves blocks in and out
 
         self.size = 0
         self._slots: List[torch.Tensor] = []
@@ -220,19 +229,20 @@ class LayerWindow:
             raise RuntimeError(f"LayerWindow: no buffer is free for block {b}: all {len(self._slots)} hold blocks "
                                "still in use (a block was called out of order?)")
         t0 = time.perf_counter_ns()
+        self._adopt_homes(b)
         if self._copy_stream is not None:
             # The copy may not start before the buffer's previous block is done with it on the
             # compute stream (and, in backward, before its gradients were copied out: same stream).
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
-                self._slots[slot][:self.layouts[b].bytes].copy_(self._host[b][:self.layouts[b].bytes], non_blocking=True)
+                self._copy_in(b, slot, non_blocking=True)
                 event = torch.cuda.Event(enable_timing=False)
                 event.record(self._copy_stream)
             self._ready[b] = event
             if sync:
                 event.synchronize()
         else:
-            self._slots[slot][:self.layouts[b].bytes].copy_(self._host[b][:self.layouts[b].bytes])
+            self._copy_in(b, slot, non_blocking=False)
         self._profile[b]["h2d_ns"] = max(self._profile[b]["h2d_ns"], float(time.perf_counter_ns() - t0))
         self._owner[slot] = b
         self._slot_of[b] = slot
@@ -265,6 +275,29 @@ class LayerWindow:
                 p.grad = None
             p.data = v
 
+    def _owned_elsewhere(self, p: torch.Tensor) -> bool:
+        on_host = p.device.type == "cpu"
+        larger = p.untyped_storage().nbytes() > p.numel() * p.element_size()
+        return on_host and larger and (self.device.type != "cpu" or p.is_contiguous())
+
+    def _adopt_homes(self, b: int) -> None:
+        """A block out of the window has its parameters at home; if something re-pointed one
+        (TieredAdamW makes each parameter a view of its own flat buffer, which its step writes),
+        that is the parameter's home from now on."""
+        for k, p in enumerate(self.layouts[b].params):
+            home = self._home[b][k]
+            if p.data.data_ptr() != home.data_ptr() or p.data.device != home.device:
+                self._home[b][k] = p.data
+                self._flat_home[b] = False
+
+    def _copy_in(self, b: int, slot: int, non_blocking: bool) -> None:
+        layout = self.layouts[b]
+        if self._flat_home[b]:  # one copy for the whole block
+            self._slots[slot][:layout.bytes].copy_(self._host[b][:layout.bytes], non_blocking=non_blocking)
+            return
+        for view, home in zip(layout.views(self._slots[slot]), self._home[b]):
+            view.copy_(home, non_blocking=non_blocking)
+
     def _free_slot(self, incoming: int) -> Optional[int]:
         for s, owner in enumerate(self._owner):
             if owner is None:
@@ -288,7 +321,7 @@ class LayerWindow:
         if slot is None:
             return
         self._staged[b] = None
-        for p, v in zip(self.layouts[b].params, self._host_views[b]):
+        for p, v in zip(self.layouts[b].params, self._home[b]):
             p.data = v
             g = self._host_grad.get(id(p))
             if g is not None and p.grad is None:

@@ -82,7 +82,7 @@ Contender contender_arg(const std::string& name) {
 
 nb::dict simulate(const std::optional<std::string>& model, const std::optional<nb::dict>& shape,
                   const std::string& contender, const std::optional<nb::dict>& node, bool checkpointing,
-                  int iterations, bool record_ops) {
+                  int iterations, bool record_ops, const nb::object& window) {
   ModelShape m;
   if (model) m = ModelShape::table2(*model);
   if (shape) {
@@ -106,7 +106,18 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
     }
     if (!model) m.name = "custom";
   }
-  const NodeSpec n = node_arg(node, checkpointing);
+  NodeSpec n = node_arg(node, checkpointing);
+  if (!window.is_none()) {
+    if (nb::isinstance<nb::str>(window) && nb::cast<std::string>(window) == "auto") {
+      n.window_blocks = NodeSpec::kWindowAuto;
+    } else if (nb::isinstance<nb::int_>(window) && !nb::isinstance<nb::bool_>(window) && nb::cast<long long>(window) >= 0 &&
+               nb::cast<long long>(window) <= (1LL << 30)) {
+      n.window_blocks = nb::cast<int>(window);
+    } else {
+      value_error("window = " + nb::cast<std::string>(nb::repr(window)) +
+                  " is not accepted: expected None, a number of blocks >= 0 (0: no window) or \"auto\"");
+    }
+  }
   const Contender c = contender_arg(contender);
   tiering::IterationResult r;
   {
@@ -132,6 +143,9 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
   d["grad_bytes_to_host"] = r.grad_bytes_to_host;
   d["nvme_subgroups"] = r.nvme_subgroups;
   d["nvme_bytes"] = r.nvme_bytes;
+  d["window"] = r.window_blocks;
+  d["window_why"] = r.window_why;
+  d["window_h2d_bytes"] = r.window_h2d_bytes;
   d["phase_start_s"] = nb::make_tuple(r.phase_start_s[0], r.phase_start_s[1], r.phase_start_s[2]);
   d["end_s"] = r.end_s;
   if (record_ops) {
@@ -178,12 +192,15 @@ nb::dict simulation_defaults() {
 void bind_simulator(nb::module_& m) {
   m.def("simulate_iteration", &simulate, "model"_a = nb::none(), "shape"_a = nb::none(), "contender"_a = "memtide",
         "node"_a = nb::none(), "checkpointing"_a = true, "iterations"_a = 3, "record_ops"_a = false,
+        "window"_a = nb::none(),
         "Whole ZeRO-3 training iterations of one rank on a phantom SimDevice, with memtide's real allocator,\n"
         "phase tracker, gradient path, planner and scheduler (see iteration_sim.hpp).\n\n"
         "`model`: a Table 2 name (7B, 8.3B, 10B, 13B, 20B); `shape` overrides or gives its fields (layers,\n"
         "hidden, heads, seq, micro_batch, micro_batches, vocab). `contender`: zero3_offload, twinflow or\n"
         "memtide. `node` overrides simulation_defaults(). Returns the last iteration: simulated and\n"
-        "predicted phase times, peak bytes per phase, capacity, the update plan and its bound.");
+        "predicted phase times, peak bytes per phase, capacity, the update plan and its bound.\n\n"
+        "`window` (memtide only): the layer window in blocks, or \"auto\" (NodeSpec::window_blocks); the\n"
+        "result's `window` is the size it ran with (0: none) and `window_why` how auto chose it.");
   m.def("simulation_defaults", &simulation_defaults,
         "The node the simulator assumes unless told otherwise (the paper's 4 x H100), and the Table 2 models.");
 }

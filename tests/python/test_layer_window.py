@@ -219,3 +219,35 @@ def test_a_change_at_home_after_the_prefetch_reaches_the_next_forward():
         return [p.detach().clone() for p in model.parameters()]
 
     assert same(run(None), run(2))
+
+
+@pytest.mark.parametrize("window_first", [True, False])
+def test_tiered_adamw_with_the_window_equals_tiered_adamw_without(window_first):
+    # TieredAdamW makes each parameter a view of its flat buffer and writes it in its step; the
+    # window takes that buffer as the parameter's home, whichever of the two came first.
+    from memtide.optim import TieredAdamW
+
+    def run(size):
+        model = make_model()
+        make = lambda: TieredAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)  # noqa: E731
+        if window_first:
+            window = LayerWindow(model.blocks.layers, size=size) if size else None
+            opt = make()
+        else:
+            opt = make()
+            window = LayerWindow(model.blocks.layers, size=size) if size else None
+        if window is not None:
+            window.attach_optimizer(opt)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for _ in range(2):
+                x, y = arithmetic_batch(gen, 8, 16, 32)
+                (lm_loss(model(x), y) / 2).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()], window
+
+    reference, _ = run(None)
+    params, window = run(2)
+    assert same(reference, params)
+    assert window.stats["fetches"] > LAYERS

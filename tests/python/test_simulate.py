@@ -63,6 +63,9 @@ def test_a_custom_shape_and_the_rate_flags_change_the_result():
     (["--gpu-mem", "1GiB"], ["out of memory"]),
     (["--host-mem", "1GiB"], ["--host-mem", "too small"]),
     (["--host-mem", "60GiB", "--nvme-read", "0"], ["--nvme-read"]),
+    (["--window", "-2"], ["--window", "-2"]),
+    (["--window", "big"], ["--window", "big"]),
+    (["--window", "auto", "--gpu-mem", "2GiB"], ["layer window", "out of memory"]),
 ])
 def test_bad_flags_are_named_without_a_traceback(args, words):
     p = cli(*args)
@@ -90,7 +93,7 @@ def test_the_python_api_refuses_unknown_keys_and_contenders():
     with pytest.raises(ValueError, match="hidden"):
         memtide.simulate_iteration(shape={"hidden": 0})
     defaults = memtide.simulation_defaults()
-    assert defaults["gpus"] == 4 and [m["name"] for m in defaults["models"]] == ["7B", "8.3B", "10B", "13B", "20B"]
+    assert defaults["gpus"] == 4 and [m["name"] for m in defaults["models"]] == ["7B", "8.3B", "10B", "13B", "20B", "40B"]
 
 
 def test_a_host_budget_spills_to_nvme_at_the_stated_rates():
@@ -115,3 +118,50 @@ def test_a_host_budget_spills_to_nvme_at_the_stated_rates():
     mt = memtide.simulate_iteration(shape=SMALL, node=node, contender="memtide")
     assert mt["nvme_subgroups"] == spilled["nvme_subgroups"] and mt["nvme_bytes"] < spilled["nvme_bytes"]
     assert mt["simulated"]["update_s"] < spilled["simulated"]["update_s"]
+
+
+def test_the_window_trains_40b_on_a_32gib_gpu_with_its_size_in_the_json():
+    p = cli("--window", "auto", "--gpu-mem", "32GiB", "--model", "40B", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["model"] == "40B" and r["params"] > 39e9
+    mt = r["contenders"]["memtide"]
+    assert r["window"] == mt["window"] >= 1 and "whole iterations" in mt["window_why"]
+    for phase in ("forward", "backward", "update"):
+        assert mt["peak_reserved_bytes"][phase] <= r["capacity_bytes"] == 32 * 2**30
+    assert mt["window_h2d_bytes"] > 0
+
+
+def test_the_window_fits_a_model_that_does_not_fit_without_it():
+    # One GPU (STRONGHOLD's setting): the 40B model's fp16 parameters alone are 73 GiB.
+    node = {"gpus": 1, "capacity_bytes": 32 * 2**30}
+    with pytest.raises(MemoryError):
+        memtide.simulate_iteration(model="40B", node=node, iterations=1)
+    r = memtide.simulate_iteration(model="40B", node=node, window="auto", iterations=2)
+    assert r["window"] >= 1 and max(r["peak_reserved_bytes"].values()) <= 32 * 2**30
+    # Every block but the resident ones is copied in twice (forward, backward); the turn keeps the
+    # last m blocks and the update phase brought in the first m.
+    shard = (12 * 8192**2 + 13 * 8192) * 2
+    m = r["window"]
+    assert r["window_h2d_bytes"] == pytest.approx((2 * 48 - m) * shard, rel=0.01)
+    # The baselines keep their parameters on the GPU: the CLI says they do not fit.
+    p = cli("--window", "auto", "--gpu-mem", "32GiB", "--model", "40B", "--gpus-per-node", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["contenders"]["zero3_offload"] == {"fits": False, "error": out["contenders"]["zero3_offload"]["error"]}
+    assert "out of memory" in out["contenders"]["zero3_offload"]["error"] and out["speedup"] is None
+
+
+def test_a_larger_window_copies_less_and_holds_more():
+    node = {"gpus": 1, "capacity_bytes": 32 * 2**30}
+    shape = {"layers": 12, "hidden": 4096, "heads": 32, "seq": 512}
+    small = memtide.simulate_iteration(shape=shape, node=node, window=1, iterations=2)
+    large = memtide.simulate_iteration(shape=shape, node=node, window=6, iterations=2)
+    assert small["window"] == 1 and large["window"] == 6
+    assert large["window_h2d_bytes"] < small["window_h2d_bytes"]
+    assert large["simulated"]["forward_s"] < small["simulated"]["forward_s"]  # copies bound this forward
+    assert large["peak_bytes"]["forward"] > small["peak_bytes"]["forward"]
+    with pytest.raises(ValueError, match="window"):
+        memtide.simulate_iteration(shape=shape, node=node, window=-3)
+    with pytest.raises(ValueError, match="window"):
+        memtide.simulate_iteration(shape=shape, node=node, window=True)

@@ -28,6 +28,7 @@
 
 #include "memtide/allocator/phase_tracker.hpp"
 #include "memtide/device/sim_device.hpp"
+#include "memtide/tiering/layer_window.hpp"
 #include "memtide/tiering/perf_model.hpp"
 #include "memtide/tiering/update_scheduler.hpp"
 
@@ -49,7 +50,8 @@ struct ModelShape {
   /// Throws InvalidArgument naming the first field that is not positive, or hidden not a
   /// multiple of heads.
   void validate() const;
-  /// The Table 2 models of Deep Optimizer States: "7B", "8.3B", "10B", "13B", "20B". Throws
+  /// The Table 2 models of Deep Optimizer States: "7B", "8.3B", "10B", "13B", "20B", and "40B"
+  /// (8192 hidden, 48 layers: STRONGHOLD's scale, for the layer window). Throws
   /// InvalidArgument naming the accepted names.
   static ModelShape table2(const std::string& name);
   static const std::vector<std::string>& table2_names();
@@ -79,6 +81,14 @@ struct NodeSpec {
   std::uint64_t host_budget_bytes = 0;
   double nvme_read_bytes_per_s = 3e9;
   double nvme_write_bytes_per_s = 2e9;
+  /// The layer window (STRONGHOLD; the memtide contender only): 0 keeps the rank's fp16
+  /// parameter shard in device memory for good; m > 0 keeps it in host memory and only m blocks'
+  /// shards in m + 1 device buffers, each copied in m blocks ahead of its use (forward, then
+  /// backward) and the first m of the next forward during the update phase; kWindowAuto sizes m
+  /// with choose_window from the blocks' modelled times and the memory the rest leaves. The
+  /// output head (the tied embedding) stays resident.
+  int window_blocks = 0;
+  static constexpr int kWindowAuto = -1;
   /// One GPU and its share of the host: capacity, PCIe, update rates, host DRAM (phantom is set
   /// by the simulator).
   SimConfig device;
@@ -114,6 +124,11 @@ struct IterationResult {
   std::size_t nvme_subgroups = 0;  ///< subgroups on NVMe (NodeSpec::host_budget_bytes)
   double nvme_bytes = 0;           ///< bytes the NVMe tier read and wrote in the update phase
   double grad_bytes_to_host = 0; ///< gradient bytes sent to host memory in the iteration
+  /// The layer window the iteration ran with (0: none); with NodeSpec::kWindowAuto, how it was
+  /// chosen (choose_window's words and numbers).
+  int window_blocks = 0;
+  std::string window_why;
+  double window_h2d_bytes = 0;   ///< parameter bytes the window copied in during the iteration
   /// When forward, backward and update began and when the update ended, in s on the virtual clock.
   double phase_start_s[3] = {};
   double end_s = 0;
@@ -137,6 +152,11 @@ struct SimulationOptions {
   int iterations = 3;
   bool record_ops = false;
 };
+
+/// The layer window's inputs for `model` on `node` (one rank): per block its modelled forward
+/// and backward (recomputation included), its shard's copy in (fp16) and its gradient shard's
+/// flush out (fp32, memtide's gradient path), and the device bytes its buffer holds.
+std::vector<BlockProfile> window_profiles(const ModelShape& model, const NodeSpec& node);
 
 /// Simulates `options.iterations` iterations of `contender`. Deterministic: the same inputs give
 /// the same result. Throws InvalidArgument for a bad shape or node, and OutOfMemory when the
