@@ -404,6 +404,11 @@ bool SimDevice::do_event_query(Event event) {
   return event_locked(event).time_ns <= host_now_ns_;
 }
 
+double SimDevice::event_time_ns(Event event) {
+  std::lock_guard lock(mutex_);
+  return event_locked(event).time_ns;
+}
+
 void SimDevice::do_event_synchronize(Event event) {
   std::lock_guard lock(mutex_);
   set_host_now_locked(event_locked(event).time_ns);

@@ -99,12 +99,22 @@ class Rank {
     } else {
       open_window();
     }
+    if (node.updates_during_backward && contender == Contender::memtide) {
+      upload_ = device_.create_stream();
+      upload_host_ = static_cast<unsigned char*>(reserve_phantom_host(n_ * 2));
+      device_.host_register(upload_host_, n_ * 2);
+    }
   }
 
   /// The most device memory forward and backward held so far, less the engine's loans.
   [[nodiscard]] std::uint64_t own_peak() const { return own_peak_; }
 
   ~Rank() {
+    if (upload_host_ != nullptr) {
+      device_.synchronize();
+      device_.destroy_stream(upload_);
+      device_.host_unregister(upload_host_);
+    }
     engine_.reset();
     close_window();
     device_.destroy_stream(compute_);
@@ -134,11 +144,18 @@ class Rank {
     const double t1 = now_s();
     allocator_.mark_phase(Phase::backward);
     sample();
-    for (int mb = 0; mb < model_.micro_batches; ++mb) this->backward(kept[mb], backward);
+    begin_backward_updates();
+    for (int mb = 0; mb < model_.micro_batches; ++mb) {
+      backward_updates_on_ = bwd_enabled_ && mb + 1 == model_.micro_batches;  // the accumulation boundary
+      this->backward(kept[mb], backward);
+    }
+    backward_updates_on_ = false;
+    work_until(device_.stream_ready_ns(compute_));  // the host keeps updating while the GPU ends backward
     if (pushed_) (void)engine_->finish_grads();
     pushed_ = false;
     device_.synchronize();
     const double t2 = now_s();
+    last_backward_ns_ = (t2 - t1) * 1e9;
 
     allocator_.mark_phase(Phase::update);
     sample();
@@ -153,16 +170,19 @@ class Rank {
                                                               : Policy::cpu;
     const double fraction = contender_ == Contender::twinflow ? node_.twinflow_static_fraction : 0.0;
     const EnginePlan plan = engine_->plan(policy, fraction);
+    finish_backward_updates();  // one begun in backward ends first; the ones not begun stay in the plan
     std::vector<Segment> segments;
+    std::vector<Placement> placement = plan.plan.placement;
     const auto& groups = engine_->subgroups();
     for (std::size_t i = 0; i < groups.size(); ++i) {
+      if (bwd_done_[i]) placement[i] = Placement::done;
       StepParams p;
       p.step = iteration + 1;
       segments.push_back(Segment{i, groups[i].first, groups[i].second, p});
     }
     // The gradients were checked on their way (the engine's path) or are taken as finite (the
     // baselines'): nothing to scan in a phantom host array.
-    const EngineStep step = engine_->step(plan.plan.placement, plan.plan.gpu_slots, segments, 1.0, 1.0, false,
+    const EngineStep step = engine_->step(placement, plan.plan.gpu_slots, segments, 1.0, 1.0, false,
                                           false, plan.plan.prediction.total_ns, true);
     device_.synchronize();
     const double t3 = now_s();
@@ -186,6 +206,8 @@ class Rank {
     out.grad_bytes_to_host = engine_->grad_bytes_to_host() - bytes_before + blocking_bytes_;
     blocking_bytes_ = 0;
     out.window_blocks = window_ > 0 ? window_ : 0;
+    out.backward_update_params = bwd_params_;
+    out.backward_update_busy_s = bwd_busy_ns_ / 1e9;
     out.window_h2d_bytes = window_h2d_bytes_;
     out.phase_start_s[0] = t0;
     out.phase_start_s[1] = t1;
@@ -262,6 +284,7 @@ class Rank {
     device_.record_event(done, compute_);
     in_flight_.push_back(done);
     if (in_flight_.size() > 2) {
+      work_until(device_.event_time_ns(in_flight_.front()));  // instead of idling
       device_.event_synchronize(in_flight_.front());
       device_.destroy_event(in_flight_.front());
       in_flight_.erase(in_flight_.begin());
@@ -368,6 +391,7 @@ class Rank {
       allocator_.record_stream(shard, flush_);
       flush_waits_ = false;
     }
+    if (backward_updates_on_) complete_subgroups(begin);
     if (blocking > 0) {
       // DeepSpeed's flush: the GPU waits while fp16 goes through pageable staging (Figure 6).
       Event rs = device_.create_event();
@@ -484,6 +508,99 @@ class Rank {
     prefetch_window();  // the shard m gathers ahead
   }
 
+  // ---- CPU updates during backward ----------------------------------------------------------
+  // Backward walks the flat shard downwards, so once the unit at `begin` has sent its gradients,
+  // every subgroup starting at or above it is complete. One the previous plan put on the CPU (and
+  // not on NVMe) is queued; it is ready once its fp32 gradient has crossed PCIe after the unit's
+  // compute. The host works through the queue whenever it would otherwise wait for the GPU.
+  struct Pending {
+    std::size_t subgroup;
+    double left;      // params not updated yet
+    double ready_ns;  // its gradients are in host memory
+  };
+  //
+  // Which subgroups: the plan's. Walking them in the order backward completes them, with the last
+  // backward's length spread over the shard, a CPU subgroup (not on NVMe) is taken when the host,
+  // updating the ones taken before, would finish it before backward ends; the rest stay in the
+  // update phase's plan. (The choice depends on the plan and the last backward only, so the
+  // update phase's scheduler, cached by its subgroups, stays the same from step to step.)
+  void begin_backward_updates() {
+    const auto& groups = engine_->subgroups();
+    const std::size_t n = groups.size();
+    bwd_done_.assign(n, false);
+    bwd_take_.assign(n, false);
+    bwd_pending_.clear();
+    bwd_frontier_ = n;
+    bwd_params_ = bwd_busy_ns_ = 0;
+    bwd_enabled_ = contender_ == Contender::memtide && node_.updates_during_backward && !last_placement_.empty() &&
+                   last_backward_ns_ > 0;
+    if (!bwd_enabled_) return;
+    const auto& nvme = engine_->on_nvme();
+    const SimConfig& c = device_.config();
+    double host = 0;  // when the host would be done with the subgroups taken so far, from backward's start
+    for (std::size_t k = n; k-- > 0;) {
+      if (last_placement_[k] != Placement::cpu || (!nvme.empty() && nvme[k])) continue;
+      const auto params = static_cast<double>(groups[k].second - groups[k].first);
+      const double complete = last_backward_ns_ * (1 - static_cast<double>(groups[k].first) / static_cast<double>(n_));
+      const double ready = complete + params * 4 / c.d2h_bytes_per_s * 1e9;
+      const double work = params / c.cpu_update_params_per_s * 1e9 +
+                          (node_.speculative_backup ? params * 24 / c.host_dram_bytes_per_s * 1e9 : 0);
+      if (std::max(host, ready) + work > last_backward_ns_) continue;
+      host = std::max(host, ready) + work;
+      bwd_take_[k] = true;
+    }
+  }
+  void complete_subgroups(std::size_t begin) {
+    const auto& groups = engine_->subgroups();
+    while (bwd_frontier_ > 0 && groups[bwd_frontier_ - 1].first >= begin) {
+      const std::size_t i = --bwd_frontier_;
+      if (!bwd_take_[i]) continue;
+      const auto params = static_cast<double>(groups[i].second - groups[i].first);
+      const double flush_ns = params * 4 / device_.config().d2h_bytes_per_s * 1e9;
+      bwd_pending_.push_back({i, params, device_.stream_ready_ns(compute_) + flush_ns});
+    }
+  }
+  void work_until(double until_ns) {
+    const double per_param = adamw_bytes_per_param(DType::fp32, DType::bf16);
+    while (!bwd_pending_.empty() && device_.now_ns() < until_ns) {
+      Pending& p = bwd_pending_.front();
+      if (p.ready_ns >= until_ns) return;
+      if (p.ready_ns > device_.now_ns()) device_.advance_host(p.ready_ns - device_.now_ns());
+      const double room = (until_ns - device_.now_ns()) / 1e9 * device_.config().cpu_update_params_per_s;
+      const double n = std::min(p.left, std::max(room, 1.0));
+      bwd_busy_ns_ += update_on_host(n, per_param);
+      p.left -= n;
+      if (p.left <= 0) {
+        finish_subgroup(p.subgroup);
+        bwd_pending_.erase(bwd_pending_.begin());
+      }
+    }
+  }
+  // Its new fp16 params go to the GPU's copy of the model (the window reads them from home).
+  void finish_subgroup(std::size_t i) {
+    bwd_done_[i] = true;
+    if (window_ > 0) return;
+    const auto& g = engine_->subgroups()[i];
+    device_.copy_async(static_cast<unsigned char*>(engine_->model_params(DType::bf16)) + g.first * 2,
+                       upload_host_ + g.first * 2, (g.second - g.first) * 2, CopyKind::host_to_device, upload_);
+  }
+  double update_on_host(double n, double per_param) {
+    double ns = device_.run_host_work(HostWork{n * per_param, n}, {});
+    if (node_.speculative_backup) ns += device_.host_work(n * 24, device_.config().host_dram_bytes_per_s);
+    bwd_params_ += n;
+    return ns;
+  }
+  // A subgroup begun in backward ends at the start of the update phase.
+  void finish_backward_updates() {
+    const auto& groups = engine_->subgroups();
+    (void)groups;
+    for (const Pending& p : bwd_pending_) {
+      (void)update_on_host(p.left, adamw_bytes_per_param(DType::fp32, DType::bf16));
+      finish_subgroup(p.subgroup);
+    }
+    bwd_pending_.clear();
+  }
+
   const ModelShape& model_;
   const NodeSpec& node_;
   Contender contender_;
@@ -522,6 +639,15 @@ class Rank {
   int taken_slot_ = -1;
   double window_h2d_bytes_ = 0;
   std::uint64_t own_peak_ = 0;
+  // CPU updates during backward.
+  bool bwd_enabled_ = false, backward_updates_on_ = false;
+  std::vector<bool> bwd_done_, bwd_take_;
+  double last_backward_ns_ = 0;
+  Stream upload_{};
+  unsigned char* upload_host_ = nullptr;  // the fp16 params' phantom host copy
+  std::vector<Pending> bwd_pending_;
+  std::size_t bwd_frontier_ = 0;
+  double bwd_params_ = 0, bwd_busy_ns_ = 0;
 };
 
 }  // namespace

@@ -169,6 +169,7 @@ void busy_times(const Workload& w, const Rates& r, const Costs& c, const std::ve
       case Placement::cpu: l.cpu_params += p; break;
       case Placement::gpu: l.streamed_params += p; l.gpu_params += p; l.grad_bytes += p * grad_upload(w, c, i); break;
       case Placement::gpu_static: l.gpu_params += p; l.grad_bytes += p * grad_upload(w, c, i); break;
+      case Placement::done: break;
     }
   }
   busy_times(l, r, c, out);

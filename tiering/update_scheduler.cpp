@@ -264,6 +264,7 @@ StepReport UpdateScheduler::run(const Plan& plan, const StepParams& params) {
         case Placement::gpu: gpu_update(streamed_index_[i], params); break;
         case Placement::gpu_static: static_update(i, params); break;
         case Placement::cpu: cpu_update(i, params); break;
+        case Placement::done: break;
       }
     }
   } catch (...) {

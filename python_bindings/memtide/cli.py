@@ -881,6 +881,8 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         value = getattr(args, flag)
         if value is not None:
             node[key] = value * scale
+    if args.updates_during_backward:
+        node["updates_during_backward"] = 1
     if "host_budget_bytes" in node:  # the report says which drive rates the NVMe tier ran at
         defaults = memtide.simulation_defaults()
         for key in ("nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
@@ -931,6 +933,9 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
             "fits": True,
             "window": r["window"],
         }
+        if r["backward_update_params"]:
+            results[name]["backward_update_params"] = r["backward_update_params"]
+            results[name]["backward_update_busy_s"] = r["backward_update_busy_s"]
         if r["window"]:
             results[name]["window_why"] = r["window_why"]
             results[name]["window_h2d_bytes"] = r["window_h2d_bytes"]
@@ -1021,6 +1026,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         print(f"window    memtide keeps {result['window']} blocks' parameters on the GPU, the rest in host memory "
               f"({format_bytes(int(mt['window_h2d_bytes']))} copied in per iteration)"
               + (f": {mt['window_why']}" if mt.get("window_why") else " (as given)"))
+    mt = result["contenders"]["memtide"]
+    if mt.get("backward_update_params"):
+        print(f"backward  memtide updated {_format_count(mt['backward_update_params'])} params on the CPU during "
+              f"backward ({mt['backward_update_busy_s']:.2f} s of host time there)")
     sp = result["speedup"]
     if sp is None:
         return 0
@@ -1082,6 +1091,10 @@ def _add_simulate_parser(sub) -> None:
                      "the rest in host memory, or auto to size it from the modelled block times and the memory left "
                      "(default: every parameter on the GPU); the contenders that do not fit without it are reported "
                      "as such")
+    sim.add_argument("--updates-during-backward", action="store_true",
+                     help="memtide only: update the subgroups its plan puts on the CPU as soon as their gradients are "
+                     "home, while backward goes on (STRONGHOLD; speculative, with a saved copy, as clipping and loss "
+                     "scaling need)")
     sim.add_argument("--no-checkpointing", action="store_true", help="keep every activation (the paper: checkpointing)")
     sim.add_argument("--iterations", type=_positive_int, default=3, metavar="N",
                      help="iterations simulated; the last is reported (default: 3)")

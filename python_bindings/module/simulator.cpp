@@ -37,6 +37,8 @@ const NodeField kNodeFields[] = {
     MEMTIDE_NODE_FIELD("host_budget_bytes", host_budget_bytes),
     MEMTIDE_NODE_FIELD("nvme_read_bytes_per_s", nvme_read_bytes_per_s),
     MEMTIDE_NODE_FIELD("nvme_write_bytes_per_s", nvme_write_bytes_per_s),
+    MEMTIDE_NODE_FIELD("updates_during_backward", updates_during_backward),
+    MEMTIDE_NODE_FIELD("speculative_backup", speculative_backup),
 };
 #undef MEMTIDE_NODE_FIELD
 
@@ -146,6 +148,8 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
   d["window"] = r.window_blocks;
   d["window_why"] = r.window_why;
   d["window_h2d_bytes"] = r.window_h2d_bytes;
+  d["backward_update_params"] = r.backward_update_params;
+  d["backward_update_busy_s"] = r.backward_update_busy_s;
   d["phase_start_s"] = nb::make_tuple(r.phase_start_s[0], r.phase_start_s[1], r.phase_start_s[2]);
   d["end_s"] = r.end_s;
   if (record_ops) {

@@ -113,7 +113,7 @@ std::string placement_string(const std::vector<tiering::Placement>& placement) {
   std::string out;
   out.reserve(placement.size());
   for (tiering::Placement p : placement) {
-    out += p == tiering::Placement::cpu ? 'c' : p == tiering::Placement::gpu ? 'g' : 's';
+    out += p == tiering::Placement::cpu ? 'c' : p == tiering::Placement::gpu ? 'g' : p == tiering::Placement::done ? 'd' : 's';
   }
   return out;
 }

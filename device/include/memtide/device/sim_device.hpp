@@ -82,6 +82,9 @@ class SimDevice final : public Device {
   /// least `min_ns`. In data mode `body` runs now, on the host, over this device's memory (it is
   /// the simulated kernel); in phantom mode it is not called. Returns the virtual end time.
   double enqueue_compute(Stream stream, double hbm_bytes, const std::function<void()>& body, double min_ns = 0);
+  /// When `event` fires (or fired), in virtual ns: what a host waiting for it would wait until,
+  /// so that the iteration simulator can give the host other work meanwhile.
+  [[nodiscard]] double event_time_ns(Event event);
   /// When the last operation queued on `stream` completes, in virtual ns.
   [[nodiscard]] double stream_ready_ns(Stream stream);
 

@@ -89,6 +89,15 @@ struct NodeSpec {
   /// output head (the tied embedding) stays resident.
   int window_blocks = 0;
   static constexpr int kWindowAuto = -1;
+  /// CPU updates during backward (STRONGHOLD 3-E; the memtide contender only): a subgroup the
+  /// previous plan placed on the CPU is updated by the host as soon as its gradients are home,
+  /// in the time the host would otherwise wait for the GPU, while backward goes on; the update
+  /// phase runs what is left. With `speculative_backup` (clipping or loss scaling: the update is
+  /// speculative and redone if the norm clips or a gradient overflows, which is taken not to
+  /// happen here) each such subgroup's params and moments are saved first: 24 more DRAM bytes per
+  /// param.
+  bool updates_during_backward = false;
+  bool speculative_backup = true;
   /// One GPU and its share of the host: capacity, PCIe, update rates, host DRAM (phantom is set
   /// by the simulator).
   SimConfig device;
@@ -129,6 +138,9 @@ struct IterationResult {
   int window_blocks = 0;
   std::string window_why;
   double window_h2d_bytes = 0;   ///< parameter bytes the window copied in during the iteration
+  /// Params updated during backward (NodeSpec::updates_during_backward), and the host's time on them then.
+  double backward_update_params = 0;
+  double backward_update_busy_s = 0;
   /// When forward, backward and update began and when the update ended, in s on the virtual clock.
   double phase_start_s[3] = {};
   double end_s = 0;

@@ -15,6 +15,10 @@ enum class Placement : std::uint8_t {
   cpu,         ///< updated on the host; its low-precision params go H2D
   gpu,         ///< state streamed H2D into a GPU slot, updated there, flushed D2H
   gpu_static,  ///< state resident on the GPU for the whole run (TwinFlow-style)
+  /// updated before the phase (on the CPU during backward): nothing left to do, and not resident.
+  /// Planners never choose it; a caller that did the update marks it so that the scheduler (cached
+  /// by its subgroups) is the same as in a step that does everything.
+  done,
 };
 
 /// How the plan is chosen.
