@@ -374,7 +374,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     nvme = None if args.host_budget is None else {"host_budget": args.host_budget, "nvme_dir": args.nvme_dir}
     try:
         result = train_job.train(shape, device, args.policy, args.subgroup_size, args.k, args.gpu_static_fraction,
-                                 progress, nvme=nvme)
+                                 progress, nvme=nvme, window=args.window,
+                                 update_during_backward=args.updates_during_backward)
     except (ValueError, OSError) as e:
         if nvme is None or not any(w in str(e) for w in ("host budget", "host_budget", "spill", "NVMe", "nvme")):
             raise
@@ -692,6 +693,14 @@ def _print_train(r: Dict[str, Any]) -> None:
     first, last = r["steps"][0]["loss"], r["steps"][-1]["loss"]
     print(f"loss      {first:.4f} -> {last:.4f} over {len(r['steps'])} steps (two batches, cycled); "
           f"after the last update {r['final_loss']:.4f}")
+    w = r.get("window")
+    if w:
+        print(f"window    {w['size']} of {w['blocks']} blocks on the device (asked {w['requested']!r}): {w['fetches']} "
+              f"fetches, {w['evictions']} evictions, {w['grad_offloads']} gradient offloads")
+    bu = r.get("backward_updates")
+    if bu:
+        print(f"backward  {bu['speculated']} subgroup updates begun during backward: {bu['kept']} kept, "
+              f"{bu['redone']} redone at the step, {bu['rolled_back']} rolled back")
     print()
     on_gpu = r["device"]["kind"] == "cuda"
     phases = r["phases"]
@@ -1337,6 +1346,12 @@ def _parser() -> argparse.ArgumentParser:
                      "(the model then trains in bf16 on the CPU too)")
     run.add_argument("--nvme-dir", default=None, metavar="DIR",
                      help="folder on an NVMe drive for the spilled state (a private folder is made in it)")
+    run.add_argument("--window", type=_window_arg, default=None, metavar="N|auto",
+                     help="train with a layer window (memtide.window.LayerWindow) of N transformer blocks on the "
+                     "device, the rest in host memory, or auto (sized after 2 profiled iterations)")
+    run.add_argument("--updates-during-backward", action="store_true",
+                     help="TieredAdamW updates the CPU subgroups whose gradients are complete while backward goes "
+                     "on (speculative and exact; host gradients only)")
     run.add_argument("--device", choices=("auto", "cuda", "sim"), default=None,
                      help="device backend (default: MEMTIDE_DEVICE, else auto); sim trains on CPU tensors")
     run.add_argument("--timeline", metavar="REPORT.html",

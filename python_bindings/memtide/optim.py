@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from . import _memtide
+from .backward_updates import BackwardUpdates
 
 __all__ = [
     "POLICIES",
@@ -247,6 +248,8 @@ class StepArgs:
     skip_if_nonfinite: bool = False
     # The gradient path's verdict when every gradient came through it (no host rescan needed).
     grads_finite: Optional[bool] = None
+    # Segments already updated (during backward): nothing to do, but the engine sees them.
+    done: List[Segment] = field(default_factory=list)
 
 
 @dataclass
@@ -443,15 +446,24 @@ class SchedulerEngine(SubgroupEngine):
         return "simulated" if self.native.simulated else "wall"
 
     def step(self, plan: UpdatePlan, args: StepArgs) -> bool:
-        if not args.segments:
+        if not args.segments and not args.done:
             return False
         ep = plan.engine_plan
         if ep is None or plan.subgroups != self.subgroups:
             plan = self.plan(plan.policy, plan.k, plan.gpu_static_fraction)
             ep = plan.engine_plan
+        # Subgroups updated during backward are "done" (d): the engine's scheduler, cached by its
+        # subgroups, stays the one a full step uses, and its residents stay where they are.
+        every = sorted(args.segments + args.done, key=lambda s: s.start)
         segments = [(s.subgroup, s.start, s.end, s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.step)
-                    for s in args.segments]
-        report = self.native.step(ep["placement"], ep["gpu_slots"], ep["prediction"]["total_ns"], segments,
+                    for s in every]
+        placement = ep["placement"]
+        if args.done:
+            marks = list(placement)
+            for s in args.done:
+                marks[s.subgroup] = "d"
+            placement = "".join(marks)
+        report = self.native.step(placement, ep["gpu_slots"], ep["prediction"]["total_ns"], segments,
                                   grad_scale=args.grad_scale, clip=args.clip, l2=False,
                                   skip_if_nonfinite=args.skip_if_nonfinite, grads_finite=args.grads_finite)
         self.last_report = report
@@ -615,7 +627,8 @@ class TieredAdamW(torch.optim.Optimizer):
                  subgroup_size: int = 100_000_000, gpu_static_fraction: float = 0.0, k: Optional[float] = None,
                  loss_scale: Union[None, str, float, LossScaler] = None,
                  max_grad_norm: Optional[float] = None, host_budget: Union[None, int, str] = None,
-                 nvme_dir: Any = None, nvme_read_ahead: int = 2) -> None:
+                 nvme_dir: Any = None, nvme_read_ahead: int = 2,
+                 update_during_backward: Union[bool, int] = False) -> None:
         if policy not in POLICIES:
             raise ValueError(f"TieredAdamW: policy {policy!r} is not accepted; accepted: {_accepted(POLICIES)}")
         if not (isinstance(subgroup_size, int) and not isinstance(subgroup_size, bool) and subgroup_size > 0):
@@ -636,6 +649,10 @@ class TieredAdamW(torch.optim.Optimizer):
                                               and not isinstance(max_grad_norm, bool)
                                               and math.isfinite(max_grad_norm) and max_grad_norm > 0):
             raise ValueError(f"TieredAdamW: max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+        if not (isinstance(update_during_backward, bool) or (isinstance(update_during_backward, int)
+                                                              and update_during_backward >= 1)):
+            raise ValueError("TieredAdamW: update_during_backward must be True, False or a number of subgroups >= 1, "
+                             f"got {update_during_backward!r}")
         self.nvme = _nvme_tier(nvme_dir, host_budget, nvme_read_ahead)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
         self._ready = False
@@ -652,9 +669,19 @@ class TieredAdamW(torch.optim.Optimizer):
         self._steps: List[int] = []
         self._pending_copies: Optional[Any] = None  # CUDA event after the last write-back
         self._host_versions: Optional[Tuple[int, ...]] = None  # _versions() after the last update
+        #: Whether the next backward is the last before step() (gradient accumulation: set False for
+        #: the micro-batches before the last). Updates during backward happen only in the last.
+        self.last_micro_batch = True
+        self._eager: Optional[BackwardUpdates] = None
+        self._stale: set = set()
         super().__init__(params, defaults)
         self._ready = True
         self._build()
+        if update_during_backward:
+            cap = (max(1, math.ceil(len(self._layout.subgroups) / 4)) if update_during_backward is True
+                   else int(update_during_backward))
+            self._eager = BackwardUpdates(self, cap)
+            self._eager.rebuild()
 
     # -- param groups -----------------------------------------------------------------------------
 
@@ -671,6 +698,8 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def _build(self) -> None:
         """(Re)creates the flat buffers from param_groups, keeping the state of known params."""
+        if getattr(self, "_eager", None) is not None:
+            self._eager.rollback()
         old_layout: Optional[_Layout] = getattr(self, "_layout", None)
         old_buffers: Optional[FlatBuffers] = getattr(self, "buffers", None)
         old_index = {id(p): i for i, p in enumerate(old_layout.params)} if old_layout else {}
@@ -779,6 +808,8 @@ class TieredAdamW(torch.optim.Optimizer):
             engine.sync_every_step = not model_only
         self._host_versions = None
         self.plan = self.engine.plan(self.policy, self.k, self.gpu_static_fraction)
+        if getattr(self, "_eager", None) is not None:
+            self._eager.rebuild()
         self.state.clear()
         for i in range(len(params)):
             if steps[i] > 0:
@@ -843,13 +874,16 @@ class TieredAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group)
 
+        speculated = self._eager.settle() if self._eager is not None else {}
         has_grad, path_verdict = self._gather_grads()
         self.last_step_skipped = False
         if not any(has_grad):
             self._flushed = [None] * len(layout.params)
+            if self._eager is not None:
+                self._eager.rollback()
             return loss
 
-        grad_scale = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+        grad_scale = self._grad_scale()
         clip = 1.0
         nonfinite = False
         if self.max_grad_norm is not None:
@@ -865,22 +899,42 @@ class TieredAdamW(torch.optim.Optimizer):
         params_in_step = sum(s.end - s.start for s in segments)
         engine_seconds = 0.0
         engine_ran = False
+        done: set = set()
+        if not nonfinite and self._host_versions is not None and self._host_versions != self._versions():
+            # The model's params or the state were changed in place since the last step
+            # (model.load_state_dict, an init): copies the engine keeps on a GPU are stale.
+            self._host_changed()
+            self._host_versions = self._versions()
+        if speculated:
+            # Updates made during backward stand where they used exactly the step's inputs; the
+            # others are put back and run below (backward_updates.py).
+            done = self._eager.accept(segments, grad_scale, clip, self._stale, self.scaler is not None)
+            if nonfinite or (self.scaler is not None and self._eager.nonfinite()):
+                self._eager.rollback()  # the whole step is skipped
+                done = set()
+                nonfinite = True
         if not nonfinite:
-            args = StepArgs(segments, grad_scale=grad_scale, clip=clip, skip_if_nonfinite=self.scaler is not None,
+            pending = [s for s in segments if s.subgroup not in done]
+            args = StepArgs(pending, grad_scale=grad_scale, clip=clip, skip_if_nonfinite=self.scaler is not None,
                             grads_finite=path_verdict)
-            if self._host_versions is not None and self._host_versions != self._versions():
-                # The model's params or the state were changed in place since the last step
-                # (model.load_state_dict, an init): copies the engine keeps on a GPU are stale.
-                self._host_changed()
+            args.done = [s for s in segments if s.subgroup in done]
+            nonfinite_done = self._eager is not None and self._eager.nonfinite()
             if self.policy == "auto" and self.k is None and isinstance(self.engine, SchedulerEngine):
                 # The PerfModel's plan follows the calibrated rates and the headroom: every step.
                 self.plan = self.engine.plan(self.policy, self.k, self.gpu_static_fraction)
             t1 = time.perf_counter()
-            nonfinite = self.engine.step(self.plan, args)
+            nonfinite = self.engine.step(self.plan, args) if (args.segments or args.done) else False
             engine_seconds = time.perf_counter() - t1
-            self._host_versions = self._versions()
             engine_ran = not (nonfinite and args.skip_if_nonfinite)
+            if not engine_ran and done:
+                self._eager.rollback()  # skipped: the updates made during backward go too
+            elif done:
+                self._eager.publish()
+            nonfinite |= nonfinite_done
+            self._host_versions = self._versions()
 
+        if self._eager is not None:
+            self._eager.finish()
         if self.scaler is not None:
             self.scaler.update(nonfinite)
         # Skipped: with a loss scaler the engine left everything untouched; with clipping the
@@ -943,6 +997,8 @@ class TieredAdamW(torch.optim.Optimizer):
             b.grads[lo:hi].copy_(g.reshape(-1))
             norm = None if self.max_grad_norm is None else torch.linalg.vector_norm(b.grads[lo:hi])
             self._flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=False)
+            if self._eager is not None:
+                self._eager.grad_ready(i)
 
     def _gather_grads(self) -> Tuple[List[bool], Optional[bool]]:
         """Makes the flat fp32 gradient buffer hold every gradient: waits for the gradient path,
@@ -965,8 +1021,13 @@ class TieredAdamW(torch.optim.Optimizer):
             if f is not None and f.address == g.data_ptr() and f.version == g._version:
                 all_on_device &= f.on_device
                 continue
+            if f is not None and getattr(g, "_memtide_copy_of", None) == (f.address, f.version, g._version):
+                # An unchanged copy of the gradient the hook took (the layer window sent it home).
+                all_on_device &= f.on_device
+                continue
             self._flushed[i] = None
             stale.append(i)
+        self._stale = set(stale)
         if stale and self._device_path:
             # Gradients the path kept on the GPU go to the host first, so the copies below win.
             self.engine.native.grads_to_host()
@@ -990,15 +1051,29 @@ class TieredAdamW(torch.optim.Optimizer):
                 sq += float(norm) ** 2
         return sq
 
-    def _segments(self, has_grad: List[bool]) -> List[Segment]:
-        layout = self._layout
+    def _grad_scale(self) -> float:
+        return 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+
+    def _hyper(self) -> List[Tuple[float, float, float, float, float]]:
         hyper = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             hyper.append((float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                           float(group["weight_decay"])))
+        return hyper
+
+    def _subgroup_segments(self, sg: int) -> List[Segment]:
+        """Subgroup sg's segments as step() would make them now (for an update during backward)."""
+        has_grad = [p.grad is not None for p in self._layout.params]
+        return self._segments(has_grad, only=sg)
+
+    def _segments(self, has_grad: List[bool], only: Optional[int] = None) -> List[Segment]:
+        layout = self._layout
+        hyper = self._hyper()
         segments: List[Segment] = []
         for sg, pieces in enumerate(layout.pieces):
+            if only is not None and sg != only:
+                continue
             current: Optional[Segment] = None
             current_group = -1
             for i, lo, hi in pieces:
@@ -1047,6 +1122,8 @@ class TieredAdamW(torch.optim.Optimizer):
         the engine's device buffer, nothing else reads the host copy, so it is refreshed only on
         demand. state_dict() calls this itself.
         """
+        if self._eager is not None:
+            self._eager.rollback()  # a checkpoint holds no update the next step may still take back
         self._wait_for_copies()
         self.engine.sync_host()
 
@@ -1085,6 +1162,8 @@ class TieredAdamW(torch.optim.Optimizer):
         """
         where = "TieredAdamW.load_state_dict"
         entries, groups, scaler_state = _check_state_dict(state_dict, self.param_groups, where)
+        if self._eager is not None:
+            self._eager.rollback()
         layout = self._layout
         index = {id(p): i for i, p in enumerate(layout.params)}
 

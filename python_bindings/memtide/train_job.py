@@ -68,9 +68,12 @@ def choose_device(requested: str) -> Dict[str, Any]:
 
 def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_size: int, k: Optional[int],
           gpu_static_fraction: float, progress: Callable[[str], None],
-          nvme: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+          nvme: Optional[Dict[str, Any]] = None, window: Any = None,
+          update_during_backward: bool = False) -> Dict[str, Any]:
     """`nvme`: TieredAdamW's host_budget and nvme_dir (the model is then bf16 on the CPU too: the
-    fp32 masters that spill must not have a host copy in the model)."""
+    fp32 masters that spill must not have a host copy in the model). `window`: a LayerWindow over
+    the transformer blocks (a number of blocks or "auto"). `update_during_backward`: TieredAdamW
+    updates CPU subgroups while backward goes on."""
     import torch
 
     from .gpt import TinyGPT, arithmetic_batch, lm_loss
@@ -91,7 +94,15 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
     model = TinyGPT(shape["vocab"], shape["hidden"], shape["heads"], shape["layers"], shape["seq"]).to(dev, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     opt = TieredAdamW(model.parameters(), lr=LR, weight_decay=0.01, policy=policy, subgroup_size=subgroup_size,
-                      k=k, gpu_static_fraction=gpu_static_fraction, **nvme_kw)
+                      k=k, gpu_static_fraction=gpu_static_fraction, update_during_backward=update_during_backward,
+                      **nvme_kw)
+    layer_window = None
+    if window is not None:
+        from .window import LayerWindow
+
+        layer_window = LayerWindow(model.blocks.layers, size=window, profile_iterations=2)
+        layer_window.attach_optimizer(opt)
+        progress(f"layer window: {layer_window!r}")
     if opt.spilled_subgroups:
         info = opt.nvme_info()
         progress(f"nvme: {info['spilled']} of {len(opt.plan.subgroups)} subgroups ({info['spilled_params']:,} params) "
@@ -228,6 +239,10 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
         },
         "policies": policies,
         "policies_identical": len({p["digest"] for p in policies}) == 1,
+        "window": None if layer_window is None else {
+            "size": layer_window.size, "requested": layer_window.requested, "blocks": layer_window.n,
+            "chosen": layer_window.chosen, **layer_window.stats},
+        "backward_updates": None if opt._eager is None else dict(opt._eager.stats),
     }
 
 

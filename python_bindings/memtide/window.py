@@ -269,11 +269,7 @@ class LayerWindow:
             return
         views = self.layouts[b].views(self._slots[self._slot_of[b]])
         for p, v in zip(params, views):
-            g = p.grad
-            if g is not None:  # accumulated earlier (micro-batches): kept in host memory meanwhile
-                self._host_grad[id(p)] = g
-                p.grad = None
-            p.data = v
+            p.data = v  # a gradient at home stays on p.grad until the block's backward begins
 
     def _owned_elsewhere(self, p: torch.Tensor) -> bool:
         on_host = p.device.type == "cpu"
@@ -386,6 +382,13 @@ class LayerWindow:
             if not self._in_backward:
                 self._in_backward = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            for p in self.layouts[i].params:
+                g = p.grad
+                if g is not None and id(p) not in self._host_grad:
+                    # Accumulated by earlier micro-batches (and not cleared since: zero_grad may come
+                    # between forward and backward): kept at home; this backward's gradient is added.
+                    self._host_grad[id(p)] = g
+                    p.grad = None
             self._wait(i)
             j = i - self.size
             if j >= 0:
@@ -417,6 +420,9 @@ class LayerWindow:
                     home = self._host_tensor_like(p)
                     home.copy_(g, non_blocking=self._copy_stream is not None)
                     self._host_grad[id(p)] = home
+                    # Says which gradient this is a copy of, so that an optimizer whose hook took
+                    # the original (TieredAdamW) knows it already has it (optim._gather_grads).
+                    home._memtide_copy_of = (g.data_ptr(), g._version, home._version)
                 else:
                     home.add_(g.to(home.device))
                 p.grad = None

@@ -125,7 +125,9 @@ std::vector<tiering::Placement> placement_arg(const std::string& text) {
     if (c == 'c') out.push_back(tiering::Placement::cpu);
     else if (c == 'g') out.push_back(tiering::Placement::gpu);
     else if (c == 's') out.push_back(tiering::Placement::gpu_static);
-    else value_error(std::string("placement: '") + c + "' is not a placement; expected c (CPU), g (streamed GPU) or s (GPU-static)");
+    else if (c == 'd') out.push_back(tiering::Placement::done);
+    else value_error(std::string("placement: '") + c + "' is not a placement; expected c (CPU), g (streamed GPU), s (GPU-static) "
+                     "or d (done: updated before the phase)");
   }
   return out;
 }

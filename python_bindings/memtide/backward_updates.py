@@ -1,0 +1,245 @@
+"""CPU updates during backward (STRONGHOLD 3-E) for TieredAdamW: a subgroup whose gradients are
+all in host memory is updated on a worker thread while backward goes on, instead of waiting for
+step().
+
+The update is speculative. It runs with what is known during backward: the hyperparameters, the
+step count and the loss scale of that moment, and no clipping. step() then checks each one against
+what the sequential step would use: the same segments (learning rate, betas, eps, weight decay,
+step count), the same gradient scale, a clip factor of exactly 1.0 (the global norm is within
+max_grad_norm), finite gradients when a loss scaler decides, gradients unchanged since (no second
+backward, no in-place edit). A subgroup that passes is done: the kernel ran on the same inputs with
+the same arguments, so its result is bit for bit the sequential one. One that fails is put back
+from the copy of its params, moments and low-precision params taken before the update, and
+step() updates it as usual. A skipped step (overflow under loss scaling, a non-finite norm) puts
+back every one. Nothing is approximated; the price is the copy (14 bytes per param, held until
+step()), a 2-byte (fp16/bf16 model) or 4-byte (fp32 model) copy per param at step(), and, on a
+redo, the update done twice.
+
+The model's params do not change before step(): their new values (low-precision, or fp32 for
+params that are views of the masters) wait aside and are copied in when the step stands, so a
+forward between backward and step (a micro-batch nobody marked, an evaluation) reads the old ones.
+The masters and moments are updated in place with a copy to put back; state_dict(),
+load_state_dict(), sync_state() and add_param_group() roll every speculation back first.
+
+Only host gradients take part (CPU params: the hook copies each gradient into the flat buffer at
+once). CUDA gradients travel the engine's asynchronous gradient path, whose per-subgroup arrival
+is not observable from here yet: with CUDA params nothing is updated during backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional, Set
+
+import torch
+
+from . import _memtide
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optim import Segment, TieredAdamW
+
+
+@dataclass
+class _Piece:
+    """One segment's speculative update: what to put back, or what to publish."""
+
+    start: int
+    end: int
+    exp_avg: torch.Tensor      # the moments before the update (they are updated in place)
+    exp_avg_sq: torch.Tensor
+    params: Optional[torch.Tensor] = None      # fp32 masters before (updated in place: no model views them)
+    new_params: Optional[torch.Tensor] = None  # fp32 params the model views: the new values, kept aside
+    new_lowp: Optional[torch.Tensor] = None    # the model's fp16/bf16 params: the new values, kept aside
+
+
+@dataclass
+class _Speculation:
+    subgroup: int
+    segments: List["Segment"]
+    grad_scale: float
+    pieces: List[_Piece] = field(default_factory=list)
+    future: Optional[Future] = None
+    nonfinite: bool = False
+
+
+class BackwardUpdates:
+    """The speculative updates of one TieredAdamW (see the module's docstring).
+
+    Args:
+        optimizer: the TieredAdamW.
+        max_subgroups: at most this many subgroups are updated during one backward (each holds its
+            copy until step()): the host memory the copies take is bounded by that.
+    """
+
+    def __init__(self, optimizer: "TieredAdamW", max_subgroups: int) -> None:
+        self._opt = weakref.ref(optimizer)
+        self.max_subgroups = max_subgroups
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtide-backward-update")
+        self._left: List[int] = []
+        self._subgroups_of: List[List[int]] = []
+        self._needed: List[int] = []
+        self._seen: Set[int] = set()
+        self._spec: Dict[int, _Speculation] = {}
+        self._invalid: Set[int] = set()
+        self.stats = {"speculated": 0, "kept": 0, "redone": 0, "rolled_back": 0}
+
+    def rebuild(self) -> None:
+        """The optimizer's layout changed (construction, add_param_group)."""
+        self.rollback()
+        opt = self._opt()
+        layout = opt._layout
+        self._subgroups_of = [[] for _ in layout.params]
+        needed: List[Set[int]] = [set() for _ in layout.pieces]
+        for sg, pieces in enumerate(layout.pieces):
+            for i, _, _ in pieces:
+                p = layout.params[i]
+                if p.requires_grad and p.is_leaf:
+                    needed[sg].add(i)
+                    if sg not in self._subgroups_of[i]:
+                        self._subgroups_of[i].append(sg)
+        self._needed = [len(n) for n in needed]
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        self._left = list(self._needed)
+        self._seen = set()
+
+    # ---- during backward --------------------------------------------------------------------------
+
+    def grad_ready(self, i: int) -> None:
+        """Param i's gradient is in the host buffer (the optimizer's hook, CPU path)."""
+        opt = self._opt()
+        if opt is None or not opt.last_micro_batch:
+            return
+        first = i not in self._seen
+        self._seen.add(i)
+        for sg in self._subgroups_of[i]:
+            if sg in self._spec:
+                # A gradient of an updated subgroup arrived again (a second backward before the
+                # step): the update read the earlier one.
+                self._invalid.add(sg)
+                continue
+            if not first:
+                continue
+            self._left[sg] -= 1
+            if self._left[sg] == 0 and self._eligible(opt, sg):
+                self._submit(opt, sg)
+
+    def _eligible(self, opt: "TieredAdamW", sg: int) -> bool:
+        if len(self._spec) >= self.max_subgroups:
+            return False
+        if getattr(opt.engine, "spilled", 0):
+            return False  # spilled state is not in host memory between steps
+        placement = opt.plan.placement
+        return sg < len(placement) and placement[sg] == "cpu"
+
+    def _submit(self, opt: "TieredAdamW", sg: int) -> None:
+        segments = opt._subgroup_segments(sg)
+        if not segments:
+            return
+        spec = _Speculation(sg, segments, opt._grad_scale())
+        self._spec[sg] = spec
+        self.stats["speculated"] += 1
+        spec.future = self._pool.submit(self._run, opt.buffers, spec)
+
+    @staticmethod
+    def _run(b, spec: _Speculation) -> bool:
+        # The model's params (views of the low-precision buffer, or of the fp32 masters) must not
+        # change before step(): a forward in between (a micro-batch nobody said was one, an
+        # evaluation) would read them. Their new values wait aside; the rest is updated in place
+        # with a copy to put back.
+        nonfinite = False
+        for s in spec.segments:
+            lo, hi = s.start, s.end
+            piece = _Piece(lo, hi, b.exp_avg[lo:hi].clone(), b.exp_avg_sq[lo:hi].clone())
+            if s.lowp:
+                piece.params = b.params[lo:hi].clone()
+                piece.new_lowp = torch.empty_like(b.lowp[lo:hi])
+                params, out = b.params[lo:hi], piece.new_lowp
+            else:
+                piece.new_params = b.params[lo:hi].clone()
+                params, out = piece.new_params, None
+            spec.pieces.append(piece)
+            nonfinite |= _memtide.adamw_step_cpu(
+                params, b.grads[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi], lr=s.lr, beta1=s.beta1,
+                beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay, step=s.step, grad_scale=spec.grad_scale,
+                clip=1.0, l2=False, out=out)
+        spec.nonfinite = nonfinite
+        return nonfinite
+
+    # ---- at the step ------------------------------------------------------------------------------
+
+    def settle(self) -> Dict[int, _Speculation]:
+        """Waits for every update begun; returns them by subgroup."""
+        failed = None
+        for spec in self._spec.values():
+            try:
+                spec.future.result()
+            except Exception as e:  # noqa: BLE001 - put everything back, then surface it
+                failed = failed or e
+        if failed is not None:
+            for spec in self._spec.values():
+                self._restore(spec)
+            self.finish()
+            raise RuntimeError(f"TieredAdamW: an update during backward failed (every one was put back): "
+                               f"{failed}") from failed
+        return self._spec
+
+    def accept(self, segments: List["Segment"], grad_scale: float, clip: float, stale: Set[int],
+               scaler: bool) -> Set[int]:
+        """Which settled subgroups the step takes as done; the others are put back now."""
+        done: Set[int] = set()
+        for sg, spec in self._spec.items():
+            stale_here = any(i in stale for i, _, _ in self._opt()._layout.pieces[sg])
+            mine = [s for s in segments if s.subgroup == sg]
+            if (sg not in self._invalid and not stale_here and clip == 1.0 and spec.grad_scale == grad_scale
+                    and mine == spec.segments and not (scaler and spec.nonfinite)):
+                done.add(sg)
+        for sg in list(self._spec):
+            if sg not in done:
+                self._restore(self._spec.pop(sg))
+                self.stats["redone"] += 1
+        self.stats["kept"] += len(done)
+        return done
+
+    def publish(self) -> None:
+        """The step stands: the kept updates' new model params take their place."""
+        b = self._opt().buffers
+        for spec in self._spec.values():
+            for piece in spec.pieces:
+                if piece.new_lowp is not None:
+                    b.lowp[piece.start:piece.end].copy_(piece.new_lowp)
+                if piece.new_params is not None:
+                    b.params[piece.start:piece.end].copy_(piece.new_params)
+
+    def nonfinite(self) -> bool:
+        return any(spec.nonfinite for spec in self._spec.values())
+
+    def finish(self) -> None:
+        """The step is over (kept updates stay); the next backward starts afresh."""
+        self._spec = {}
+        self._invalid = set()
+        self._reset_counts()
+
+    def rollback(self) -> None:
+        """Puts back every update begun since the last step (state as before that backward)."""
+        if self._spec:
+            self.settle()
+            for spec in self._spec.values():
+                self._restore(spec)
+                self.stats["rolled_back"] += 1
+        self.finish()
+
+    def _restore(self, spec: _Speculation) -> None:
+        b = self._opt().buffers
+        for piece in spec.pieces:
+            lo, hi = piece.start, piece.end
+            b.exp_avg[lo:hi].copy_(piece.exp_avg)
+            b.exp_avg_sq[lo:hi].copy_(piece.exp_avg_sq)
+            if piece.params is not None:
+                b.params[lo:hi].copy_(piece.params)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,175 @@
+"""TieredAdamW(update_during_backward=...): subgroups updated on the CPU while backward goes on
+give bit for bit what the sequential step gives (SimDevice, torch on CPU), whether the speculation
+stands (no clipping needed, finite gradients) or is put back and redone (the norm clips, a loss
+scale overflows, the learning rate or a gradient changed before step(), a second backward)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import memtide  # noqa: E402,F401
+from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
+from memtide.optim import LossScaler, TieredAdamW  # noqa: E402
+
+VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
+SUBGROUP = 10_000  # ~110k params: 12 subgroups
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+POLICY_KW = {"cpu": {}, "interleaved": dict(k=1.5), "auto": {}}
+DATA = [arithmetic_batch(torch.Generator().manual_seed(1 + i), BATCH, SEQ, VOCAB) for i in range(8)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make(policy="cpu", eager=True, dtype=torch.bfloat16, **kw):
+    torch.manual_seed(0)
+    model = TinyGPT(VOCAB, D, HEADS, LAYERS, SEQ).to(dtype)
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, policy=policy, **POLICY_KW[policy], **HYPER,
+                      update_during_backward=12 if eager else False, **kw)
+    return model, opt
+
+
+def everything(model, opt):
+    sd = opt.state_dict()
+    state = [t.clone() for entry in sd["state"].values() for k, t in sorted(entry.items()) if torch.is_tensor(t)]
+    return [p.detach().clone() for p in model.parameters()] + state
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def train(model, opt, accumulate=1, between=None, scale=None):
+    for n, i in enumerate(range(0, len(DATA), accumulate)):
+        opt.zero_grad(set_to_none=True)
+        for j, (x, y) in enumerate(DATA[i:i + accumulate]):
+            opt.last_micro_batch = j == accumulate - 1
+            loss = lm_loss(model(x), y) / accumulate
+            if scale is not None and n == 2:
+                loss = loss * scale  # an overflow in one step: the loss scaler skips it
+            opt.scale_loss(loss).backward()
+        if between is not None:
+            between(n, model, opt)
+        opt.step()
+
+
+@pytest.mark.parametrize("policy", sorted(POLICY_KW))
+def test_updates_during_backward_give_the_sequential_result(policy):
+    results = []
+    for eager in (False, True):
+        model, opt = make(policy, eager)
+        train(model, opt, accumulate=2)
+        results.append((everything(model, opt), opt))
+    (ref, _), (got, opt) = results
+    assert same(ref, got)
+    if policy == "cpu":
+        assert opt._eager.stats["speculated"] > 0 and opt._eager.stats["kept"] == opt._eager.stats["speculated"]
+
+
+def test_clipping_that_bites_redoes_and_clipping_that_does_not_keeps():
+    for max_norm, expect_kept in ((1e-3, False), (1e6, True)):
+        ref_model, ref = make(eager=False, max_grad_norm=max_norm)
+        train(ref_model, ref)
+        model, opt = make(max_grad_norm=max_norm)
+        train(model, opt)
+        assert same(everything(ref_model, ref), everything(model, opt))
+        stats = opt._eager.stats
+        assert stats["speculated"] > 0
+        assert (stats["kept"] > 0) == expect_kept and (stats["redone"] > 0) != expect_kept
+
+
+def test_a_loss_scale_overflow_puts_every_update_back():
+    ref_model, ref = make(eager=False, loss_scale=LossScaler(init_scale=2.0**10, growth_interval=2))
+    train(ref_model, ref, scale=float("inf"))
+    model, opt = make(loss_scale=LossScaler(init_scale=2.0**10, growth_interval=2))
+    train(model, opt, scale=float("inf"))
+    assert ref.stats.skipped == opt.stats.skipped == 1
+    assert same(everything(ref_model, ref), everything(model, opt))
+    assert opt._eager.stats["rolled_back"] + opt._eager.stats["redone"] > 0
+
+
+def test_changes_between_backward_and_step_are_seen():
+    def meddle(n, model, opt):
+        if n == 1:
+            for group in opt.param_groups:
+                group["lr"] = group["lr"] * 0.5  # a schedule set right before the step
+        if n == 3:
+            next(iter(model.parameters())).grad.mul_(0.25)  # an in-place edit of a gradient
+        if n == 5:
+            x, y = DATA[0]
+            lm_loss(model(x), y).backward()  # a second backward: gradients accumulate
+
+    ref_model, ref = make(eager=False)
+    train(ref_model, ref, between=meddle)
+    model, opt = make()
+    train(model, opt, between=meddle)
+    assert same(everything(ref_model, ref), everything(model, opt))
+    assert opt._eager.stats["redone"] > 0 and opt._eager.stats["kept"] > 0
+
+
+def test_a_checkpoint_between_backward_and_step_holds_no_speculation():
+    model, opt = make()
+    train(model, opt)
+    before = everything(model, opt)
+    x, y = DATA[0]
+    opt.zero_grad(set_to_none=True)
+    lm_loss(model(x), y).backward()
+    assert opt._eager.stats["speculated"] > 0
+    assert same(before, everything(model, opt))  # state_dict() rolled every update back
+    opt.step()  # and the step then runs them as usual
+    assert not same(before, everything(model, opt))
+
+
+def test_the_argument_is_checked():
+    torch.manual_seed(0)
+    model = TinyGPT(VOCAB, D, HEADS, LAYERS, SEQ)
+    for bad in (0, -1, 2.5, "yes"):
+        with pytest.raises(ValueError, match="update_during_backward"):
+            TieredAdamW(model.parameters(), update_during_backward=bad)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_with_the_layer_window_the_updates_stand_and_are_exact(accumulate):
+    # The optimizer first, then the window: TieredAdamW's hook takes each gradient before the
+    # window sends it home, and the copy the window leaves on p.grad is known to be the same one.
+    from memtide.window import LayerWindow
+
+    def run(eager, window):
+        model, opt = make(eager=eager, dtype=torch.float32)
+        if window:
+            LayerWindow(model.blocks.layers, size=1).attach_optimizer(opt)
+        train(model, opt, accumulate=accumulate)
+        return everything(model, opt), opt
+
+    ref, _ = run(False, False)
+    got, opt = run(True, True)
+    assert same(ref, got)
+    assert opt._eager.stats["kept"] > 0
+
+
+def test_memtide_run_with_the_window_and_updates_during_backward_trains_the_same(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from memtide_testing import clean_env
+
+    def run(*extra):
+        p = subprocess.run([sys.executable, "-m", "memtide.cli", "run", "--policy", "cpu", "--iterations", "3",
+                            "--json", *extra], env=clean_env(), capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(p.stdout)
+
+    plain = run()
+    both = run("--window", "2", "--updates-during-backward")
+    assert [s["loss"] for s in plain["steps"]] == [s["loss"] for s in both["steps"]]
+    assert plain["final_loss"] == both["final_loss"]
+    assert both["window"]["size"] == 2 and both["window"]["fetches"] > 0
+    assert both["backward_updates"]["kept"] > 0 and plain["window"] is None
