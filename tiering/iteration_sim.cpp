@@ -821,10 +821,13 @@ IterationResult simulate_iteration(const ModelShape& model, const NodeSpec& node
   for (int i = 0; i < options.iterations; ++i) {
     out = rank.iterate(i, options.record_ops && i + 1 == options.iterations);
   }
-  if (window > 0) {
-    out.window_blocks = std::min(window, model.layers);
-    out.window_why = why;
+  if (window >= model.layers) {
+    why = (why.empty() ? std::string() : why + "; ") + std::to_string(window) + " >= the model's " +
+          std::to_string(model.layers) + " blocks: every block stays on the GPU (no window)";
+    window = 0;
   }
+  out.window_blocks = window;
+  out.window_why = why;
   return out;
 }
 

@@ -374,7 +374,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     nvme = None if args.host_budget is None else {"host_budget": args.host_budget, "nvme_dir": args.nvme_dir}
     try:
         result = train_job.train(shape, device, args.policy, args.subgroup_size, args.k, args.gpu_static_fraction,
-                                 progress, nvme=nvme, window=args.window,
+                                 progress, nvme=nvme, window=args.window or None,  # 0: none, as simulate
                                  update_during_backward=args.updates_during_backward)
     except (ValueError, OSError) as e:
         if nvme is None or not any(w in str(e) for w in ("host budget", "host_budget", "spill", "NVMe", "nvme")):
@@ -945,8 +945,9 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         if r["backward_update_params"]:
             results[name]["backward_update_params"] = r["backward_update_params"]
             results[name]["backward_update_busy_s"] = r["backward_update_busy_s"]
-        if r["window"]:
+        if r["window_why"]:
             results[name]["window_why"] = r["window_why"]
+        if r["window"]:
             results[name]["window_h2d_bytes"] = r["window_h2d_bytes"]
         params, model_name, capacity = r["params"], r["model"], r["capacity_bytes"]
     results.update(failed)
@@ -1032,9 +1033,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
               + f"{c['predicted']['iteration_s']:10.2f}s{bound:>14}   {peaks}")
     if result["window"]:
         mt = result["contenders"]["memtide"]
-        print(f"window    memtide keeps {result['window']} blocks' parameters on the GPU, the rest in host memory "
+        print(f"window    memtide keeps a window of {result['window']} block(s) on the GPU, the rest in host memory "
               f"({format_bytes(int(mt['window_h2d_bytes']))} copied in per iteration)"
               + (f": {mt['window_why']}" if mt.get("window_why") else " (as given)"))
+    elif result["contenders"]["memtide"].get("window_why"):
+        print(f"window    none: {result['contenders']['memtide']['window_why']}")
     mt = result["contenders"]["memtide"]
     if mt.get("backward_update_params"):
         print(f"backward  memtide updated {_format_count(mt['backward_update_params'])} params on the CPU during "

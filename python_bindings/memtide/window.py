@@ -227,7 +227,9 @@ class LayerWindow:
         slot = self._free_slot(b)
         if slot is None:
             raise RuntimeError(f"LayerWindow: no buffer is free for block {b}: all {len(self._slots)} hold blocks "
-                               "still in use (a block was called out of order?)")
+                               f"still in use ({self.resident()}). The window follows the stack's order: each block "
+                               "called once per forward, 0 to n-1 (blocks may be skipped); a block called again or "
+                               "out of order needs a window of every block (size >= its number of blocks)")
         t0 = time.perf_counter_ns()
         self._adopt_homes(b)
         if self._copy_stream is not None:

@@ -251,3 +251,35 @@ def test_tiered_adamw_with_the_window_equals_tiered_adamw_without(window_first):
     params, window = run(2)
     assert same(reference, params)
     assert window.stats["fetches"] > LAYERS
+
+
+def test_a_block_called_out_of_order_is_named_and_skipping_one_is_fine():
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x, again=False):
+            for i, b in enumerate(self.blocks):
+                if i != 2:  # a skipped block (early exit, a routed layer)
+                    x = torch.tanh(b(x))
+            if again:
+                x = self.blocks[1](x)
+            return x.sum()
+
+    def run(size, again=False):
+        torch.manual_seed(0)
+        m = Stack()
+        if size:
+            LayerWindow(m.blocks, size=size)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for i in range(3):
+            m(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)), again).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in m.parameters()]
+
+    assert same(run(None), run(1))
+    with pytest.raises(RuntimeError, match="no buffer is free for block 1.*follows the stack's order"):
+        run(1, again=True)
+    assert same(run(None, again=True), run(4, again=True))  # every block in the window: any order
