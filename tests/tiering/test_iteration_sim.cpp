@@ -245,3 +245,36 @@ TEST(IterationSim, TheUpdatePhasesOperationsNameTheirSubgroupsAndFallInsideIt) {
   EXPECT_EQ(mt_ops["prefetch"], mt.plan.gpu_streamed);
   EXPECT_EQ(mt_ops["flush"], mt.plan.gpu_streamed);
 }
+
+TEST(IterationSim, TheWindowHoldsFewerParamsAndCopiesEachBlockInTwiceLessTheTurn) {
+  ModelShape m = small();
+  NodeSpec n = small_node();
+  n.gpus = 1;
+  const IterationResult whole = simulate_iteration(m, n, Contender::memtide);
+  n.window_blocks = 2;
+  const IterationResult windowed = simulate_iteration(m, n, Contender::memtide);
+  EXPECT_EQ(whole.window_blocks, 0);
+  EXPECT_EQ(windowed.window_blocks, 2);
+  // Forward copies in blocks 2..5 (0 and 1 came in during the last update), backward 3..0 (the
+  // turn kept 5 and 4), and the update phase 0 and 1 for the next forward: 2 L - m shards.
+  const double shard = m.layer_params() * 2;
+  EXPECT_NEAR(windowed.window_h2d_bytes, 10 * shard, shard * 0.01);
+  EXPECT_LT(windowed.peak_bytes[static_cast<int>(Phase::forward)], whole.peak_bytes[static_cast<int>(Phase::forward)]);
+  n.window_blocks = 6;  // every block: no window
+  EXPECT_EQ(simulate_iteration(m, n, Contender::memtide).window_blocks, 0);
+  n.window_blocks = -2;
+  EXPECT_THROW(simulate_iteration(m, n, Contender::memtide), InvalidArgument);
+}
+
+TEST(IterationSim, UpdatesDuringBackwardShortenTheUpdateAndOnlyForMemtide) {
+  const ModelShape m = ModelShape::table2("20B");
+  NodeSpec n;
+  const IterationResult base = simulate_iteration(m, n, Contender::memtide);
+  n.updates_during_backward = true;
+  const IterationResult eager = simulate_iteration(m, n, Contender::memtide);
+  EXPECT_EQ(base.backward_update_params, 0);
+  EXPECT_GT(eager.backward_update_params, 0);
+  EXPECT_LT(eager.simulated.update_s, base.simulated.update_s);
+  EXPECT_LT(eager.simulated.iteration_s, base.simulated.iteration_s);
+  EXPECT_EQ(simulate_iteration(m, n, Contender::zero3_offload).backward_update_params, 0);
+}

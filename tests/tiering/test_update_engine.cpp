@@ -183,6 +183,40 @@ TYPED_TEST(UpdateEngineTest, EveryPolicyGivesTheCpuKernelsBits) {
   }
 }
 
+// Subgroups updated before the phase (on the CPU during backward) are marked done: the step
+// leaves them exactly as they are and updates the rest as usual.
+TYPED_TEST(UpdateEngineTest, DoneSubgroupsAreLeftAsTheyAre) {
+  if (!device_ops_available(this->device())) GTEST_SKIP() << "no device kernels in this build";
+  auto ref = this->make();
+  this->fill(*ref, 11);
+  auto e = this->make();
+  this->fill(*e, 11);
+  const std::size_t groups = e->subgroups().size();
+  for (std::int64_t step = 1; step <= 2; ++step) {
+    const EnginePlan p = e->plan(Policy::interleaved, 0.0, 2.0);
+    std::vector<Placement> placement = p.plan.placement;
+    std::size_t done_params = 0;
+    for (std::size_t i = 0; i < groups; i += 3) {
+      placement[i] = Placement::done;
+      done_params += e->subgroups()[i].second - e->subgroups()[i].first;
+    }
+    const std::vector<Segment> segments = this->whole(*e, step);
+    for (const Segment& s : segments) {
+      if (placement[s.subgroup] != Placement::done) {
+        reference_step(s, ref->param(), ref->exp_avg(), ref->exp_avg_sq(), ref->grad());
+      }
+    }
+    const EngineStep r = e->step(placement, p.plan.gpu_slots, segments, 1.0, 1.0, false, true,
+                                 p.plan.prediction.total_ns);
+    ASSERT_FALSE(r.skipped);
+    EXPECT_EQ(r.total.params_cpu + r.total.params_gpu + r.total.params_gpu_static, kN - done_params);
+  }
+  e->sync_host();
+  EXPECT_EQ(std::memcmp(e->param(), ref->param(), kN * 4), 0);
+  EXPECT_EQ(std::memcmp(e->exp_avg(), ref->exp_avg(), kN * 4), 0);
+  EXPECT_EQ(std::memcmp(e->exp_avg_sq(), ref->exp_avg_sq(), kN * 4), 0);
+}
+
 TYPED_TEST(UpdateEngineTest, NonFiniteGradientSkipsEverythingWhenAsked) {
   auto e = this->make();
   this->fill(*e, 3);
