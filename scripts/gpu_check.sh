@@ -277,6 +277,9 @@ run observe 60 gpu install -- observe_check
 run timeline 120 gpu install -- timeline_check
 run nvme-probe 60 gpu install -- nvme_check
 run nvme-train 120 gpu install -- nvme_train_check
+# The layer window: a model whose parameters and gradients exceed a capped GPU memory trains with
+# it; throughput against the same model uncapped without it.
+run bench-window-gpu 240 gpu install -- "$py" bench/bench_window_gpu.py --out "$outdir/$date_tag-$gpu_label-window.md"
 run bench-update-phase 200 gpu build -- "$build/bench/memtide_bench_update_phase" --device cuda --params "$update_params" \
   --steps "$update_steps" --headroom 16GiB --out "$outdir/$date_tag-$gpu_label-update-phase.md"
 run pytest 200 gpu install -- "$py" -m pytest tests/python -q -rs -p no:cacheprovider --junitxml="$logs/pytest.xml"

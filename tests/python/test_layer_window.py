@@ -283,3 +283,22 @@ def test_a_block_called_out_of_order_is_named_and_skipping_one_is_fine():
     with pytest.raises(RuntimeError, match="no buffer is free for block 1.*follows the stack's order"):
         run(1, again=True)
     assert same(run(None, again=True), run(4, again=True))  # every block in the window: any order
+
+
+def test_the_gpu_window_benchmark_runs_its_code_on_the_cpu(tmp_path):
+    # bench/bench_window_gpu.py is gpu_check's proof of the window on a GPU; here its code runs on
+    # CPU tensors (no cap), so that a broken script is found before a GPU session is spent on it.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from memtide_testing import clean_env
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_window_gpu.py"
+    out = tmp_path / "window.md"
+    p = subprocess.run([sys.executable, str(script), "--device", "cpu", "--hidden", "64", "--heads", "4", "--layers",
+                        "4", "--seq", "16", "--batch", "2", "--vocab", "64", "--steps", "3", "--out", str(out)],
+                       env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    text = out.read_text()
+    assert "capped, layer window | all | 2 (" in text and "Losses bit for bit equal: yes" in text
