@@ -169,6 +169,12 @@ class Rank {
                           : contender_ == Contender::twinflow ? Policy::static_split
                                                               : Policy::cpu;
     const double fraction = contender_ == Contender::twinflow ? node_.twinflow_static_fraction : 0.0;
+    if (window_ > 0) {
+      // The window's prefetch above takes the H2D link first: the plan counts it.
+      double bytes = 0;
+      for (int u = 0; u < std::min(window_, model_.layers); ++u) bytes += static_cast<double>(units_.shard(u) * 2);
+      engine_->set_phase_h2d_bytes(bytes);
+    }
     const EnginePlan plan = engine_->plan(policy, fraction);
     finish_backward_updates();  // one begun in backward ends first; the ones not begun stay in the plan
     std::vector<Segment> segments;

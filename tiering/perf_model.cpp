@@ -127,6 +127,7 @@ struct Loads {
   double streamed_params = 0;  // state streamed H2D and flushed D2H
   double grad_bytes = 0;       // fp32 gradients uploaded for GPU updates
   double nvme_params = 0;      // read from and written back to the NVMe tier
+  double other_h2d_bytes = 0;  // copied by others in the phase (Workload::phase_h2d_bytes)
 };
 
 // Whether subgroup `i`'s state lives on the NVMe tier.
@@ -134,7 +135,8 @@ bool spilled(const Workload& w, std::size_t i) { return !w.on_nvme.empty() && w.
 
 // The busy time of each resource and the busiest one.
 void busy_times(const Loads& l, const Rates& r, const Costs& c, Prediction& out) {
-  out.h2d_bytes = l.cpu_params * c.lp_bytes_per_param + l.streamed_params * kStateBytesPerParam + l.grad_bytes;
+  out.h2d_bytes = l.cpu_params * c.lp_bytes_per_param + l.streamed_params * kStateBytesPerParam + l.grad_bytes +
+                  l.other_h2d_bytes;
   out.d2h_bytes = l.streamed_params * c.out_per_param;
   out.nvme_bytes = 2 * l.nvme_params * kStateBytesPerParam;
   out.dram_bytes = l.cpu_params * c.cpu_dram_per_param + out.h2d_bytes + out.d2h_bytes + out.nvme_bytes;
@@ -172,6 +174,7 @@ void busy_times(const Workload& w, const Rates& r, const Costs& c, const std::ve
       case Placement::done: break;
     }
   }
+  l.other_h2d_bytes = w.phase_h2d_bytes;
   busy_times(l, r, c, out);
 }
 
@@ -220,6 +223,8 @@ class Walk {
   Walk(const Workload& w, const Rates& r, const Costs& c, const std::vector<Placement>& placement,
        std::size_t slots)
       : w_(w), r_(r), c_(c), slots_(slots) {
+    // Others' copies at the phase's start hold the H2D link first (a job that feeds no task).
+    if (w.phase_h2d_bytes > 0) h2d_job_ = {true, w.phase_h2d_bytes, 0, false};
     cpu_before_.reserve(placement.size());
     for (std::size_t i = 0; i < placement.size(); ++i) {
       cpu_before_.push_back(cpu_tasks_.size());
@@ -557,7 +562,7 @@ bool better(const Plan& a, const Plan& b) {
 // search ranks candidates with it; every plan it returns is predicted in full.
 class BoundEstimate {
  public:
-  BoundEstimate(const Workload& w, const Rates& r, const Costs& c) : r_(r), c_(c) {
+  BoundEstimate(const Workload& w, const Rates& r, const Costs& c) : r_(r), c_(c), other_h2d_(w.phase_h2d_bytes) {
     const std::size_t n = w.subgroup_params.size();
     params_.assign(n + 1, 0.0);
     grads_.assign(n + 1, 0.0);
@@ -580,6 +585,7 @@ class BoundEstimate {
     l.gpu_params = l.streamed_params + (params_[n] - params_[s]);
     l.grad_bytes = grads_[s] * share + (grads_[n] - grads_[s]);
     l.nvme_params = nvme_[s];  // residents (the last t) keep their state on the GPU
+    l.other_h2d_bytes = other_h2d_;
     Prediction out;
     busy_times(l, r_, c_, out);
     return out.bound_ns;
@@ -604,6 +610,7 @@ class BoundEstimate {
   std::vector<double> params_;  // params_[i]: params of subgroups 0..i-1
   std::vector<double> grads_;   // grads_[i]: gradient bytes their GPU updates would upload
   std::vector<double> nvme_;    // nvme_[i]: params of those on the NVMe tier
+  double other_h2d_ = 0;
 };
 
 // `w` with every `grain` consecutive subgroups merged into one (the last merges what is left):

@@ -510,6 +510,13 @@ EngineBudget UpdateEngine::measure_budget(const Workload& work) const {
   return b;
 }
 
+void UpdateEngine::set_phase_h2d_bytes(double bytes) {
+  if (!(bytes >= 0) || !std::isfinite(bytes)) {
+    throw InvalidArgument("UpdateEngine::set_phase_h2d_bytes: bytes must be finite and >= 0, got " + std::to_string(bytes));
+  }
+  phase_h2d_bytes_ = bytes;
+}
+
 EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::optional<double> k) {
   Busy busy(*this);
   EnginePlan out;
@@ -517,6 +524,7 @@ EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::option
   for (auto [s, e] : subgroups_) w.subgroup_params.push_back(e - s);
   w.low_precision_bytes = config_.low_precision_bytes;
   w.grads_on_host = true;
+  w.phase_h2d_bytes = phase_h2d_bytes_;
   if (grad_state_ != nullptr && sink_ && sink_->kept_bytes() > 0) {
     // Gradients the path kept on the device (the plan is made after backward): no upload.
     w.grad_on_device.resize(subgroups_.size());

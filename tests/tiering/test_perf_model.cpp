@@ -91,6 +91,26 @@ TEST(PerfModel, SingleSubgroupTimesAreSerial) {
   EXPECT_DOUBLE_EQ(st.h2d_bytes, 0);
 }
 
+// The layer window's first blocks come in while the update phase runs: they hold the H2D link
+// first, so a GPU subgroup's inputs wait behind them, and a CPU one (whose upload comes after its
+// update) does not.
+TEST(PerfModel, OthersCopiesAtThePhasesStartHoldTheH2dLinkFirst) {
+  Rates r;
+  r.host_dram_bytes_per_s = 1e18;
+  const PerfModel model;
+  Workload w = uniform(1);
+  const double p = static_cast<double>(k100M);
+  const Prediction gpu = model.predict(w, r, {Placement::gpu});
+  const Prediction cpu = model.predict(w, r, {Placement::cpu});
+  w.phase_h2d_bytes = 4 * p;
+  const Prediction gpu_after = model.predict(w, r, {Placement::gpu});
+  const Prediction cpu_after = model.predict(w, r, {Placement::cpu});
+  EXPECT_NEAR(gpu_after.total_ns - gpu.total_ns, 4 * p / r.h2d_bytes_per_s * 1e9, 1e-6 * gpu.total_ns);
+  EXPECT_DOUBLE_EQ(gpu_after.h2d_bytes, gpu.h2d_bytes + 4 * p);
+  EXPECT_NEAR(cpu_after.total_ns, cpu.total_ns, 1e-6 * cpu.total_ns);  // done long before the upload
+  EXPECT_GE(cpu_after.bound_ns, cpu.bound_ns);
+}
+
 TEST(PerfModel, CountsBytesPerPlacement) {
   Rates r;
   r.cpu_downscale_params_per_s = 0;

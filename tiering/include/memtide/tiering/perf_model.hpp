@@ -75,6 +75,10 @@ struct Workload {
   /// and moves nothing. Empty: none is.
   std::vector<bool> on_nvme;
   std::size_t nvme_read_ahead = 2;           ///< NVMe subgroups in host staging at once (>= 1)
+  /// Bytes others copy host -> device at the start of the update phase: the layer window's first
+  /// blocks of the next forward, fetched into the HBM the phase leaves free. They take the H2D
+  /// link (and DRAM) first.
+  double phase_h2d_bytes = 0;
 };
 
 /// Streamed subgroups in flight at once: with three, one is being prefetched, one updated and one

@@ -218,6 +218,10 @@ class UpdateEngine {
   /// What CUPTI saw on the PCIe links during the last update phase (see Calibration::observe_pcie):
   /// the next plans count only on what others leave.
   void observe_pcie(const PcieObservation& o) { calibration_.observe_pcie(o); }
+  /// Bytes others copy host -> device at the start of each update phase (the layer window's
+  /// first blocks of the next forward): the plans count them on the H2D link
+  /// (Workload::phase_h2d_bytes). Throws InvalidArgument for a negative or non-finite value.
+  void set_phase_h2d_bytes(double bytes);
   [[nodiscard]] std::pair<double, double> foreign_pcie_share() const { return calibration_.foreign_pcie_share(); }
   /// Bytes of device memory the engine holds between steps (static residents, small buffers).
   [[nodiscard]] std::uint64_t resident_bytes() const;
@@ -310,6 +314,7 @@ class UpdateEngine {
                                                   const std::vector<Placement>& placement);
   [[nodiscard]] std::size_t subgroup_of(std::size_t element) const;
   std::vector<bool> on_nvme_;
+  double phase_h2d_bytes_ = 0;
   std::unique_ptr<NvmeTier> nvme_;
 };
 
