@@ -848,6 +848,19 @@ bool UpdateEngine::finish_grads() {
   return sink_->finish();
 }
 
+void UpdateEngine::wait_grads_pushed() {
+  Event landed{};
+  {
+    Busy busy(*this);
+    if (!sink_ || !grads_open_) return;
+    landed = device_.create_event();
+    sink_->record_landed(landed);
+  }
+  device_.event_synchronize(landed);  // backward may push meanwhile
+  Busy busy(*this);
+  device_.destroy_event(landed);
+}
+
 void UpdateEngine::grads_to_host() {
   Busy busy(*this);
   if (!sink_ || sink_->kept_bytes() == 0) return;

@@ -21,9 +21,11 @@ forward between backward and step (a micro-batch nobody marked, an evaluation) r
 The masters and moments are updated in place with a copy to put back; state_dict(),
 load_state_dict(), sync_state() and add_param_group() roll every speculation back first.
 
-Only host gradients take part (CPU params: the hook copies each gradient into the flat buffer at
-once). CUDA gradients travel the engine's asynchronous gradient path, whose per-subgroup arrival
-is not observable from here yet: with CUDA params nothing is updated during backward.
+With CPU params the hook copies each gradient into the flat buffer at once. CUDA gradients travel
+the engine's gradient path (upcast on the GPU, copied on its own streams); the worker waits until
+everything pushed so far has landed (UpdateEngine::wait_grads_pushed) before it reads them. Only
+subgroups the plan puts on the CPU take part: their gradients are the ones the path sends to the
+host.
 """
 
 from __future__ import annotations
@@ -142,10 +144,15 @@ class BackwardUpdates:
         spec = _Speculation(sg, segments, opt._grad_scale())
         self._spec[sg] = spec
         self.stats["speculated"] += 1
-        spec.future = self._pool.submit(self._run, opt.buffers, spec)
+        native = opt.engine.native if opt._device_path else None
+        spec.future = self._pool.submit(self._run, opt.buffers, spec, native)
 
     @staticmethod
-    def _run(b, spec: _Speculation) -> bool:
+    def _run(b, spec: _Speculation, native) -> bool:
+        if native is not None:
+            # CUDA gradients reach the host array through the engine's gradient path, on its own
+            # streams: wait until what was pushed (this subgroup's included) has landed.
+            native.wait_grads_pushed()
         # The model's params (views of the low-precision buffer, or of the fp32 masters) must not
         # change before step(): a forward in between (a micro-batch nobody said was one, an
         # evaluation) would read them. Their new values wait aside; the rest is updated in place

@@ -993,6 +993,8 @@ class TieredAdamW(torch.optim.Optimizer):
                                          torch.cuda.current_stream(g.device).cuda_stream)
             norm = None if self.max_grad_norm is None else torch.linalg.vector_norm(g, dtype=torch.float32)
             self._flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=True)
+            if self._eager is not None:
+                self._eager.grad_ready(i)
         else:
             b.grads[lo:hi].copy_(g.reshape(-1))
             norm = None if self.max_grad_norm is None else torch.linalg.vector_norm(b.grads[lo:hi])

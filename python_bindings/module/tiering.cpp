@@ -432,6 +432,13 @@ class PyUpdateEngine {
     return engine_->finish_grads();
   }
 
+  // Not under mutex_: an update during backward waits here on a worker thread while backward
+  // goes on pushing (the engine locks itself only to mark the point).
+  void wait_grads_pushed() {
+    nb::gil_scoped_release nogil;
+    engine_->wait_grads_pushed();
+  }
+
   double grad_bytes_to_host() const { return engine_->grad_bytes_to_host(); }
 
   void grads_to_host() {
@@ -691,6 +698,9 @@ void bind_tiering(nb::module_& m) {
            "engine's streams while backward goes on; `stream` waits until they have been read.")
       .def("finish_grads", &PyUpdateEngine::finish_grads,
            "Waits for every pushed gradient; True when all were finite (or none was pushed).")
+      .def("wait_grads_pushed", &PyUpdateEngine::wait_grads_pushed,
+           "Waits until every gradient pushed so far that goes to the host is there, without ending the\n"
+           "pass (finish_grads does): for updates during backward. Callable from another thread.")
       .def("grads_to_host", &PyUpdateEngine::grads_to_host,
            "Moves gradients the path kept on the GPU into the host array (before editing it).")
       .def_prop_ro("grad_bytes_to_host", &PyUpdateEngine::grad_bytes_to_host,

@@ -173,3 +173,26 @@ def test_memtide_run_with_the_window_and_updates_during_backward_trains_the_same
     assert plain["final_loss"] == both["final_loss"]
     assert both["window"]["size"] == 2 and both["window"]["fetches"] > 0
     assert both["backward_updates"]["kept"] > 0 and plain["window"] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: the gradients then travel the engine's gradient path, which the "
+                    "updates during backward wait for (wait_grads_pushed)")
+@pytest.mark.parametrize("policy", ["cpu", "interleaved"])
+def test_on_a_gpu_the_updates_wait_for_the_gradient_path_and_are_exact(policy):
+    def run(eager):
+        torch.manual_seed(0)
+        model = TinyGPT(VOCAB, D, HEADS, LAYERS, SEQ).to("cuda", torch.bfloat16)
+        opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, policy=policy, **POLICY_KW[policy], **HYPER,
+                          max_grad_norm=1e6, update_during_backward=12 if eager else False)
+        for x, y in DATA:
+            opt.zero_grad(set_to_none=True)
+            lm_loss(model(x.cuda()), y.cuda()).backward()
+            opt.step()
+        torch.cuda.synchronize()
+        return everything(model, opt), opt
+
+    ref, _ = run(False)
+    got, opt = run(True)
+    assert same(ref, got)
+    assert opt._eager.stats["kept"] > 0

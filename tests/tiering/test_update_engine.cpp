@@ -8,6 +8,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../device_types.hpp"
@@ -328,6 +329,31 @@ TYPED_TEST(UpdateEngineTest, GradientsPushedDuringBackwardLandOnTheHost) {
 
 // On the simulated clock the first gradient flush starts before backward ends: the whole
 // backward plus its flushes take less than backward followed by the flushes.
+// An update during backward reads one subgroup's host gradient before the pass ends: after
+// wait_grads_pushed() everything pushed so far is in the host array, and the pass goes on.
+TYPED_TEST(UpdateEngineTest, PushedGradientsCanBeAwaitedBeforeThePassEnds) {
+  if (!device_ops_available(this->device())) GTEST_SKIP() << "no device kernels in this build";
+  Device& d = this->device();
+  auto e = this->make();
+  e->wait_grads_pushed();  // nothing pushed: returns at once
+  std::vector<std::uint16_t> host_grads(kN);
+  for (std::size_t i = 0; i < kN; ++i) host_grads[i] = fp32_to_bf16(static_cast<float>(i % 501) * 0.5F - 7.0F);
+  auto* grads = static_cast<std::uint16_t*>(this->allocator_->allocate(kN * 2, Stream{}));
+  const Stream backward = d.create_stream();
+  d.copy_async(grads, host_grads.data(), kN * 2, CopyKind::host_to_device, backward);
+  const std::size_t half = kN / 2;
+  e->push_grad(half, grads + half, DType::bf16, kN - half, backward);  // backward: the last params first
+  std::thread waiter([&] { e->wait_grads_pushed(); });  // from another thread, as TieredAdamW's worker
+  waiter.join();
+  for (std::size_t i = half; i < kN; i += 5) ASSERT_EQ(e->grad()[i], bf16_to_fp32(host_grads[i])) << i;
+  e->push_grad(0, grads, DType::bf16, half, backward);
+  EXPECT_TRUE(e->finish_grads());
+  for (std::size_t i = 0; i < half; i += 5) ASSERT_EQ(e->grad()[i], bf16_to_fp32(host_grads[i])) << i;
+  d.synchronize();
+  this->allocator_->deallocate(grads, Stream{});
+  d.destroy_stream(backward);
+}
+
 TEST(UpdateEngineGradients, FlushesOverlapBackward) {
   SimDevice dev(SimConfig{});
   CachingAllocator alloc(dev, small_margin());

@@ -45,6 +45,10 @@ class GradSink {
   /// An event that completes when everything pushed so far has been read from device memory.
   [[nodiscard]] Event consumed() const noexcept { return consumed_; }
 
+  /// Records `event` where every host-bound gradient pushed so far has been written to the host
+  /// (the copy stream carries them in push order).
+  void record_landed(Event event) { device_.record_event(event, copy_); }
+
   /// Waits until every pushed gradient is in place (host buffers written, kept ones set on the
   /// subgroups as device_grad). Returns whether all gradients were finite.
   bool finish();

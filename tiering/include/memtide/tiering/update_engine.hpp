@@ -187,6 +187,11 @@ class UpdateEngine {
   /// gradient in device memory, as far as the memory backward and the update phase leave allows
   /// (the step reads it there: no 4 B/param there and back); the rest are in the host array.
   bool finish_grads();
+  /// Waits until every gradient pushed so far that goes to host memory is there (the kept ones
+  /// aside), without ending the pass as finish_grads() does: for an update of a subgroup whose
+  /// gradients are complete while backward goes on. Safe from another thread than the one that
+  /// pushes: the engine is locked only to mark the point, not while waiting.
+  void wait_grads_pushed();
   /// Moves gradients kept on the device into the host array (before the host copy is edited).
   void grads_to_host();
   /// Bytes of fp32 gradients kept in device memory now.
