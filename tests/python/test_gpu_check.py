@@ -43,7 +43,7 @@ def test_without_a_gpu_every_gpu_step_is_skipped_with_the_reason(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     rows = summary_rows((out / "summary.md").read_text())
     expected = {"machine", "build", "ctest", "cuda-suites", "install", "probe", "backend-memtide", "observe",
-                "timeline", "nvme-probe", "nvme-train", "torch-bridge",
+                "timeline", "nvme-probe", "nvme-train", "torch-bridge", "bench-window-gpu",
                 "bench-update-phase", "pytest", "bench-adamw-gpu", "bench-torch-allocator", "bench-allocator",
                 "bench-host"}
     assert set(rows) == expected
