@@ -175,8 +175,11 @@ class Rank {
       for (int u = 0; u < std::min(window_, model_.layers); ++u) bytes += static_cast<double>(units_.shard(u) * 2);
       engine_->set_phase_h2d_bytes(bytes);
     }
+    finish_backward_updates();  // what backward began ends first
+    if (contender_ == Contender::memtide && node_.updates_during_backward) {
+      engine_->set_done_before_phase(bwd_done_);  // the plan is made for the rest
+    }
     const EnginePlan plan = engine_->plan(policy, fraction);
-    finish_backward_updates();  // one begun in backward ends first; the ones not begun stay in the plan
     std::vector<Segment> segments;
     std::vector<Placement> placement = plan.plan.placement;
     const auto& groups = engine_->subgroups();
@@ -525,11 +528,12 @@ class Rank {
     double ready_ns;  // its gradients are in host memory
   };
   //
-  // Which subgroups: the plan's. Walking them in the order backward completes them, with the last
-  // backward's length spread over the shard, a CPU subgroup (not on NVMe) is taken when the host,
-  // updating the ones taken before, would finish it before backward ends; the rest stay in the
-  // update phase's plan. (The choice depends on the plan and the last backward only, so the
-  // update phase's scheduler, cached by its subgroups, stays the same from step to step.)
+  // Which subgroups: walking them in the order backward completes them, with the last backward's
+  // length spread over the shard, one whose newest state is in host memory (not a static
+  // resident, not on NVMe) is taken when the host, updating the ones taken before, would finish
+  // it before backward ends. Its gradients go to the host whatever the plan said; the update
+  // phase is planned for the rest (UpdateEngine::set_done_before_phase). So each subgroup is
+  // updated during backward, on the CPU in the update phase, or on the GPU.
   void begin_backward_updates() {
     const auto& groups = engine_->subgroups();
     const std::size_t n = groups.size();
@@ -540,12 +544,17 @@ class Rank {
     bwd_params_ = bwd_busy_ns_ = 0;
     bwd_enabled_ = contender_ == Contender::memtide && node_.updates_during_backward && !last_placement_.empty() &&
                    last_backward_ns_ > 0;
-    if (!bwd_enabled_) return;
+    if (!bwd_enabled_) {
+      if (contender_ == Contender::memtide && node_.updates_during_backward) engine_->set_host_gradients({});
+      return;
+    }
     const auto& nvme = engine_->on_nvme();
     const SimConfig& c = device_.config();
     double host = 0;  // when the host would be done with the subgroups taken so far, from backward's start
     for (std::size_t k = n; k-- > 0;) {
-      if (last_placement_[k] != Placement::cpu || (!nvme.empty() && nvme[k])) continue;
+      // Any subgroup whose newest state is in host memory: one the last plan updated on the CPU
+      // (in backward or after) or streamed through the GPU, not a static resident.
+      if (last_placement_[k] == Placement::gpu_static || (!nvme.empty() && nvme[k])) continue;
       const auto params = static_cast<double>(groups[k].second - groups[k].first);
       const double complete = last_backward_ns_ * (1 - static_cast<double>(groups[k].first) / static_cast<double>(n_));
       const double ready = complete + params * 4 / c.d2h_bytes_per_s * 1e9;
@@ -555,6 +564,7 @@ class Rank {
       host = std::max(host, ready) + work;
       bwd_take_[k] = true;
     }
+    engine_->set_host_gradients(bwd_take_);  // their gradients go to the host, whatever the plan said
   }
   void complete_subgroups(std::size_t begin) {
     const auto& groups = engine_->subgroups();

@@ -517,18 +517,62 @@ void UpdateEngine::set_phase_h2d_bytes(double bytes) {
   phase_h2d_bytes_ = bytes;
 }
 
+void UpdateEngine::set_done_before_phase(std::vector<bool> done) {
+  Busy busy(*this);
+  if (!done.empty() && done.size() != subgroups_.size()) {
+    throw InvalidArgument("UpdateEngine::set_done_before_phase: " + std::to_string(done.size()) + " entries, there are " +
+                          std::to_string(subgroups_.size()) + " subgroups");
+  }
+  done_before_phase_ = std::move(done);
+}
+
+void UpdateEngine::set_host_gradients(std::vector<bool> host) {
+  Busy busy(*this);
+  if (!host.empty() && host.size() != subgroups_.size()) {
+    throw InvalidArgument("UpdateEngine::set_host_gradients: " + std::to_string(host.size()) + " entries, there are " +
+                          std::to_string(subgroups_.size()) + " subgroups");
+  }
+  host_gradients_ = std::move(host);
+}
+
 EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::optional<double> k) {
   Busy busy(*this);
+  // Subgroups already updated are left out: the rest is planned as a workload of its own, and
+  // the placement is widened again at the end with them marked done.
+  std::vector<std::size_t> kept_index;  // planned subgroup -> engine subgroup
+  for (std::size_t g = 0; g < subgroups_.size(); ++g) {
+    if (done_before_phase_.empty() || !done_before_phase_[g]) kept_index.push_back(g);
+  }
+  if (kept_index.empty()) {
+    EnginePlan all_done;
+    all_done.plan.policy = policy;
+    all_done.plan.placement.assign(subgroups_.size(), Placement::done);
+    all_done.reason = "every subgroup was updated before the phase";
+    last_placement_ = all_done.plan.placement;
+    return all_done;
+  }
+  EnginePlan out = plan_subset(policy, static_fraction, k, kept_index);
+  if (kept_index.size() != subgroups_.size()) {
+    std::vector<Placement> wide(subgroups_.size(), Placement::done);
+    for (std::size_t j = 0; j < kept_index.size(); ++j) wide[kept_index[j]] = out.plan.placement[j];
+    out.plan.placement = std::move(wide);
+    last_placement_ = out.plan.placement;
+  }
+  return out;
+}
+
+EnginePlan UpdateEngine::plan_subset(Policy policy, double static_fraction, std::optional<double> k,
+                                     const std::vector<std::size_t>& index) {
   EnginePlan out;
   Workload w;
-  for (auto [s, e] : subgroups_) w.subgroup_params.push_back(e - s);
+  for (std::size_t g : index) w.subgroup_params.push_back(subgroups_[g].second - subgroups_[g].first);
   w.low_precision_bytes = config_.low_precision_bytes;
   w.grads_on_host = true;
   w.phase_h2d_bytes = phase_h2d_bytes_;
   if (grad_state_ != nullptr && sink_ && sink_->kept_bytes() > 0) {
     // Gradients the path kept on the device (the plan is made after backward): no upload.
-    w.grad_on_device.resize(subgroups_.size());
-    for (std::size_t g = 0; g < subgroups_.size(); ++g) w.grad_on_device[g] = (*grad_state_)[g].device_grad != nullptr;
+    w.grad_on_device.resize(index.size());
+    for (std::size_t j = 0; j < index.size(); ++j) w.grad_on_device[j] = (*grad_state_)[index[j]].device_grad != nullptr;
   }
   out.budget = measure_budget(w);
   fit_gpu_budget(w, out.budget.budget);
@@ -540,9 +584,9 @@ EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::option
   }
   // The links as far as memtide can count on them: less what others were seen to take.
   Rates rates = calibration_.rates_for_planning();
-  const std::size_t n = subgroups_.size();
+  const std::size_t n = index.size();
   if (nvme_) {
-    w.on_nvme = on_nvme_;
+    for (std::size_t g : index) w.on_nvme.push_back(on_nvme_[g]);
     w.nvme_read_ahead = nvme_->read_ahead;
     // A spilled subgroup may be a static resident: its state comes from NVMe once, stays on the
     // GPU, and goes back when it leaves (see move_spilled_residents): no NVMe I/O per step.
@@ -833,6 +877,9 @@ void UpdateEngine::push_grad(std::size_t offset, const void* source, DType dtype
   if (!grads_open_) {
     std::vector<Placement> place = last_placement_;
     if (place.size() != subgroups_.size()) place.assign(subgroups_.size(), Placement::cpu);  // no plan yet
+    for (std::size_t g = 0; g < host_gradients_.size(); ++g) {
+      if (host_gradients_[g]) place[g] = Placement::cpu;  // updated on the CPU during this backward
+    }
     sink_->begin(place, grad_keep_bytes_);
     last_kept_bytes_ = sink_->kept_bytes();
     grads_open_ = true;

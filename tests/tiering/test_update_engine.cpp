@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -329,6 +330,31 @@ TYPED_TEST(UpdateEngineTest, GradientsPushedDuringBackwardLandOnTheHost) {
 
 // On the simulated clock the first gradient flush starts before backward ends: the whole
 // backward plus its flushes take less than backward followed by the flushes.
+// The plan after updates during backward is made for the rest: those marked done stay done, and
+// the others are planned as a workload of their own.
+TYPED_TEST(UpdateEngineTest, APlanLeavesOutWhatWasUpdatedBeforeThePhase) {
+  auto e = this->make();
+  const std::size_t groups = e->subgroups().size();
+  std::vector<bool> done(groups, false);
+  for (std::size_t i = 0; i < groups; i += 2) done[i] = true;
+  e->set_done_before_phase(done);
+  const EnginePlan p = e->plan(Policy::interleaved, 0.0, 1.0);  // every planned one on the GPU
+  ASSERT_EQ(p.plan.placement.size(), groups);
+  for (std::size_t i = 0; i < groups; ++i) {
+    EXPECT_EQ(p.plan.placement[i] == Placement::done, done[i]) << i;
+  }
+  e->set_done_before_phase(std::vector<bool>(groups, true));
+  const EnginePlan none = e->plan(Policy::automatic);
+  EXPECT_EQ(std::count(none.plan.placement.begin(), none.plan.placement.end(), Placement::done),
+            static_cast<std::ptrdiff_t>(groups));
+  e->set_done_before_phase({});
+  const EnginePlan all = e->plan(Policy::cpu);
+  EXPECT_EQ(std::count(all.plan.placement.begin(), all.plan.placement.end(), Placement::cpu),
+            static_cast<std::ptrdiff_t>(groups));
+  EXPECT_THROW(e->set_done_before_phase(std::vector<bool>(groups + 1)), InvalidArgument);
+  EXPECT_THROW(e->set_host_gradients(std::vector<bool>(1 + groups)), InvalidArgument);
+}
+
 // An update during backward reads one subgroup's host gradient before the pass ends: after
 // wait_grads_pushed() everything pushed so far is in the host array, and the pass goes on.
 TYPED_TEST(UpdateEngineTest, PushedGradientsCanBeAwaitedBeforeThePassEnds) {

@@ -227,6 +227,13 @@ class UpdateEngine {
   /// first blocks of the next forward): the plans count them on the H2D link
   /// (Workload::phase_h2d_bytes). Throws InvalidArgument for a negative or non-finite value.
   void set_phase_h2d_bytes(double bytes);
+  /// Subgroups updated before the coming update phase (on the CPU during backward; empty: none).
+  /// plan() leaves them out of the workload and marks them Placement::done, so the rest is
+  /// planned on its own. Throws InvalidArgument when the size is not the number of subgroups.
+  void set_done_before_phase(std::vector<bool> done);
+  /// Subgroups whose gradients the next backward sends to host memory whatever the plan says
+  /// (empty: as the plan says): those to be updated on the CPU during that backward.
+  void set_host_gradients(std::vector<bool> host);
   [[nodiscard]] std::pair<double, double> foreign_pcie_share() const { return calibration_.foreign_pcie_share(); }
   /// Bytes of device memory the engine holds between steps (static residents, small buffers).
   [[nodiscard]] std::uint64_t resident_bytes() const;
@@ -301,6 +308,8 @@ class UpdateEngine {
     UpdateEngine& engine;
   };
   void lend();
+  EnginePlan plan_subset(Policy policy, double static_fraction, std::optional<double> k,
+                         const std::vector<std::size_t>& index);
   std::recursive_mutex api_mutex_;
   int busy_ = 0;
   std::uint64_t lender_id_ = 0;
@@ -320,6 +329,8 @@ class UpdateEngine {
   [[nodiscard]] std::size_t subgroup_of(std::size_t element) const;
   std::vector<bool> on_nvme_;
   double phase_h2d_bytes_ = 0;
+  std::vector<bool> done_before_phase_;
+  std::vector<bool> host_gradients_;
   std::unique_ptr<NvmeTier> nvme_;
 };
 
