@@ -23,9 +23,10 @@ load_state_dict(), sync_state() and add_param_group() roll every speculation bac
 
 With CPU params the hook copies each gradient into the flat buffer at once. CUDA gradients travel
 the engine's gradient path (upcast on the GPU, copied on its own streams); the worker waits until
-everything pushed so far has landed (UpdateEngine::wait_grads_pushed) before it reads them. Only
-subgroups the plan puts on the CPU take part: their gradients are the ones the path sends to the
-host.
+everything pushed so far has landed (UpdateEngine::wait_grads_pushed) before it reads them. The
+subgroups that take part are chosen after each step (choose()): those whose newest state is in
+host memory (the plan's CPU and streamed ones, not its GPU residents) that backward completes
+first; the gradient path sends theirs to the host (UpdateEngine::set_host_gradients).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class BackwardUpdates:
         self._seen: Set[int] = set()
         self._spec: Dict[int, _Speculation] = {}
         self._invalid: Set[int] = set()
+        self._chosen: Set[int] = set()
         self.stats = {"speculated": 0, "kept": 0, "redone": 0, "rolled_back": 0}
 
     def rebuild(self) -> None:
@@ -103,6 +105,23 @@ class BackwardUpdates:
                         self._subgroups_of[i].append(sg)
         self._needed = [len(n) for n in needed]
         self._reset_counts()
+        self.choose()
+
+    def choose(self) -> None:
+        """Which subgroups the next backward may update: of those whose newest state is in host
+        memory between steps (every one the plan does not keep resident on the GPU, none on NVMe),
+        the `max_subgroups` that backward completes first (the last ones: backward runs the
+        layers in reverse). Their gradients go to the host whatever the plan said."""
+        opt = self._opt()
+        ep = getattr(opt.plan, "engine_plan", None)
+        marks = ep["placement"] if ep is not None else "c" * len(opt._layout.pieces)
+        candidates = [sg for sg, c in enumerate(marks) if c in "cgd"]
+        if getattr(opt.engine, "spilled", 0):
+            candidates = []
+        self._chosen = set(candidates[-self.max_subgroups:]) if candidates else set()
+        native = getattr(opt.engine, "native", None)
+        if native is not None:
+            native.set_host_gradients([sg in self._chosen for sg in range(len(marks))])
 
     def _reset_counts(self) -> None:
         self._left = list(self._needed)
@@ -130,12 +149,7 @@ class BackwardUpdates:
                 self._submit(opt, sg)
 
     def _eligible(self, opt: "TieredAdamW", sg: int) -> bool:
-        if len(self._spec) >= self.max_subgroups:
-            return False
-        if getattr(opt.engine, "spilled", 0):
-            return False  # spilled state is not in host memory between steps
-        placement = opt.plan.placement
-        return sg < len(placement) and placement[sg] == "cpu"
+        return sg in self._chosen and len(self._spec) < self.max_subgroups
 
     def _submit(self, opt: "TieredAdamW", sg: int) -> None:
         segments = opt._subgroup_segments(sg)
@@ -163,7 +177,9 @@ class BackwardUpdates:
             piece = _Piece(lo, hi, b.exp_avg[lo:hi].clone(), b.exp_avg_sq[lo:hi].clone())
             if s.lowp:
                 piece.params = b.params[lo:hi].clone()
-                piece.new_lowp = torch.empty_like(b.lowp[lo:hi])
+                # On the host even when the model's copy is the engine's device buffer (CUDA params):
+                # the CPU kernel writes it here, publish() copies it over.
+                piece.new_lowp = torch.empty(hi - lo, dtype=b.lowp.dtype, pin_memory=b.lowp.is_cuda)
                 params, out = b.params[lo:hi], piece.new_lowp
             else:
                 piece.new_params = b.params[lo:hi].clone()
@@ -229,6 +245,7 @@ class BackwardUpdates:
         self._spec = {}
         self._invalid = set()
         self._reset_counts()
+        self.choose()  # the step may have made a new plan
 
     def rollback(self) -> None:
         """Puts back every update begun since the last step (state as before that backward)."""

@@ -439,6 +439,11 @@ class PyUpdateEngine {
     engine_->wait_grads_pushed();
   }
 
+  void set_host_gradients(const std::vector<bool>& host) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->set_host_gradients(host);
+  }
+
   double grad_bytes_to_host() const { return engine_->grad_bytes_to_host(); }
 
   void grads_to_host() {
@@ -701,6 +706,9 @@ void bind_tiering(nb::module_& m) {
       .def("wait_grads_pushed", &PyUpdateEngine::wait_grads_pushed,
            "Waits until every gradient pushed so far that goes to the host is there, without ending the\n"
            "pass (finish_grads does): for updates during backward. Callable from another thread.")
+      .def("set_host_gradients", &PyUpdateEngine::set_host_gradients, "host"_a,
+           "Per subgroup: its gradients go to host memory in the next backward whatever the plan says\n"
+           "(updates during backward read them there); an empty list: as the plan says.")
       .def("grads_to_host", &PyUpdateEngine::grads_to_host,
            "Moves gradients the path kept on the GPU into the host array (before editing it).")
       .def_prop_ro("grad_bytes_to_host", &PyUpdateEngine::grad_bytes_to_host,

@@ -69,8 +69,26 @@ def test_updates_during_backward_give_the_sequential_result(policy):
         results.append((everything(model, opt), opt))
     (ref, _), (got, opt) = results
     assert same(ref, got)
-    if policy == "cpu":
+    marks = opt.plan.engine_plan["placement"] if opt.plan.engine_plan else "c" * 12
+    if any(c in "cgd" for c in marks):
         assert opt._eager.stats["speculated"] > 0 and opt._eager.stats["kept"] == opt._eager.stats["speculated"]
+    if policy == "interleaved":
+        # Streamed subgroups keep their state in host memory between steps: they take part too.
+        assert any(marks[sg] == "g" for sg in opt._eager._chosen)
+    # GPU residents hold their newest state on the device: they never do.
+    assert not any(marks[sg] == "s" for sg in opt._eager._chosen)
+
+
+def test_at_most_the_given_number_of_subgroups_take_part_the_first_backward_completes():
+    model, opt = make(eager=False)
+    opt2_model, opt2 = make()
+    opt2._eager.max_subgroups = 3
+    opt2._eager.choose()
+    assert opt2._eager._chosen == {9, 10, 11}  # backward completes the last layers first
+    train(opt2_model, opt2)
+    train(model, opt)
+    assert same(everything(model, opt), everything(opt2_model, opt2))
+    assert opt2._eager.stats["kept"] == 3 * len(DATA)
 
 
 def test_clipping_that_bites_redoes_and_clipping_that_does_not_keeps():
