@@ -17,11 +17,10 @@ import time
 from datetime import date
 
 import memtide
+from memtide.cli import _SIM_GPUS
+from plotting import pyplot
 
-GPUS = {  # the simulator's figures (memtide/cli.py _SIM_GPUS), by the CLI's names
-    "h100": {},
-    "a100": {"gpu_flops": 31e12, "h2d_bytes_per_s": 25e9, "d2h_bytes_per_s": 25e9, "link_bytes_per_s": 200e9},
-}
+GPUS = {name: _SIM_GPUS[name] for name in ("h100", "a100")}  # memtide simulate --gpu's figures
 VARIANTS = (("update phase only", {}),
             ("during backward, speculative copy", {"updates_during_backward": 1}),
             ("during backward, no copy needed", {"updates_during_backward": 1, "speculative_backup": 0}))
@@ -59,28 +58,21 @@ def main() -> int:
         spec = next(r for g, l, r in rows if g == gpu and l == VARIANTS[1][0])["simulated"]["iteration_s"]
         lines.append(f"- {gpu}: {base:.3f} s -> {spec:.3f} s per iteration ({(base / spec - 1) * 100:+.1f}%).")
     lines.append("")
-    if args.png:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("no matplotlib: no plot", file=sys.stderr)
-        else:
-            fig, ax = plt.subplots(figsize=(8, 3.6))
-            labels = [f"{g}\n{l}" for g, l, _ in rows]
-            left = [0.0] * len(rows)
-            for phase, color in (("forward_s", "#6a9fd8"), ("backward_s", "#e39c4a"), ("update_s", "#6cb86c")):
-                vals = [r["simulated"][phase] for _, _, r in rows]
-                ax.barh(labels, vals, left=left, color=color, label=phase[:-2])
-                left = [a + b for a, b in zip(left, vals)]
-            ax.invert_yaxis()
-            ax.set_xlabel("seconds per iteration (20B, simulated)")
-            ax.legend(loc="lower right")
-            fig.tight_layout()
-            fig.savefig(args.png, dpi=110)
-            lines += [f"![phases per variant]({os.path.basename(args.png)})", ""]
+    plt = pyplot() if args.png else None
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        labels = [f"{g}\n{l}" for g, l, _ in rows]
+        left = [0.0] * len(rows)
+        for phase, color in (("forward_s", "#6a9fd8"), ("backward_s", "#e39c4a"), ("update_s", "#6cb86c")):
+            vals = [r["simulated"][phase] for _, _, r in rows]
+            ax.barh(labels, vals, left=left, color=color, label=phase[:-2])
+            left = [a + b for a, b in zip(left, vals)]
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds per iteration (20B, simulated)")
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=110)
+        lines += [f"![phases per variant]({os.path.basename(args.png)})", ""]
     with open(args.out, "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))

@@ -21,6 +21,7 @@ import time
 from datetime import date
 
 import memtide
+from plotting import pyplot
 
 CONTENDERS = ("zero3_offload", "twinflow", "memtide")
 LABEL = {"zero3_offload": "ZeRO-3 offload", "twinflow": "TwinFlow 20%", "memtide": "memtide auto"}
@@ -109,39 +110,32 @@ def main() -> int:
               "a larger shard per rank, so more optimizer state per GPU to flush and update.", ""]
     lines += [f"All simulations together took {time.perf_counter() - t0:.1f} s of wall time here.", ""]
 
-    if args.png:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed: no plot", file=sys.stderr)
-        else:
-            fig, ax = plt.subplots(figsize=(11, 4.5))
-            width, x = 0.27, 0
-            ticks, names = [], []
-            colors = {"forward_s": "#4c72b0", "backward_s": "#dd8452", "update_s": "#55a868"}
-            for name in models:
-                for i, c in enumerate(CONTENDERS):
-                    s = results[name][c]["simulated"]
-                    bottom = 0.0
-                    for key in ("forward_s", "backward_s", "update_s"):
-                        ax.bar(x + i * width, s[key], width * 0.95, bottom=bottom, color=colors[key],
-                               label=key[:-2] if name == models[0] and i == 0 else None,
-                               hatch={"zero3_offload": "", "twinflow": "//", "memtide": ".."}[c], edgecolor="white")
-                        bottom += s[key]
-                ticks.append(x + width)
-                names.append(name)
-                x += 1
-            ax.set_xticks(ticks, names)
-            ax.set_ylabel("iteration time (s), one rank")
-            ax.set_title("Simulated iteration per phase: ZeRO-3 offload (plain), TwinFlow 20% (//), memtide (..)")
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(args.png, dpi=110)
-            lines.append(f"![phases per model and contender]({os.path.basename(args.png)})")
-            lines.append("")
+    plt = pyplot() if args.png else None
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(11, 4.5))
+        width, x = 0.27, 0
+        ticks, names = [], []
+        colors = {"forward_s": "#4c72b0", "backward_s": "#dd8452", "update_s": "#55a868"}
+        for name in models:
+            for i, c in enumerate(CONTENDERS):
+                s = results[name][c]["simulated"]
+                bottom = 0.0
+                for key in ("forward_s", "backward_s", "update_s"):
+                    ax.bar(x + i * width, s[key], width * 0.95, bottom=bottom, color=colors[key],
+                           label=key[:-2] if name == models[0] and i == 0 else None,
+                           hatch={"zero3_offload": "", "twinflow": "//", "memtide": ".."}[c], edgecolor="white")
+                    bottom += s[key]
+            ticks.append(x + width)
+            names.append(name)
+            x += 1
+        ax.set_xticks(ticks, names)
+        ax.set_ylabel("iteration time (s), one rank")
+        ax.set_title("Simulated iteration per phase: ZeRO-3 offload (plain), TwinFlow 20% (//), memtide (..)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=110)
+        lines.append(f"![phases per model and contender]({os.path.basename(args.png)})")
+        lines.append("")
     with open(args.out, "w") as f:
         f.write("\n".join(lines))
     print(f"wrote {args.out}")

@@ -23,6 +23,7 @@ import time
 from datetime import date
 
 import memtide
+from plotting import pyplot
 
 GiB = 2**30
 SHAPE = dict(hidden=8192, heads=64)
@@ -131,30 +132,23 @@ def main() -> int:
     lines += ["", f"auto chose **{auto['window']}** ({auto['window_why']}); its iteration: "
               f"{auto['simulated']['iteration_s']:.3f} s.", ""]
 
-    if args.png:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("no matplotlib: no plot", file=sys.stderr)
-        else:
-            ok = [(m, r) for m, r in sweep if r is not None]
-            fig, ax = plt.subplots(figsize=(7, 4))
-            ax.plot([m for m, _ in ok], [r["simulated"]["iteration_s"] for _, r in ok], "o-", label="iteration")
-            ax.plot([m for m, _ in ok], [r["simulated"]["forward_s"] + r["simulated"]["backward_s"] for _, r in ok],
-                    "s--", label="forward + backward")
-            ax.axvline(auto["window"], color="gray", linestyle=":", label=f"auto: {auto['window']}")
-            ax.set_xlabel("window (blocks on the GPU)")
-            ax.set_ylabel("seconds")
-            ax.set_ylim(bottom=0)
-            ax.set_title("40B shape, seq 512, one simulated H100 capped at 32 GiB")
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(args.png, dpi=110)
-            lines.append(f"![iteration time against window size]({os.path.basename(args.png)})")
-            lines.append("")
+    plt = pyplot() if args.png else None
+    if plt is not None:
+        ok = [(m, r) for m, r in sweep if r is not None]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([m for m, _ in ok], [r["simulated"]["iteration_s"] for _, r in ok], "o-", label="iteration")
+        ax.plot([m for m, _ in ok], [r["simulated"]["forward_s"] + r["simulated"]["backward_s"] for _, r in ok],
+                "s--", label="forward + backward")
+        ax.axvline(auto["window"], color="gray", linestyle=":", label=f"auto: {auto['window']}")
+        ax.set_xlabel("window (blocks on the GPU)")
+        ax.set_ylabel("seconds")
+        ax.set_ylim(bottom=0)
+        ax.set_title("40B shape, seq 512, one simulated H100 capped at 32 GiB")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=110)
+        lines.append(f"![iteration time against window size]({os.path.basename(args.png)})")
+        lines.append("")
     with open(args.out, "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))

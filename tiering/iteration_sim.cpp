@@ -181,17 +181,15 @@ class Rank {
     }
     const EnginePlan plan = engine_->plan(policy, fraction);
     std::vector<Segment> segments;
-    std::vector<Placement> placement = plan.plan.placement;
     const auto& groups = engine_->subgroups();
     for (std::size_t i = 0; i < groups.size(); ++i) {
-      if (bwd_done_[i]) placement[i] = Placement::done;
       StepParams p;
       p.step = iteration + 1;
       segments.push_back(Segment{i, groups[i].first, groups[i].second, p});
     }
     // The gradients were checked on their way (the engine's path) or are taken as finite (the
     // baselines'): nothing to scan in a phantom host array.
-    const EngineStep step = engine_->step(placement, plan.plan.gpu_slots, segments, 1.0, 1.0, false,
+    const EngineStep step = engine_->step(plan.plan.placement, plan.plan.gpu_slots, segments, 1.0, 1.0, false,
                                           false, plan.plan.prediction.total_ns, true);
     device_.synchronize();
     const double t3 = now_s();
@@ -606,10 +604,8 @@ class Rank {
     bwd_params_ += n;
     return ns;
   }
-  // A subgroup begun in backward ends at the start of the update phase.
+  // What backward took but did not end, the host ends at the start of the update phase.
   void finish_backward_updates() {
-    const auto& groups = engine_->subgroups();
-    (void)groups;
     for (const Pending& p : bwd_pending_) {
       (void)update_on_host(p.left, adamw_bytes_per_param(DType::fp32, DType::bf16));
       finish_subgroup(p.subgroup);

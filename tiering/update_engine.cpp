@@ -517,22 +517,23 @@ void UpdateEngine::set_phase_h2d_bytes(double bytes) {
   phase_h2d_bytes_ = bytes;
 }
 
+// A flag per subgroup, or none at all.
+std::vector<bool> UpdateEngine::per_subgroup(const char* what, std::vector<bool> flags) const {
+  if (!flags.empty() && flags.size() != subgroups_.size()) {
+    throw InvalidArgument(std::string("UpdateEngine::") + what + ": " + std::to_string(flags.size()) +
+                          " entries, there are " + std::to_string(subgroups_.size()) + " subgroups");
+  }
+  return flags;
+}
+
 void UpdateEngine::set_done_before_phase(std::vector<bool> done) {
   Busy busy(*this);
-  if (!done.empty() && done.size() != subgroups_.size()) {
-    throw InvalidArgument("UpdateEngine::set_done_before_phase: " + std::to_string(done.size()) + " entries, there are " +
-                          std::to_string(subgroups_.size()) + " subgroups");
-  }
-  done_before_phase_ = std::move(done);
+  done_before_phase_ = per_subgroup("set_done_before_phase", std::move(done));
 }
 
 void UpdateEngine::set_host_gradients(std::vector<bool> host) {
   Busy busy(*this);
-  if (!host.empty() && host.size() != subgroups_.size()) {
-    throw InvalidArgument("UpdateEngine::set_host_gradients: " + std::to_string(host.size()) + " entries, there are " +
-                          std::to_string(subgroups_.size()) + " subgroups");
-  }
-  host_gradients_ = std::move(host);
+  host_gradients_ = per_subgroup("set_host_gradients", std::move(host));
 }
 
 EnginePlan UpdateEngine::plan(Policy policy, double static_fraction, std::optional<double> k) {

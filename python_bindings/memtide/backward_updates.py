@@ -213,12 +213,15 @@ class BackwardUpdates:
     def accept(self, segments: List["Segment"], grad_scale: float, clip: float, stale: Set[int],
                scaler: bool) -> Set[int]:
         """Which settled subgroups the step takes as done; the others are put back now."""
+        pieces = self._opt()._layout.pieces
+        by_subgroup: Dict[int, List["Segment"]] = {}
+        for s in segments:
+            by_subgroup.setdefault(s.subgroup, []).append(s)
         done: Set[int] = set()
         for sg, spec in self._spec.items():
-            stale_here = any(i in stale for i, _, _ in self._opt()._layout.pieces[sg])
-            mine = [s for s in segments if s.subgroup == sg]
+            stale_here = any(i in stale for i, _, _ in pieces[sg])
             if (sg not in self._invalid and not stale_here and clip == 1.0 and spec.grad_scale == grad_scale
-                    and mine == spec.segments and not (scaler and spec.nonfinite)):
+                    and by_subgroup.get(sg, []) == spec.segments and not (scaler and spec.nonfinite)):
                 done.add(sg)
         for sg in list(self._spec):
             if sg not in done:
@@ -264,6 +267,3 @@ class BackwardUpdates:
             b.exp_avg_sq[lo:hi].copy_(piece.exp_avg_sq)
             if piece.params is not None:
                 b.params[lo:hi].copy_(piece.params)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)

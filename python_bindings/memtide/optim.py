@@ -1066,10 +1066,14 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def _subgroup_segments(self, sg: int) -> List[Segment]:
         """Subgroup sg's segments as step() would make them now (for an update during backward)."""
-        has_grad = [p.grad is not None for p in self._layout.params]
+        params = self._layout.params
+        has_grad = {i: params[i].grad is not None for i, _, _ in self._layout.pieces[sg]}
         return self._segments(has_grad, only=sg)
 
-    def _segments(self, has_grad: List[bool], only: Optional[int] = None) -> List[Segment]:
+    def _segments(self, has_grad: Union[Sequence[bool], Dict[int, bool]], only: Optional[int] = None
+                  ) -> List[Segment]:
+        """The step's segments: `has_grad[i]` says whether param i has a gradient (only the params
+        of subgroup `only` are read when it is given)."""
         layout = self._layout
         hyper = self._hyper()
         segments: List[Segment] = []

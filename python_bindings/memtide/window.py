@@ -111,30 +111,27 @@ class LayerWindow:
         self.requested = size
         self.slot_bytes = max(layout.bytes for layout in self.layouts)
 
-        # Home: one host buffer per block holding its parameters (pinned when the device is a GPU).
+        # Home: one host buffer per block holding its parameters (pinned when the device is a GPU),
+        # except for a parameter that is already a view of someone's larger host buffer (an
+        # optimizer's flat buffer, as TieredAdamW makes them, which its step writes in place):
+        # that stays its home. The window moves blocks in and out of the device.
         self._host: List[torch.Tensor] = []
-        self._host_views: List[List[torch.Tensor]] = []
-        for layout in self.layouts:
-            flat = self._host_buffer(layout.bytes)
-            views = layout.views(flat)
-            with torch.no_grad():
-                for v, p in zip(views, layout.params):
-                    v.copy_(p.data)
-            self._host.append(flat)
-            self._host_views.append(views)
-        # Where each parameter lives out of the window: the block's buffer, except for a parameter
-        # that is already a view of someone's larger host buffer (an optimizer's flat buffer, as
-        # TieredAdamW makes them, which its step writes in place): that stays its home.
-        self._home = [list(views) for views in self._host_views]
+        self._home: List[List[torch.Tensor]] = []  # where each parameter lives out of the window
         self._flat_home = [True] * len(self.layouts)  # every home is still the block's one buffer
-        self._host_grad: Dict[int, torch.Tensor] = {}  # id(param) -> its gradient in host memory
-        for b, (layout, views) in enumerate(zip(self.layouts, self._host_views)):
-            for k, (p, v) in enumerate(zip(layout.params, views)):
+        for b, layout in enumerate(self.layouts):
+            flat = self._host_buffer(layout.bytes)
+            homes = layout.views(flat)
+            for k, p in enumerate(layout.params):
                 if self._owned_elsewhere(p):
-                    self._home[b][k] = p.data
+                    homes[k] = p.data
                     self._flat_home[b] = False
                 else:
-                    p.data = v  # home is the host; the window moves blocks in and out
+                    with torch.no_grad():
+                        homes[k].copy_(p.data)
+                    p.data = homes[k]
+            self._host.append(flat)
+            self._home.append(homes)
+        self._host_grad: Dict[int, torch.Tensor] = {}  # id(param) -> its gradient in host memory
 
         self.size = 0
         self._slots: List[torch.Tensor] = []

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
+
+import pytest
 
 
 def clean_env(**overrides: str) -> Dict[str, str]:
@@ -29,3 +31,32 @@ def run_python(args: Sequence[str], env: Optional[Dict[str, str]] = None,
         text=True,
         timeout=timeout,
     )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """torch on one thread for the module that imports this: bitwise comparisons need the same
+    reduction order every run, and torch's OpenMP threads spin while they wait (a tiny model runs
+    100x slower on a busy 2-core machine); memtide's kernel pool, which sleeps, still uses every core."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def same(a: Sequence, b: Sequence) -> bool:
+    """Two lists of tensors are equal bit for bit."""
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def everything(model, opt) -> List:
+    """Copies of the model's parameters and of every tensor in the optimizer's state dict."""
+    import torch
+
+    sd = opt.state_dict()
+    state = [t.clone() for entry in sd["state"].values() for k, t in sorted(entry.items()) if torch.is_tensor(t)]
+    return [p.detach().clone() for p in model.parameters()] + state

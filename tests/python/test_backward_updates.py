@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 import memtide  # noqa: E402,F401
 from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
 from memtide.optim import LossScaler, TieredAdamW  # noqa: E402
+from memtide_testing import everything, one_torch_thread, same  # noqa: E402,F401
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
 SUBGROUP = 10_000  # ~110k params: 12 subgroups
@@ -20,30 +21,12 @@ POLICY_KW = {"cpu": {}, "interleaved": dict(k=1.5), "auto": {}}
 DATA = [arithmetic_batch(torch.Generator().manual_seed(1 + i), BATCH, SEQ, VOCAB) for i in range(8)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make(policy="cpu", eager=True, dtype=torch.bfloat16, **kw):
     torch.manual_seed(0)
     model = TinyGPT(VOCAB, D, HEADS, LAYERS, SEQ).to(dtype)
     opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, policy=policy, **POLICY_KW[policy], **HYPER,
                       update_during_backward=12 if eager else False, **kw)
     return model, opt
-
-
-def everything(model, opt):
-    sd = opt.state_dict()
-    state = [t.clone() for entry in sd["state"].values() for k, t in sorted(entry.items()) if torch.is_tensor(t)]
-    return [p.detach().clone() for p in model.parameters()] + state
-
-
-def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def train(model, opt, accumulate=1, between=None, scale=None):

@@ -19,16 +19,9 @@ import memtide  # noqa: E402
 import memtide.window as window_module  # noqa: E402
 from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
 from memtide.window import LayerWindow  # noqa: E402
+from memtide_testing import one_torch_thread, same  # noqa: E402,F401
 
 LAYERS = 6
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # bitwise comparisons need the same reduction order every run
-    yield
-    torch.set_num_threads(before)
 
 
 def make_model(ckpt: bool = False) -> TinyGPT:
@@ -73,10 +66,6 @@ def train(size=None, *, steps=3, micro=1, clip=None, scale=None, ckpt=False, evi
         opt.step()
         opt.zero_grad(set_to_none=True)
     return [p.detach().clone() for p in model.parameters()], window
-
-
-def same(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, LAYERS])

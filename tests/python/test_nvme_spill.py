@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 import memtide  # noqa: E402,F401
 from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
 from memtide.optim import LossScaler, TieredAdamW  # noqa: E402
+from memtide_testing import everything, one_torch_thread, same  # noqa: E402,F401
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
 SUBGROUP = 10_000  # ~110k params: 12 subgroups
@@ -44,14 +45,6 @@ def half_budget(model):
 DATA = [arithmetic_batch(torch.Generator().manual_seed(1 + i), BATCH, SEQ, VOCAB) for i in range(12)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def spill_dir(tmp_path):
     probe = tmp_path / "probe"
@@ -70,16 +63,6 @@ def train(model, opt, data, accumulate=1):
         for x, y in data[i:i + accumulate]:
             opt.scale_loss(lm_loss(model(x), y) / accumulate).backward()
         opt.step()
-
-
-def everything(model, opt):
-    sd = opt.state_dict()
-    state = [t.clone() for entry in sd["state"].values() for k, t in sorted(entry.items()) if torch.is_tensor(t)]
-    return [p.detach().clone() for p in model.parameters()] + state
-
-
-def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def make_opt(model, policy, spill_dir=None, **kw):

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 import memtide  # noqa: E402
 from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
 from memtide.optim import POLICIES, LossScaler, SchedulerEngine, SubgroupEngine, TieredAdamW  # noqa: E402
+from memtide_testing import one_torch_thread  # noqa: E402,F401
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -38,16 +39,6 @@ def batches(n, seed=1):
 
 
 DATA = batches(50)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # torch's OpenMP threads spin while they wait; on a busy 2-core machine that makes this tiny
-    # model 100x slower. memtide's kernel pool (which sleeps) still uses every core.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def backward(model, opt, x, y):

@@ -308,6 +308,7 @@ class UpdateEngine {
     UpdateEngine& engine;
   };
   void lend();
+  [[nodiscard]] std::vector<bool> per_subgroup(const char* what, std::vector<bool> flags) const;
   EnginePlan plan_subset(Policy policy, double static_fraction, std::optional<double> k,
                          const std::vector<std::size_t>& index);
   std::recursive_mutex api_mutex_;
