@@ -227,10 +227,13 @@ CachingAllocator::Block* CachingAllocator::alloc_segment_locked(Pool& pool, bool
 }
 
 CachingAllocator::Block* CachingAllocator::steal_segment_locked(Pool& pool, bool small, Stream stream, std::size_t size) {
+  // The smallest whole free segment of another stream; among equals the lowest address, not the
+  // first in the set's order: that order is the streams' handles, which are heap addresses, and a
+  // choice that followed them would differ from one process to the next.
   Block* best = nullptr;
   for (Block* b : pool.free(small)) {
     if (b->stream != stream && !b->expandable && b->prev == nullptr && b->next == nullptr && b->size >= size &&
-        (best == nullptr || b->size < best->size)) {
+        (best == nullptr || b->size < best->size || (b->size == best->size && b->addr < best->addr))) {
       best = b;
     }
   }

@@ -621,3 +621,28 @@ TEST(DirectResource, GoesStraightToTheDevice) {
   EXPECT_EQ(d.used_bytes(), 0u);
   EXPECT_EQ(r.allocate(0, Stream{}), nullptr);
 }
+
+// Which cached segment moves to another stream must not follow the order of the streams' handles
+// (heap addresses, which differ from one process to the next): among equal sizes the lowest
+// address moves. On a phantom SimDevice addresses rise with each allocation, so the lower block is
+// put on the stream whose handle sorts last, where handle order would pick the other one.
+TEST(CachingAllocatorSteal, AmongEqualCachedSegmentsTheLowestAddressMovesStreams) {
+  SimConfig config;
+  config.phantom = true;
+  SimDevice device(config);
+  CachingAllocator alloc(device, capped(64 * MiB));
+  Stream a = device.create_stream();
+  Stream b = device.create_stream();
+  if (b < a) std::swap(a, b);
+  void* lower = alloc.allocate(30 * MiB, b);
+  void* higher = alloc.allocate(30 * MiB, a);
+  ASSERT_LT(lower, higher);
+  alloc.deallocate(lower, b);
+  alloc.deallocate(higher, a);
+  Stream c = device.create_stream();
+  EXPECT_EQ(alloc.allocate(30 * MiB, c), lower);
+  EXPECT_EQ(alloc.stats().num_cross_stream_reuse, 1);
+  alloc.deallocate(lower, c);
+  device.synchronize();
+  for (Stream s : {a, b, c}) device.destroy_stream(s);
+}
