@@ -131,6 +131,7 @@ class LayerWindow:
                     p.data = homes[k]
             self._host.append(flat)
             self._home.append(homes)
+            self._drop_unused_host(b)
         self._host_grad: Dict[int, torch.Tensor] = {}  # id(param) -> its gradient in host memory
 
         self.size = 0
@@ -152,7 +153,11 @@ class LayerWindow:
         self.chosen: Optional[Dict[str, Any]] = None
         self.stats = {"fetches": 0, "sync_fetches": 0, "evictions": 0, "grad_offloads": 0}
 
+        # Parameters come in on one stream and gradients go home on another: PCIe carries both
+        # directions at once, as STRONGHOLD overlaps them.
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._grad_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._in_flight: List[Tuple[Any, List[torch.Tensor]]] = []  # (copies-done event, their gradients)
         self._resize(self._initial_size())
         self._handles = []
         self._orig_forward = []
@@ -284,6 +289,19 @@ class LayerWindow:
             if p.data.data_ptr() != home.data_ptr() or p.data.device != home.device:
                 self._home[b][k] = p.data
                 self._flat_home[b] = False
+        self._drop_unused_host(b)
+
+    def _drop_unused_host(self, b: int) -> None:
+        """Gives back block b's own host buffer once no parameter lives in it (each has an
+        optimizer's flat buffer for its home): for a model past the GPU that is all its weights
+        again in pinned memory."""
+        flat = self._host[b]
+        if flat.numel() == 0 or self._flat_home[b]:
+            return
+        lo = flat.data_ptr()
+        hi = lo + flat.numel()
+        if not any(home.device == flat.device and lo <= home.data_ptr() < hi for home in self._home[b]):
+            self._host[b] = flat.new_empty(0)
 
     def _copy_in(self, b: int, slot: int, non_blocking: bool) -> None:
         layout = self.layouts[b]
@@ -410,6 +428,14 @@ class LayerWindow:
                 return
             # Every gradient of block i is final: to host memory, and its buffer may be reused.
             t0 = time.perf_counter_ns()
+            stream = self._grad_stream
+            if stream is not None:
+                # The copies home wait for the kernels that made the gradients, not the host:
+                # backward's next kernels are queued meanwhile. Each gradient is held here until
+                # its copy is done (whatever the allocator does with record_stream); _end_backward
+                # waits for the rest.
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                sent = []
             for p in params:
                 g = p.grad
                 if g is None:
@@ -417,16 +443,29 @@ class LayerWindow:
                 home = self._host_grad.get(id(p))
                 if home is None:
                     home = self._host_tensor_like(p)
-                    home.copy_(g, non_blocking=self._copy_stream is not None)
+                    if stream is not None:
+                        with torch.cuda.stream(stream):
+                            home.copy_(g, non_blocking=True)
+                        sent.append(g)
+                    else:
+                        home.copy_(g)
                     self._host_grad[id(p)] = home
                     # Says which gradient this is a copy of, so that an optimizer whose hook took
                     # the original (TieredAdamW) knows it already has it (optim._gather_grads).
                     home._memtide_copy_of = (g.data_ptr(), g._version, home._version)
                 else:
+                    # Accumulating into a gradient at home (an earlier micro-batch's, complete
+                    # since that backward ended): this one comes over first, synchronously.
                     home.add_(g.to(home.device))
                 p.grad = None
-            if self._copy_stream is not None:
-                torch.cuda.current_stream(self.device).synchronize()
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record(stream)
+                self._in_flight.append((done, sent))
+                while self._in_flight and self._in_flight[0][0].query():
+                    self._in_flight.pop(0)
+                if self._timing():
+                    stream.synchronize()  # the profile needs the copy's time, not its launch's
             self._profile[i]["d2h_ns"] = max(self._profile[i]["d2h_ns"], float(time.perf_counter_ns() - t0))
             if i in self._t_bwd and self._timing():
                 self._profile[i]["backward_ns"] += float(time.perf_counter_ns() - self._t_bwd.pop(i))
@@ -455,6 +494,9 @@ class LayerWindow:
     def _end_backward(self) -> None:
         """Autograd's callback at the end of backward: every block goes home, with its gradients."""
         self._in_backward = False
+        if self._grad_stream is not None:
+            self._grad_stream.synchronize()  # the gradients at home are read on the host from here
+            self._in_flight.clear()
         if self._timing():
             self._timed_iterations += 1
         self._iteration += 1

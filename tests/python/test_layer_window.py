@@ -240,6 +240,8 @@ def test_tiered_adamw_with_the_window_equals_tiered_adamw_without(window_first):
     params, window = run(2)
     assert same(reference, params)
     assert window.stats["fetches"] > LAYERS
+    # Every parameter's home is the optimizer's buffer: the window's own copies were given back.
+    assert [h.numel() for h in window._host] == [0] * LAYERS
 
 
 def test_a_block_called_out_of_order_is_named_and_skipping_one_is_fine():
