@@ -31,6 +31,7 @@ first; the gradient path sends theirs to the host (UpdateEngine::set_host_gradie
 
 from __future__ import annotations
 
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -67,6 +68,23 @@ class _Speculation:
     nonfinite: bool = False
 
 
+def fit_before_end(ready_ns: Dict[int, float], cost_ns: Dict[int, float], end_ns: float, cap: int) -> List[int]:
+    """The subgroups one worker can update before backward ends: taken in the order their
+    gradients complete (`ready_ns`), each starting when both it and the worker are free and taking
+    `cost_ns`; one that would finish after `end_ns` is left to the update phase (a later, smaller
+    one may still fit). At most `cap`."""
+    chosen: List[int] = []
+    free = float("-inf")
+    for sg in sorted(ready_ns, key=lambda k: (ready_ns[k], k)):
+        if len(chosen) == cap:
+            break
+        finish = max(free, ready_ns[sg]) + cost_ns[sg]
+        if finish <= end_ns:
+            chosen.append(sg)
+            free = finish
+    return chosen
+
+
 class BackwardUpdates:
     """The speculative updates of one TieredAdamW (see the module's docstring).
 
@@ -87,6 +105,15 @@ class BackwardUpdates:
         self._spec: Dict[int, _Speculation] = {}
         self._invalid: Set[int] = set()
         self._chosen: Set[int] = set()
+        # What the last backward showed: when each subgroup's gradients were complete and when
+        # backward ended (perf_counter ns), and the worker's time per param (a running mean).
+        self._ready_ns: Dict[int, float] = {}
+        self._backward_end_ns: Optional[float] = None
+        self._watching = False
+        self._ns_per_param: Optional[float] = None
+        #: How the subgroups for the next backward were chosen: ``rule`` ("count" until a backward
+        #: and an update have been timed, then "time"), ``subgroups``, and for "time" the margin.
+        self.last_choice: Dict[str, object] = {}
         self.stats = {"speculated": 0, "kept": 0, "redone": 0, "rolled_back": 0}
 
     def rebuild(self) -> None:
@@ -108,9 +135,11 @@ class BackwardUpdates:
         self.choose()
 
     def choose(self) -> None:
-        """Which subgroups the next backward may update: of those whose newest state is in host
-        memory between steps (every one the plan does not keep resident on the GPU, none on NVMe),
-        the `max_subgroups` that backward completes first (the last ones: backward runs the
+        """Which subgroups the next backward may update, of those whose newest state is in host
+        memory between steps (every one the plan does not keep resident on the GPU, none on NVMe).
+        Once a backward and an update have been timed: those the worker can finish before backward
+        ends, as the last backward's timing says (fit_before_end), at most `max_subgroups`. Before
+        that: the `max_subgroups` that backward completes first (the last ones: backward runs the
         layers in reverse). Their gradients go to the host whatever the plan said."""
         opt = self._opt()
         ep = getattr(opt.plan, "engine_plan", None)
@@ -118,7 +147,18 @@ class BackwardUpdates:
         candidates = [sg for sg, c in enumerate(marks) if c in "cgd"]
         if getattr(opt.engine, "spilled", 0):
             candidates = []
-        self._chosen = set(candidates[-self.max_subgroups:]) if candidates else set()
+        ready = {sg: self._ready_ns[sg] for sg in candidates if sg in self._ready_ns}
+        if ready and self._ns_per_param is not None and self._backward_end_ns is not None:
+            subgroups = opt._layout.subgroups
+            cost = {sg: (subgroups[sg][1] - subgroups[sg][0]) * self._ns_per_param for sg in ready}
+            chosen = fit_before_end(ready, cost, self._backward_end_ns, self.max_subgroups)
+            self.last_choice = dict(rule="time", subgroups=sorted(chosen), candidates=len(candidates),
+                                    ns_per_param=self._ns_per_param,
+                                    backward_tail_s=(self._backward_end_ns - min(ready.values())) / 1e9)
+        else:
+            chosen = candidates[-self.max_subgroups:]
+            self.last_choice = dict(rule="count", subgroups=sorted(chosen), candidates=len(candidates))
+        self._chosen = set(chosen)
         native = getattr(opt.engine, "native", None)
         if native is not None:
             native.set_host_gradients([sg in self._chosen for sg in range(len(marks))])
@@ -136,6 +176,12 @@ class BackwardUpdates:
             return
         first = i not in self._seen
         self._seen.add(i)
+        if not self._watching and torch._C._current_graph_task_id() != -1:
+            # The first gradient of this backward: time it to its end (for the next choice).
+            self._watching = True
+            self._ready_ns = {}
+            self._backward_end_ns = None
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         for sg in self._subgroups_of[i]:
             if sg in self._spec:
                 # A gradient of an updated subgroup arrived again (a second backward before the
@@ -145,8 +191,14 @@ class BackwardUpdates:
             if not first:
                 continue
             self._left[sg] -= 1
-            if self._left[sg] == 0 and self._eligible(opt, sg):
-                self._submit(opt, sg)
+            if self._left[sg] == 0:
+                self._ready_ns[sg] = time.perf_counter_ns()
+                if self._eligible(opt, sg):
+                    self._submit(opt, sg)
+
+    def _backward_ended(self) -> None:
+        self._watching = False
+        self._backward_end_ns = time.perf_counter_ns()
 
     def _eligible(self, opt: "TieredAdamW", sg: int) -> bool:
         return sg in self._chosen and len(self._spec) < self.max_subgroups
@@ -161,12 +213,12 @@ class BackwardUpdates:
         native = opt.engine.native if opt._device_path else None
         spec.future = self._pool.submit(self._run, opt.buffers, spec, native)
 
-    @staticmethod
-    def _run(b, spec: _Speculation, native) -> bool:
+    def _run(self, b, spec: _Speculation, native) -> bool:
         if native is not None:
             # CUDA gradients reach the host array through the engine's gradient path, on its own
             # streams: wait until what was pushed (this subgroup's included) has landed.
             native.wait_grads_pushed()
+        t0 = time.perf_counter_ns()
         # The model's params (views of the low-precision buffer, or of the fp32 masters) must not
         # change before step(): a forward in between (a micro-batch nobody said was one, an
         # evaluation) would read them. Their new values wait aside; the rest is updated in place
@@ -190,6 +242,10 @@ class BackwardUpdates:
                 beta2=s.beta2, eps=s.eps, weight_decay=s.weight_decay, step=s.step, grad_scale=spec.grad_scale,
                 clip=1.0, l2=False, out=out)
         spec.nonfinite = nonfinite
+        n = sum(seg.end - seg.start for seg in spec.segments)
+        if n > 0:
+            rate = (time.perf_counter_ns() - t0) / n
+            self._ns_per_param = rate if self._ns_per_param is None else 0.5 * (self._ns_per_param + rate)
         return nonfinite
 
     # ---- at the step ------------------------------------------------------------------------------
@@ -247,6 +303,7 @@ class BackwardUpdates:
         """The step is over (kept updates stay); the next backward starts afresh."""
         self._spec = {}
         self._invalid = set()
+        self._watching = False  # a backward that failed never reached its end
         self._reset_counts()
         self.choose()  # the step may have made a new plan
 

@@ -65,13 +65,38 @@ def test_updates_during_backward_give_the_sequential_result(policy):
 def test_at_most_the_given_number_of_subgroups_take_part_the_first_backward_completes():
     model, opt = make(eager=False)
     opt2_model, opt2 = make()
-    opt2._eager.max_subgroups = 3
-    opt2._eager.choose()
-    assert opt2._eager._chosen == {9, 10, 11}  # backward completes the last layers first
+    eager = opt2._eager
+    eager.max_subgroups = 3
+    eager.choose()
+    assert eager._chosen == {9, 10, 11}  # untimed: the last layers' (backward runs in reverse)
+    assert eager.last_choice["rule"] == "count"
     train(opt2_model, opt2)
     train(model, opt)
     assert same(everything(model, opt), everything(opt2_model, opt2))
-    assert opt2._eager.stats["kept"] == 3 * len(DATA)
+    assert 3 <= eager.stats["kept"] <= 3 * len(DATA)
+    # Timed now: the next choice is what the worker can finish before backward ends.
+    assert eager.last_choice["rule"] == "time"
+    assert eager.last_choice["backward_tail_s"] > 0 and eager.last_choice["ns_per_param"] > 0
+    eager._ns_per_param = 1e12  # an update slower than any backward: none is worth starting
+    eager.choose()
+    assert eager._chosen == set()
+    eager._ns_per_param = 1e-9  # instant: as many as allowed, the first that backward completed
+    eager.choose()
+    first = sorted(eager._ready_ns, key=eager._ready_ns.get)[:3]
+    assert eager._chosen == set(first)
+
+
+def test_the_worker_takes_what_it_can_finish_before_backward_ends():
+    from memtide.backward_updates import fit_before_end
+
+    ready = {0: 20.0, 1: 10.0, 2: 0.0}  # backward completes subgroup 2 first
+    assert fit_before_end(ready, {0: 5.0, 1: 5.0, 2: 5.0}, 30.0, 8) == [2, 1, 0]
+    # The worker is busy until 15, then 30: the third would end at 45.
+    assert fit_before_end(ready, {0: 15.0, 1: 15.0, 2: 15.0}, 30.0, 8) == [2, 1]
+    # One too long for the time left is skipped; a later, shorter one still fits.
+    assert fit_before_end(ready, {0: 5.0, 1: 5.0, 2: 100.0}, 30.0, 8) == [1, 0]
+    assert fit_before_end(ready, {0: 5.0, 1: 5.0, 2: 5.0}, 30.0, 2) == [2, 1]
+    assert fit_before_end({}, {}, 30.0, 8) == []
 
 
 def test_clipping_that_bites_redoes_and_clipping_that_does_not_keeps():
