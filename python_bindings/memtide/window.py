@@ -155,6 +155,7 @@ class LayerWindow:
 
         # Parameters come in on one stream and gradients go home on another: PCIe carries both
         # directions at once, as STRONGHOLD overlaps them.
+        self._peak_reset = False  # torch's peak statistics were reset for the profiled iterations
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._grad_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._in_flight: List[Tuple[Any, List[torch.Tensor]]] = []  # (copies-done event, their gradients)
@@ -181,22 +182,45 @@ class LayerWindow:
         return torch.empty(max(nbytes, 1), dtype=torch.uint8)
 
     def _available_bytes(self) -> int:
+        """Device bytes the window's buffers may hold through every phase of an iteration: the
+        window's own buffers plus what the rest of training never used. After the profiled
+        iterations that comes from the watermarks: memtide's phase tracker (the headroom over
+        forward, backward and update) when memtide is torch's allocator, else torch's peak."""
         if self.available is not None:
             return self.available
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free) + len(self._slots) * self.slot_bytes
-        return self.n * self.slot_bytes  # a CPU device: everything fits unless told otherwise
+        if self.device.type != "cuda":
+            return self.n * self.slot_bytes  # a CPU device: everything fits unless told otherwise
+        held = len(self._slots) * self.slot_bytes
+        index = self.device.index or 0
+        from . import _memtide, torch_bridge
+
+        if torch_bridge.installed():
+            current = _memtide.phase_report(index)["current"]
+            # Until the phase we are in comes round again: every phase of the cycle.
+            return int(_memtide.headroom(index, until=current)["bytes"]) + held
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if self._peak_reset:
+            # torch's allocator: what the device has beside torch's cache, less the most the rest
+            # of training held at once during the profiled iterations, less a margin.
+            margin = _memtide.parse_bytes(_memtide.options()["headroom_margin"].replace(" ", ""))
+            reserved = torch.cuda.memory_reserved(self.device)
+            others = torch.cuda.max_memory_allocated(self.device) - held
+            return max(0, int(free + reserved - others - margin))
+        return int(free) + held
 
     def _initial_size(self) -> int:
-        if self.requested != "auto":
-            return min(int(self.requested), self.n)
-        # Profiling runs with the largest window the memory allows (it cannot stall for lack of one).
         fit = self._available_bytes() // self.slot_bytes - 1
         if fit < 1:
             raise ValueError(f"LayerWindow: one block and the prefetch of the next need {2 * self.slot_bytes} bytes "
                              f"of device memory, but {self._available_bytes()} are available")
-        return int(min(fit, self.n))
+        if self.requested != "auto":
+            return min(int(self.requested), self.n)
+        # Profiling needs no large window (each block is timed on its own, copies apart) and must
+        # leave the activations their memory: two blocks, when they fit.
+        if self.device.type == "cuda" and self.available is None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._peak_reset = True
+        return int(min(fit, self.n, 2))
 
     def _resize(self, size: int) -> None:
         """Evicts every block and makes size + 1 buffers (size blocks and one coming in)."""
@@ -243,8 +267,8 @@ class LayerWindow:
                 event = torch.cuda.Event(enable_timing=False)
                 event.record(self._copy_stream)
             self._ready[b] = event
-            if sync:
-                event.synchronize()
+            if sync or self._timing():
+                event.synchronize()  # a profile needs the copy's time, not its launch's
         else:
             self._copy_in(b, slot, non_blocking=False)
         self._profile[b]["h2d_ns"] = max(self._profile[b]["h2d_ns"], float(time.perf_counter_ns() - t0))

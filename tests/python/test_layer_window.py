@@ -129,6 +129,10 @@ def test_auto_size_profiles_then_chooses_within_the_memory_given():
     probe = LayerWindow(model.blocks.layers, size=1)
     slot = probe.slot_bytes
     probe.remove()
+    # Profiling takes two blocks, however much memory there is: the activations need the rest.
+    probe = LayerWindow(model.blocks.layers, size="auto", available=100 * slot)
+    assert probe.size == 2
+    probe.remove()
     # Room for 4 buffers (3 blocks and the one coming in) plus gradients of one block.
     params, window = train("auto", steps=4, profile_iterations=2, available=4 * slot + slot)
     reference, _ = train(steps=4)
