@@ -87,6 +87,9 @@ class LayerWindow:
             raise ValueError(f"LayerWindow: profile_iterations must be a positive int, got {profile_iterations!r}")
         if available is not None and (not isinstance(available, int) or available <= 0):
             raise ValueError(f"LayerWindow: available must be a positive number of bytes, got {available!r}")
+        for i, b in enumerate(self.blocks):
+            if getattr(b, "_memtide_window", None) is not None:
+                raise ValueError(f"LayerWindow: block {i} already belongs to a LayerWindow; remove() that one first")
         self.layouts = [_Layout([p for p in b.parameters(recurse=True)]) for b in self.blocks]
         seen: Dict[int, int] = {}
         for i, layout in enumerate(self.layouts):
@@ -140,9 +143,11 @@ class LayerWindow:
         self._owner: List[Optional[int]] = []                  # slot -> block
         self._ready: List[Any] = [None] * self.n               # block -> copy-done event (GPU)
         self._staged: List[Optional[List[int]]] = [None] * self.n  # copied, not bound: param versions
+        self._bound: List[Optional[List[int]]] = [None] * self.n   # bound: param versions then
         self._storage_slot: Dict[int, int] = {}                # slot storage data_ptr -> slot
         self._done_backward = [False] * self.n
         self._grads_pending = [0] * self.n
+        self._trainable = [True] * self.n
         self._in_backward = False
         self._iteration = 0
         self._profile: List[Dict[str, float]] = [dict(forward_ns=0.0, backward_ns=0.0, h2d_ns=0.0, d2h_ns=0.0)
@@ -171,6 +176,7 @@ class LayerWindow:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_ready(i)))
             self._orig_forward.append(block.forward)
             block.forward = self._make_forward(i, block.forward)
+            block._memtide_window = self
 
     # ---- memory ---------------------------------------------------------------------------------
 
@@ -298,6 +304,7 @@ class LayerWindow:
         views = self.layouts[b].views(self._slots[self._slot_of[b]])
         for p, v in zip(params, views):
             p.data = v  # a gradient at home stays on p.grad until the block's backward begins
+        self._bound[b] = [p._version for p in params]
 
     def _owned_elsewhere(self, p: torch.Tensor) -> bool:
         on_host = p.device.type == "cpu"
@@ -358,7 +365,17 @@ class LayerWindow:
         if slot is None:
             return
         self._staged[b] = None
-        for p, v in zip(self.layouts[b].params, self._home[b]):
+        params = self.layouts[b].params
+        bound, self._bound[b] = self._bound[b], None
+        changed = [k for k, p in enumerate(params) if bound is not None and p._version != bound[k]]
+        if changed:
+            # Written in place while in the window (load_state_dict or an edit after a forward that
+            # had no backward): the buffer holds the newest values, and home must have them.
+            self._sync()
+            with torch.no_grad():
+                for k in changed:
+                    self._home[b][k].copy_(params[k].data)
+        for p, v in zip(params, self._home[b]):
             p.data = v
             g = self._host_grad.get(id(p))
             if g is not None and p.grad is None:
@@ -416,13 +433,21 @@ class LayerWindow:
             if i in self._t_fwd and self._timing():
                 self._sync()
                 self._profile[i]["forward_ns"] += float(time.perf_counter_ns() - self._t_fwd.pop(i))
+            if i == self.n - 1 and not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+                # A pass no backward can follow (evaluation): every parameter goes home, as
+                # between iterations, so the optimizer and state_dict see host tensors again.
+                for b in range(self.n):
+                    if self._bound[b] is not None:
+                        self._evict(b)
         return hook
 
     def _make_pre_backward(self, i: int):
         def hook(module, grad_output):
             if not self._in_backward:
-                self._in_backward = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                self._start_backward()
+            for j in range(i + 1, self.n):
+                if not self._trainable[j]:
+                    self._done_backward[j] = True  # no gradients to wait for: done once below it
             for p in self.layouts[i].params:
                 g = p.grad
                 if g is not None and id(p) not in self._host_grad:
@@ -510,10 +535,21 @@ class LayerWindow:
 
     def _start_forward(self) -> None:
         self._in_backward = False
-        self._done_backward = [False] * self.n
-        self._grads_pending = [sum(1 for p in layout.params if p.requires_grad) for layout in self.layouts]
+        for b in range(self.n):
+            if self._bound[b] is not None:
+                # Left by a forward that had no backward (its loss dropped): its blocks go home;
+                # a backward through that graph would fetch them again.
+                self._evict(b)
         if self.requested == "auto" and self.chosen is None and self._timed_iterations >= self.profile_iterations:
             self._choose()
+
+    def _start_backward(self) -> None:
+        """The first backward pre-hook of a backward (each backward through a retained graph too)."""
+        self._in_backward = True
+        self._done_backward = [False] * self.n
+        self._trainable = [any(p.requires_grad for p in layout.params) for layout in self.layouts]
+        self._grads_pending = [sum(1 for p in layout.params if p.requires_grad) for layout in self.layouts]
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         """Autograd's callback at the end of backward: every block goes home, with its gradients."""
@@ -623,6 +659,7 @@ class LayerWindow:
         for block, forward in zip(self.blocks, self._orig_forward):
             if "forward" in block.__dict__:
                 del block.forward
+            block._memtide_window = None
         for b in range(self.n):
             self._evict(b)
         for layout in self.layouts:

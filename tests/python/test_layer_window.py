@@ -248,6 +248,49 @@ def test_tiered_adamw_with_the_window_equals_tiered_adamw_without(window_first):
     assert [h.numel() for h in window._host] == [0] * LAYERS
 
 
+def _careless(size):
+    """Training with what users do between steps: an evaluation pass, a forward whose loss is
+    dropped, an edit of the parameters after it, a backward twice through a retained graph, and a
+    frozen block."""
+    model = make_model()
+    for p in model.blocks.layers[2].parameters():
+        p.requires_grad_(False)
+    window = LayerWindow(model.blocks.layers, size=size) if size else None
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    evals = []
+    for step in range(3):
+        x, y = arithmetic_batch(gen, 8, 16, 32)
+        loss = lm_loss(model(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            evals.append(lm_loss(model(x), y))
+        lm_loss(model(x), y)  # dropped: no backward follows
+        if step == 1:
+            with torch.no_grad():  # edited while the last blocks are in the window's buffers
+                for p in model.blocks.layers[-1].parameters():
+                    p.mul_(0.5)
+    return [p.detach().clone() for p in model.parameters()] + evals, window
+
+
+def test_careless_use_between_steps_trains_as_without_the_window():
+    reference, _ = _careless(None)
+    for size in (1, 2):
+        got, window = _careless(size)
+        assert same(reference, got), size
+        with torch.no_grad():  # after an evaluation pass every parameter is at home again
+            window.blocks[0](torch.zeros(8, 16, 64))
+            for b in range(1, LAYERS):
+                window.blocks[b](torch.zeros(8, 16, 64))
+        assert all(p.data_ptr() == h.data_ptr() for layout, homes in zip(window.layouts, window._home)
+                   for p, h in zip(layout.params, homes))
+        with pytest.raises(ValueError, match="already belongs to a LayerWindow"):
+            LayerWindow(window.blocks, size=1)
+
+
 def test_a_block_called_out_of_order_is_named_and_skipping_one_is_fine():
     class Stack(torch.nn.Module):
         def __init__(self):
