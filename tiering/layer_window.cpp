@@ -61,7 +61,9 @@ WindowSize choose_window(const std::vector<BlockProfile>& blocks, std::uint64_t 
   }
   if (n == 1 || window_bytes(blocks, 1) > available) {
     const std::uint64_t need = n == 1 ? blocks[0].bytes : window_bytes(blocks, 1);
-    throw InvalidArgument("layer window: one block and the prefetch of the next need " + format_bytes(need) +
+    throw InvalidArgument(std::string("layer window: ") +
+                          (n == 1 ? "the one block needs " : "one block and the prefetch of the next need ") +
+                          format_bytes(need) +
                           " of device memory, but only " + format_bytes(available) +
                           " is available; use smaller blocks, a smaller batch, or free device memory");
   }

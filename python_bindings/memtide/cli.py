@@ -701,6 +701,12 @@ def _print_train(r: Dict[str, Any]) -> None:
     if bu:
         print(f"backward  {bu['speculated']} subgroup updates begun during backward: {bu['kept']} kept, "
               f"{bu['redone']} redone at the step, {bu['rolled_back']} rolled back")
+        c = bu.get("choice") or {}
+        if c:
+            how = ("by time: what one worker finishes before backward ends" if c["rule"] == "time"
+                   else "by count: untimed, the last layers'")
+            print(f"          next backward: {len(c['subgroups'])} of {c['candidates']} host-resident subgroups, "
+                  f"chosen {how}")
     print()
     on_gpu = r["device"]["kind"] == "cuda"
     phases = r["phases"]

@@ -242,7 +242,7 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
         "window": None if layer_window is None else {
             "size": layer_window.size, "requested": layer_window.requested, "blocks": layer_window.n,
             "chosen": layer_window.chosen, **layer_window.stats},
-        "backward_updates": None if opt._eager is None else dict(opt._eager.stats),
+        "backward_updates": None if opt._eager is None else dict(opt._eager.stats, choice=dict(opt._eager.last_choice)),
     }
 
 

@@ -195,7 +195,7 @@ class LayerWindow:
         if self.available is not None:
             return self.available
         if self.device.type != "cuda":
-            return self.n * self.slot_bytes  # a CPU device: everything fits unless told otherwise
+            return 2 * self.n * self.slot_bytes  # a CPU device: all fits (and gradients) unless told otherwise
         held = len(self._slots) * self.slot_bytes
         index = self.device.index or 0
         from . import _memtide, torch_bridge
@@ -215,10 +215,12 @@ class LayerWindow:
         return int(free) + held
 
     def _initial_size(self) -> int:
-        fit = self._available_bytes() // self.slot_bytes - 1
-        if fit < 1:
-            raise ValueError(f"LayerWindow: one block and the prefetch of the next need {2 * self.slot_bytes} bytes "
-                             f"of device memory, but {self._available_bytes()} are available")
+        available = self._available_bytes()
+        if available < min(2, self.n) * self.slot_bytes:
+            what = "one block and the prefetch of the next need" if self.n > 1 else "the one block needs"
+            raise ValueError(f"LayerWindow: {what} {min(2, self.n) * self.slot_bytes} bytes of device memory, "
+                             f"but {available} are available")
+        fit = max(1, available // self.slot_bytes - 1)
         if self.requested != "auto":
             return min(int(self.requested), self.n)
         # Profiling needs no large window (each block is timed on its own, copies apart) and must

@@ -199,6 +199,7 @@ def test_memtide_run_with_the_window_and_updates_during_backward_trains_the_same
     assert plain["final_loss"] == both["final_loss"]
     assert both["window"]["size"] == 2 and both["window"]["fetches"] > 0
     assert both["backward_updates"]["kept"] > 0 and plain["window"] is None
+    assert both["backward_updates"]["choice"]["rule"] == "time"  # timed after the first step
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),

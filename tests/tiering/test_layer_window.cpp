@@ -76,6 +76,14 @@ TEST(LayerWindow, OneBlockAndItsPrefetchMustFitOrTheErrorSaysSo) {
     EXPECT_NE(what.find("200.00 MiB"), std::string::npos) << what;
     EXPECT_NE(what.find("150.00 MiB"), std::string::npos) << what;
   }
+  try {
+    (void)choose_window(uniform(1), 50 * MiB);  // one block: nothing to prefetch, it must fit alone
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("the one block needs 100.00 MiB"), std::string::npos) << what;
+  }
+  EXPECT_EQ(choose_window(uniform(1), 100 * MiB).blocks, 1);
   EXPECT_THROW((void)choose_window({}, 1), InvalidArgument);
   auto bad = uniform(3);
   bad[1].h2d_ns = -1;
