@@ -55,13 +55,15 @@ def run_phase(args: argparse.Namespace) -> dict:
                 module.to(dev)
     else:
         model.to(dev)
-    # The optimizer before the window: a block param becomes a view of the optimizer's host buffer,
-    # which the window then keeps as its home, and the optimizer's hooks take gradients first.
-    opt = TieredAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, policy="auto")
+    # The window before the optimizer: the blocks' params have their homes in host memory, so
+    # TieredAdamW keeps no device copy of them (its host buffer becomes their home), and its
+    # gradient hook still runs first (the window registers its own at the first forward).
     if args.window != "none":
         size = args.window if args.window == "auto" else int(args.window)
         avail = int(args.cap_bytes * 0.5) if size == "auto" and args.cap_bytes else None
         window = LayerWindow(model.blocks.layers, size=size, device=dev, available=avail, profile_iterations=2)
+    opt = TieredAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, policy="auto")
+    if window is not None:
         window.attach_optimizer(opt)
     gen = torch.Generator().manual_seed(1)
     data = [arithmetic_batch(gen, args.batch, args.seq, args.vocab, dev) for _ in range(2)]

@@ -93,16 +93,19 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
     torch.manual_seed(0)
     model = TinyGPT(shape["vocab"], shape["hidden"], shape["heads"], shape["layers"], shape["seq"]).to(dev, dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = TieredAdamW(model.parameters(), lr=LR, weight_decay=0.01, policy=policy, subgroup_size=subgroup_size,
-                      k=k, gpu_static_fraction=gpu_static_fraction, update_during_backward=update_during_backward,
-                      **nvme_kw)
     layer_window = None
     if window is not None:
+        # Before the optimizer: the blocks' params go home to host memory first, so TieredAdamW
+        # keeps no device copy of them (it would on a GPU), and its gradient hook still runs first.
         from .window import LayerWindow
 
         layer_window = LayerWindow(model.blocks.layers, size=window, profile_iterations=2)
-        layer_window.attach_optimizer(opt)
         progress(f"layer window: {layer_window!r}")
+    opt = TieredAdamW(model.parameters(), lr=LR, weight_decay=0.01, policy=policy, subgroup_size=subgroup_size,
+                      k=k, gpu_static_fraction=gpu_static_fraction, update_during_backward=update_during_backward,
+                      **nvme_kw)
+    if layer_window is not None:
+        layer_window.attach_optimizer(opt)
     if opt.spilled_subgroups:
         info = opt.nvme_info()
         progress(f"nvme: {info['spilled']} of {len(opt.plan.subgroups)} subgroups ({info['spilled_params']:,} params) "

@@ -100,6 +100,14 @@ class LayerWindow:
                     raise ValueError(f"LayerWindow: a parameter is shared by blocks {seen[id(p)]} and {i}; "
                                      "tied weights cannot leave the device one block at a time")
                 seen[id(p)] = i
+        for i, layout in enumerate(self.layouts):
+            for p in layout.params:
+                if p.is_cuda and p.untyped_storage().nbytes() > p.numel() * p.element_size():
+                    raise ValueError(
+                        f"LayerWindow: a parameter of block {i} is a view of a larger device buffer (an optimizer's "
+                        "flat copy of the model, as TieredAdamW keeps CUDA fp16/bf16 params): the window would "
+                        "take the parameter to host memory and whatever writes that buffer would no longer reach "
+                        "it. Build the LayerWindow before the optimizer")
         first = self.layouts[0].params[0]
         self.device = torch.device(device) if device is not None else first.device
         if self.device.type == "cuda" and self.device.index is None:
@@ -166,14 +174,12 @@ class LayerWindow:
         self._in_flight: List[Tuple[Any, List[torch.Tensor]]] = []  # (copies-done event, their gradients)
         self._resize(self._initial_size())
         self._handles = []
+        self._grad_hooks = False  # registered at the first forward (see _register_grad_hooks)
         self._orig_forward = []
         for i, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._make_pre_forward(i)))
             self._handles.append(block.register_forward_hook(self._make_post_forward(i)))
             self._handles.append(block.register_full_backward_pre_hook(self._make_pre_backward(i)))
-            for p in self.layouts[i].params:
-                if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_ready(i)))
             self._orig_forward.append(block.forward)
             block.forward = self._make_forward(i, block.forward)
             block._memtide_window = self
@@ -420,6 +426,8 @@ class LayerWindow:
     def _make_pre_forward(self, i: int):
         def hook(module, args):
             recompute = torch._C._current_graph_task_id() != -1  # checkpoint recomputing in backward
+            if not self._grad_hooks:
+                self._register_grad_hooks()
             if i == 0 and not recompute:
                 self._start_forward()
             self._wait(i)
@@ -534,6 +542,17 @@ class LayerWindow:
 
             return host.empty(tuple(p.shape), dtype=p.dtype, device=self.device.index or 0)
         return torch.empty_like(p, device="cpu")
+
+    def _register_grad_hooks(self) -> None:
+        """The hooks that send a block's gradients home. Registered at the first forward, not at
+        construction: post-accumulate hooks run in the order they were registered, so an optimizer
+        built after the window (TieredAdamW: its hook sends each gradient to its own path at once)
+        still sees every gradient before the window takes it off p.grad."""
+        self._grad_hooks = True
+        for i, layout in enumerate(self.layouts):
+            for p in layout.params:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_ready(i)))
 
     def _start_forward(self) -> None:
         self._in_backward = False

@@ -163,14 +163,22 @@ def test_the_argument_is_checked():
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_with_the_layer_window_the_updates_stand_and_are_exact(accumulate):
-    # The optimizer first, then the window: TieredAdamW's hook takes each gradient before the
-    # window sends it home, and the copy the window leaves on p.grad is known to be the same one.
+    # The window first, then the optimizer (the order that works on a GPU too): the window's
+    # gradient hooks are registered at the first forward, so TieredAdamW's hook still takes each
+    # gradient before the window sends it home, and the copy the window leaves on p.grad is known
+    # to be the same one.
     from memtide.window import LayerWindow
 
     def run(eager, window):
-        model, opt = make(eager=eager, dtype=torch.float32)
         if window:
-            LayerWindow(model.blocks.layers, size=1).attach_optimizer(opt)
+            torch.manual_seed(0)
+            model = TinyGPT(VOCAB, D, HEADS, LAYERS, SEQ)
+            w = LayerWindow(model.blocks.layers, size=1)
+            opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, policy="cpu", **HYPER,
+                              update_during_backward=12 if eager else False)
+            w.attach_optimizer(opt)
+        else:
+            model, opt = make(eager=eager, dtype=torch.float32)
         train(model, opt, accumulate=accumulate)
         return everything(model, opt), opt
 

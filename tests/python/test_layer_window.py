@@ -340,3 +340,26 @@ def test_the_gpu_window_benchmark_runs_its_code_on_the_cpu(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     text = out.read_text()
     assert "capped, layer window | all | 2 (" in text and "Losses bit for bit equal: yes" in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (TieredAdamW's device copy of the model)")
+def test_on_a_gpu_the_window_comes_before_tiered_adamw():
+    from memtide.optim import TieredAdamW
+
+    model = make_model().to("cuda", torch.bfloat16)
+    opt = TieredAdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="Build the LayerWindow before the optimizer"):
+        LayerWindow(model.blocks.layers, size=2)
+    del opt
+    model = make_model().to("cuda", torch.bfloat16)
+    window = LayerWindow(model.blocks.layers, size=2)
+    opt = TieredAdamW(model.parameters(), lr=1e-3)
+    window.attach_optimizer(opt)
+    x, y = arithmetic_batch(torch.Generator().manual_seed(1), 8, 16, 32)
+    weights = [layer.linear1.weight for layer in model.blocks.layers]
+    before = [w.detach().float().cpu().clone() for w in weights]
+    for _ in range(2):
+        lm_loss(model(x.cuda()), y.cuda()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert all(not torch.equal(b, w.detach().float().cpu()) for b, w in zip(before, weights))  # every block trained
