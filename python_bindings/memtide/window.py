@@ -479,62 +479,68 @@ class LayerWindow:
             self._fetch(b)
 
     def _make_grad_ready(self, i: int):
-        params = [p for p in self.layouts[i].params if p.requires_grad]
-
         def hook(param):
             self._grads_pending[i] -= 1
-            if self._grads_pending[i] > 0:
-                return
-            # Every gradient of block i is final: to host memory, and its buffer may be reused.
-            t0 = time.perf_counter_ns()
-            stream = self._grad_stream
-            if stream is not None:
-                # The copies home wait for the kernels that made the gradients, not the host:
-                # backward's next kernels are queued meanwhile. Each gradient is held here until
-                # its copy is done (whatever the allocator does with record_stream); _end_backward
-                # waits for the rest.
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                sent = []
-            for p in params:
-                g = p.grad
-                if g is None:
-                    continue
-                home = self._host_grad.get(id(p))
-                if home is None:
-                    home = self._host_tensor_like(p)
-                    if stream is not None:
-                        with torch.cuda.stream(stream):
-                            home.copy_(g, non_blocking=True)
-                        sent.append(g)
-                    else:
-                        home.copy_(g)
-                    self._host_grad[id(p)] = home
-                    # Says which gradient this is a copy of, so that an optimizer whose hook took
-                    # the original (TieredAdamW) knows it already has it (optim._gather_grads).
-                    home._memtide_copy_of = (g.data_ptr(), g._version, home._version)
-                else:
-                    # Accumulating into a gradient at home (an earlier micro-batch's, complete
-                    # since that backward ended): this one comes over first, synchronously.
-                    home.add_(g.to(home.device))
-                p.grad = None
-            if stream is not None:
-                done = torch.cuda.Event()
-                done.record(stream)
-                self._in_flight.append((done, sent))
-                while self._in_flight and self._in_flight[0][0].query():
-                    self._in_flight.pop(0)
-                if self._timing():
-                    stream.synchronize()  # the profile needs the copy's time, not its launch's
-            self._profile[i]["d2h_ns"] = max(self._profile[i]["d2h_ns"], float(time.perf_counter_ns() - t0))
-            if i in self._t_bwd and self._timing():
-                self._profile[i]["backward_ns"] += float(time.perf_counter_ns() - self._t_bwd.pop(i))
-            self._done_backward[i] = True
-            self.stats["grad_offloads"] += 1
-            # The next block down may be waiting for this buffer.
-            j = min((b for b in range(i) if self._slot_of[b] is None and b >= i - 1 - self.size), default=None)
-            if j is not None:
-                self._try_fetch(j)
+            if self._grads_pending[i] == 0:
+                self._send_grads_home(i)
         return hook
+
+    def _send_grads_home(self, i: int, fetch_next: bool = True) -> None:
+        """Every gradient of block i is final: to host memory, and its buffer may be reused (by the
+        next block down, with `fetch_next`)."""
+        params = [p for p in self.layouts[i].params if p.requires_grad]
+        t0 = time.perf_counter_ns()
+        stream = self._grad_stream
+        if stream is not None:
+            # The copies home wait for the kernels that made the gradients, not the host:
+            # backward's next kernels are queued meanwhile. Each gradient is held here until
+            # its copy is done (whatever the allocator does with record_stream); _end_backward
+            # waits for the rest.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            sent = []
+        for p in params:
+            g = p.grad
+            home = self._host_grad.get(id(p))
+            if g is None or g is home:  # none, or already home (its block left the window)
+                continue
+            if home is None:
+                home = self._host_tensor_like(p)
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        home.copy_(g, non_blocking=True)
+                    sent.append(g)
+                else:
+                    home.copy_(g)
+                self._host_grad[id(p)] = home
+                # Says which gradient this is a copy of, so that an optimizer whose hook took
+                # the original (TieredAdamW) knows it already has it (optim._gather_grads).
+                home._memtide_copy_of = (g.data_ptr(), g._version, home._version)
+            else:
+                # Accumulating into a gradient at home (an earlier micro-batch's, complete
+                # since that backward ended): this one comes over first, synchronously.
+                home.add_(g.to(home.device))
+            p.grad = None
+        if stream is not None:
+            done = torch.cuda.Event()
+            done.record(stream)
+            self._in_flight.append((done, sent))
+            while self._in_flight and self._in_flight[0][0].query():
+                self._in_flight.pop(0)
+            if self._timing():
+                stream.synchronize()  # the profile needs the copy's time, not its launch's
+        self._profile[i]["d2h_ns"] = max(self._profile[i]["d2h_ns"], float(time.perf_counter_ns() - t0))
+        if i in self._t_bwd and self._timing():
+            self._profile[i]["backward_ns"] += float(time.perf_counter_ns() - self._t_bwd.pop(i))
+        self._done_backward[i] = True
+        self.stats["grad_offloads"] += 1
+        if not fetch_next:
+            return
+        # The nearest block down not yet in, which may be waiting for this buffer (normally the one
+        # m + 1 below; nearer when a block still holds its buffer, waiting for a gradient of a
+        # parameter the forward never used: that one goes home at the end of backward).
+        j = max((b for b in range(i) if self._slot_of[b] is None and b >= i - 1 - self.size), default=None)
+        if j is not None:
+            self._try_fetch(j)
 
     def _host_tensor_like(self, p: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -575,6 +581,11 @@ class LayerWindow:
     def _end_backward(self) -> None:
         """Autograd's callback at the end of backward: every block goes home, with its gradients."""
         self._in_backward = False
+        for b in range(self.n):
+            if any(p.grad is not None and p.grad is not self._host_grad.get(id(p)) for p in self.layouts[b].params):
+                # Not sent yet (a param of block 0 got no gradient), or arrived after its block
+                # was sent: home now, added to what is there.
+                self._send_grads_home(b, fetch_next=False)
         if self._grad_stream is not None:
             self._grad_stream.synchronize()  # the gradients at home are read on the host from here
             self._in_flight.clear()

@@ -291,6 +291,28 @@ def test_careless_use_between_steps_trains_as_without_the_window():
             LayerWindow(window.blocks, size=1)
 
 
+def test_a_parameter_without_a_gradient_does_not_keep_its_block_waiting():
+    # An unused parameter (a layer the forward never calls) gets no gradient: its block's other
+    # gradients still go home, at the end of backward at the latest.
+    def run(size):
+        model = make_model()
+        model.blocks.layers[3].unused = torch.nn.Linear(4, 4)
+        window = LayerWindow(model.blocks.layers, size=size) if size else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = arithmetic_batch(gen, 8, 16, 32)
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()], window
+
+    reference, _ = run(None)
+    got, window = run(1)
+    assert same(reference, got)
+    assert window.stats["grad_offloads"] == 3 * LAYERS
+
+
 def test_a_block_called_out_of_order_is_named_and_skipping_one_is_fine():
     class Stack(torch.nn.Module):
         def __init__(self):
