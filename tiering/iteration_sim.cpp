@@ -5,6 +5,8 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <unordered_map>
+#include <utility>
 
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/allocator/host_arena.hpp"
@@ -117,6 +119,7 @@ class Rank {
     }
     engine_.reset();
     close_window();
+    for (const auto& [p, held] : held_) allocator_.deallocate(p, held.first, held.second);
     device_.destroy_stream(compute_);
     device_.destroy_stream(comm_);
     device_.destroy_stream(flush_);
@@ -241,6 +244,18 @@ class Rank {
   }
   double now_s() { return device_.now_ns() / 1e9; }
 
+  // Every allocation of the passes and the window goes through these, so that a pass an out of
+  // memory error cut short leaves nothing behind: ~Rank gives back what is still held.
+  void* take(std::size_t bytes, Stream stream) {
+    void* p = allocator_.allocate(bytes, stream);
+    held_.emplace(p, std::pair{bytes, stream});
+    return p;
+  }
+  void give(void* p, std::size_t bytes, Stream stream) {
+    allocator_.deallocate(p, bytes, stream);
+    held_.erase(p);
+  }
+
   // All-gathers unit u's fp16 params on the link; the buffer is the compute stream's once the
   // event fires.
   struct Gathered {
@@ -249,7 +264,7 @@ class Rank {
   };
   Gathered gather(int u, PassWork& work) {
     const auto bytes = static_cast<std::size_t>(units_.params(u) * 2);
-    void* buffer = allocator_.allocate(bytes, comm_);
+    void* buffer = take(bytes, comm_);
     const double t = units_.collective_bytes(u) / node_.link_bytes_per_s * 1e9;
     const bool windowed = window_ > 0 && !units_.head(u);
     if (windowed) take_from_window(u);  // the all-gather reads the shard from its window buffer
@@ -265,7 +280,7 @@ class Rank {
   void release(Gathered g, std::size_t bytes) {
     device_.destroy_event(g.ready);
     allocator_.record_stream(g.buffer, compute_);
-    allocator_.deallocate(g.buffer, bytes, comm_);
+    give(g.buffer, bytes, comm_);
   }
   void compute(double flops, PassWork& work) {
     const double ns = units_.ns(flops);
@@ -309,12 +324,12 @@ class Rank {
       next.reset();
       if (u + 1 < units_.count()) next = gather(u + 1, work);  // prefetch: overlaps this unit
       device_.stream_wait_event(compute_, g.ready);
-      void* act = allocator_.allocate(units_.activation_bytes(u), compute_);
+      void* act = take(units_.activation_bytes(u), compute_);
       compute(units_.forward_flops(u), work);
       if (const std::size_t k = units_.kept_bytes(u); k > 0) {
-        kept.push_back(node_.checkpointing ? allocator_.allocate(k, compute_) : act);
+        kept.push_back(node_.checkpointing ? take(k, compute_) : act);
       }
-      if (node_.checkpointing || units_.head(u)) allocator_.deallocate(act, units_.activation_bytes(u), compute_);
+      if (node_.checkpointing || units_.head(u)) give(act, units_.activation_bytes(u), compute_);
       release(g, static_cast<std::size_t>(units_.params(u) * 2));
       throttle();
     }
@@ -330,16 +345,16 @@ class Rank {
       device_.stream_wait_event(compute_, g.ready);
       const std::size_t act_bytes = units_.activation_bytes(u);
       // Checkpointing recomputes the block's forward first (the paper's 33% more work).
-      void* act = node_.checkpointing || units_.head(u) ? allocator_.allocate(act_bytes, compute_) : nullptr;
+      void* act = node_.checkpointing || units_.head(u) ? take(act_bytes, compute_) : nullptr;
       if (node_.checkpointing && !units_.head(u)) compute(units_.forward_flops(u), work);
       const auto full_bytes = static_cast<std::size_t>(units_.params(u) * 2);
-      void* grad = allocator_.allocate(full_bytes, compute_);
-      void* act_grad = allocator_.allocate(act_bytes, compute_);
+      void* grad = take(full_bytes, compute_);
+      void* act_grad = take(act_bytes, compute_);
       compute(2 * units_.forward_flops(u), work);
-      allocator_.deallocate(act_grad, act_bytes, compute_);
-      if (act != nullptr) allocator_.deallocate(act, act_bytes, compute_);
+      give(act_grad, act_bytes, compute_);
+      if (act != nullptr) give(act, act_bytes, compute_);
       if (!units_.head(u)) {
-        allocator_.deallocate(kept.back(), node_.checkpointing ? units_.kept_bytes(u) : act_bytes, compute_);
+        give(kept.back(), node_.checkpointing ? units_.kept_bytes(u) : act_bytes, compute_);
         kept.pop_back();
       }
       release(g, full_bytes);
@@ -357,12 +372,12 @@ class Rank {
     device_.stream_wait_event(comm_, done);
     device_.destroy_event(done);
     const std::size_t n = units_.shard(u);
-    void* shard = allocator_.allocate(n * 2, comm_);
+    void* shard = take(n * 2, comm_);
     const double rs_ns = units_.collective_bytes(u) / node_.link_bytes_per_s * 1e9;
     device_.enqueue_collective(comm_, units_.collective_bytes(u), node_.link_bytes_per_s);
     work.comm_ns += rs_ns;
     allocator_.record_stream(grad, comm_);
-    allocator_.deallocate(grad, full_bytes, compute_);
+    give(grad, full_bytes, compute_);
 
     // Which part goes through the engine's gradient path: all of it for memtide, the
     // GPU-resident subgroups' for TwinFlow, none for ZeRO-3.
@@ -412,7 +427,7 @@ class Rank {
       blocking_bytes_ += bytes;
       allocator_.record_stream(shard, compute_);
     }
-    allocator_.deallocate(shard, n * 2, comm_);
+    give(shard, n * 2, comm_);
   }
 
   // ---- the layer window ----------------------------------------------------------------------
@@ -432,10 +447,10 @@ class Rank {
     home_bytes_ = home;
     home_ = static_cast<unsigned char*>(reserve_phantom_host(home_bytes_));
     device_.host_register(home_, home_bytes_);
-    head_ = allocator_.allocate(units_.shard(model_.layers) * 2, Stream{});  // the head stays
+    head_ = take(units_.shard(model_.layers) * 2, Stream{});  // the head stays
     h2d_ = device_.create_stream();
     for (int k = 0; k <= window_; ++k) {
-      slots_.push_back(allocator_.allocate(slot_bytes_, Stream{}));
+      slots_.push_back(take(slot_bytes_, Stream{}));
       free_.push_back({k, Event{}});
     }
     for (int mb = 0; mb < model_.micro_batches; ++mb) {
@@ -463,8 +478,8 @@ class Rank {
     for (auto& f : free_) {
       if (f.second.valid()) device_.destroy_event(f.second);
     }
-    for (void* p : slots_) allocator_.deallocate(p, slot_bytes_, Stream{});
-    allocator_.deallocate(head_, units_.shard(model_.layers) * 2, Stream{});
+    for (void* p : slots_) give(p, slot_bytes_, Stream{});
+    give(head_, units_.shard(model_.layers) * 2, Stream{});
     device_.destroy_stream(h2d_);
     device_.host_unregister(home_);
   }
@@ -629,6 +644,7 @@ class Rank {
   bool recording_ = false;
   std::vector<IterationResult::MemorySample> memory_;
   std::vector<Event> in_flight_;  // compute of the units the host has run ahead by
+  std::unordered_map<void*, std::pair<std::size_t, Stream>> held_;  // take()n, not yet given back
   double blocking_bytes_ = 0;  // fp16 gradient bytes flushed the blocking way this iteration
   bool pushed_ = false;
   // The layer window (window_ > 0).

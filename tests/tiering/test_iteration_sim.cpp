@@ -165,6 +165,20 @@ TEST(IterationSim, AModelThatDoesNotFitIsAnOutOfMemoryErrorNamingThePhase) {
   }
 }
 
+// Out of memory in the middle of a pass (a window too large for the activations) leaves nothing
+// allocated behind: the allocator is destroyed without live allocations to warn about.
+TEST(IterationSim, OutOfMemoryMidPassLeavesNothingAllocated) {
+  ModelShape m = ModelShape::table2("40B");
+  NodeSpec n;
+  n.gpus = 1;
+  n.device.capacity = 32ULL << 30;
+  n.window_blocks = 16;
+  testing::internal::CaptureStderr();
+  EXPECT_THROW((void)simulate_iteration(m, n, Contender::memtide), OutOfMemory);
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(log.find("live allocation"), std::string::npos) << log;
+}
+
 TEST(IterationSim, BadInputsAreNamed) {
   auto expect_named = [](const auto& call, const std::string& word) {
     try {
