@@ -80,6 +80,21 @@ class Rank {
       : model_(model), node_(node), contender_(contender), units_{model, node, double(model.seq) * model.micro_batch},
         device_(phantom(node.device)), allocator_(device_), arena_(HostArenaConfig{}),
         window_(window < model.layers ? window : 0) {
+    try {
+      set_up(node, contender);
+    } catch (...) {
+      tear_down();  // out of memory for the window's buffers, say: nothing stays allocated
+      throw;
+    }
+  }
+
+  /// The most device memory forward and backward held so far, less the engine's loans.
+  [[nodiscard]] std::uint64_t own_peak() const { return own_peak_; }
+
+  ~Rank() { tear_down(); }
+
+ private:
+  void set_up(const NodeSpec& node, Contender contender) {
     compute_ = device_.create_stream();
     comm_ = device_.create_stream();
     flush_ = device_.create_stream();
@@ -108,10 +123,7 @@ class Rank {
     }
   }
 
-  /// The most device memory forward and backward held so far, less the engine's loans.
-  [[nodiscard]] std::uint64_t own_peak() const { return own_peak_; }
-
-  ~Rank() {
+  void tear_down() {
     if (upload_host_ != nullptr) {
       device_.synchronize();
       device_.destroy_stream(upload_);
@@ -125,6 +137,7 @@ class Rank {
     device_.destroy_stream(flush_);
   }
 
+ public:
   IterationResult iterate(int iteration, bool record) {
     IterationResult out;
     out.contender = contender_;

@@ -165,18 +165,21 @@ TEST(IterationSim, AModelThatDoesNotFitIsAnOutOfMemoryErrorNamingThePhase) {
   }
 }
 
-// Out of memory in the middle of a pass (a window too large for the activations) leaves nothing
-// allocated behind: the allocator is destroyed without live allocations to warn about.
-TEST(IterationSim, OutOfMemoryMidPassLeavesNothingAllocated) {
+// Out of memory in the middle of a pass (a window too large for the activations), or while the
+// window's buffers are made, leaves nothing allocated behind: the allocator is destroyed without
+// live allocations to warn about.
+TEST(IterationSim, OutOfMemoryLeavesNothingAllocated) {
   ModelShape m = ModelShape::table2("40B");
   NodeSpec n;
   n.gpus = 1;
   n.device.capacity = 32ULL << 30;
-  n.window_blocks = 16;
-  testing::internal::CaptureStderr();
-  EXPECT_THROW((void)simulate_iteration(m, n, Contender::memtide), OutOfMemory);
-  const std::string log = testing::internal::GetCapturedStderr();
-  EXPECT_EQ(log.find("live allocation"), std::string::npos) << log;
+  for (int window : {16, 24}) {
+    n.window_blocks = window;
+    testing::internal::CaptureStderr();
+    EXPECT_THROW((void)simulate_iteration(m, n, Contender::memtide), OutOfMemory) << window;
+    const std::string log = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(log.find("live allocation"), std::string::npos) << window << ": " << log;
+  }
 }
 
 TEST(IterationSim, BadInputsAreNamed) {
