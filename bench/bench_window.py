@@ -27,6 +27,7 @@ from plotting import pyplot
 
 GiB = 2**30
 SHAPE = dict(hidden=8192, heads=64)
+SWEEP_SEQS = (2048, 512)  # compute covers each block's copy; then it does not
 LAYER_CAP = 1024  # the search stops here (825B params); the host would need ~15 TB for its state
 
 
@@ -73,18 +74,18 @@ def main() -> int:
             layers, r = largest(cap_gib * GiB, window)
             rows.append((cap_gib, window, layers, r))
 
-    sweep_shape = dict(SHAPE, layers=48, seq=512)
     node = {"gpus": 1, "capacity_bytes": 32 * GiB}
-    sweep = []
-    for m in list(range(1, 13)) + [14, 16, 20]:
-        print(f"window {m}...", file=sys.stderr, flush=True)
-        try:
-            r = memtide.simulate_iteration(shape=sweep_shape, node=node, window=m)
-        except MemoryError:
-            sweep.append((m, None))
-            continue
-        sweep.append((m, r))
-    auto = memtide.simulate_iteration(shape=sweep_shape, node=node, window="auto")
+    sweeps = {}  # sequence -> ([(m, result or None)], auto's result)
+    for seq in SWEEP_SEQS:
+        shape = dict(SHAPE, layers=48, seq=seq)
+        sweep = []
+        for m in list(range(1, 13)) + [14, 16, 20]:
+            print(f"seq {seq}, window {m}...", file=sys.stderr, flush=True)
+            try:
+                sweep.append((m, memtide.simulate_iteration(shape=shape, node=node, window=m)))
+            except MemoryError:
+                sweep.append((m, None))
+        sweeps[seq] = (sweep, memtide.simulate_iteration(shape=shape, node=node, window="auto"))
 
     lines = [f"# The layer window in the iteration simulator ({date.today()})", ""]
     cmd = f"python bench/bench_window.py --out {args.out}" + (f" --png {args.png}" if args.png else "")
@@ -115,36 +116,46 @@ def main() -> int:
                      f"{r['simulated']['iteration_s']:.1f} s | {r['window'] or '-'} | {peaks} GiB | "
                      f"{18 * params / 1e12:.2f} TB |")
     lines += ["", "## Iteration time against window size", "",
-              "The 40B shape (48 layers) at sequence 512 on 32 GiB: each block's forward (8.6 ms of compute) is "
-              "shorter than its copy in (1.5 GiB at 55 GB/s, 29 ms), so the window's resident blocks are what "
-              "saves time in forward, while each buffer it takes is memory the update phase's GPU subgroups and "
-              "the gradient path no longer have.", "",
-              "| window | forward | backward | update | iteration | peak backward | H2D per iteration |",
-              "|---|---|---|---|---|---|---|"]
-    for m, r in sweep:
-        if r is None:
-            lines.append(f"| {m} | out of memory | | | | | |")
-            continue
-        s = r["simulated"]
-        lines.append(f"| {m} | {s['forward_s']:.3f} s | {s['backward_s']:.3f} s | {s['update_s']:.3f} s | "
-                     f"{s['iteration_s']:.3f} s | {r['peak_bytes']['backward'] / GiB:.1f} GiB | "
-                     f"{r['window_h2d_bytes'] / GiB:.0f} GiB |")
-    lines += ["", f"auto chose **{auto['window']}** ({auto['window_why']}); its iteration: "
-              f"{auto['simulated']['iteration_s']:.3f} s.", ""]
+              "The 40B shape (48 layers) on 32 GiB. A block's shard comes in as 1.5 GiB of fp16 at 55 GB/s "
+              "(29 ms), and its gradients leave as fp32 from the gradient path (58 ms, on the other direction "
+              "of PCIe).", "",
+              "- **Sequence 2048**: a block's forward (34 ms of compute) covers its copy in, and its backward "
+              "(103 ms with the recomputation) covers both directions: STRONGHOLD's plateau starts at one block, "
+              "so forward is flat from m = 1 and the knee is 1. A larger window only leaves less device memory "
+              "to the rest of the iteration, and backward and the update phase grow with it.",
+              "- **Sequence 512**: forward (8.6 ms per block) is shorter than the copy in and backward (26 ms) "
+              "shorter than the gradients going out: the link bounds every window size. Forward gains the "
+              "resident blocks' copies (29 ms each) but the same memory costs more elsewhere.", ""]
+    for seq, (sweep, auto) in sweeps.items():
+        lines += [f"### Sequence {seq}", "",
+                  "| window | forward | backward | update | iteration | peak backward | H2D per iteration |",
+                  "|---|---|---|---|---|---|---|"]
+        for m, r in sweep:
+            if r is None:
+                lines.append(f"| {m} | out of memory | | | | | |")
+                continue
+            s = r["simulated"]
+            lines.append(f"| {m} | {s['forward_s']:.3f} s | {s['backward_s']:.3f} s | {s['update_s']:.3f} s | "
+                         f"{s['iteration_s']:.3f} s | {r['peak_bytes']['backward'] / GiB:.1f} GiB | "
+                         f"{r['window_h2d_bytes'] / GiB:.0f} GiB |")
+        lines += ["", f"auto chose **{auto['window']}** ({auto['window_why']}); its iteration: "
+                  f"{auto['simulated']['iteration_s']:.3f} s.", ""]
 
     plt = pyplot() if args.png else None
     if plt is not None:
-        ok = [(m, r) for m, r in sweep if r is not None]
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([m for m, _ in ok], [r["simulated"]["iteration_s"] for _, r in ok], "o-", label="iteration")
-        ax.plot([m for m, _ in ok], [r["simulated"]["forward_s"] + r["simulated"]["backward_s"] for _, r in ok],
-                "s--", label="forward + backward")
-        ax.axvline(auto["window"], color="gray", linestyle=":", label=f"auto: {auto['window']}")
-        ax.set_xlabel("window (blocks on the GPU)")
-        ax.set_ylabel("seconds")
-        ax.set_ylim(bottom=0)
-        ax.set_title("40B shape, seq 512, one simulated H100 capped at 32 GiB")
-        ax.legend()
+        fig, axes = plt.subplots(1, len(sweeps), figsize=(12, 4))
+        for ax, (seq, (sweep, auto)) in zip(axes, sweeps.items()):
+            ok = [(m, r) for m, r in sweep if r is not None]
+            ms = [m for m, _ in ok]
+            ax.plot(ms, [r["simulated"]["iteration_s"] for _, r in ok], "o-", label="iteration")
+            ax.plot(ms, [r["simulated"]["forward_s"] for _, r in ok], "s--", label="forward")
+            ax.plot(ms, [r["simulated"]["backward_s"] for _, r in ok], "^--", label="backward")
+            ax.axvline(auto["window"], color="gray", linestyle=":", label=f"auto: {auto['window']}")
+            ax.set_xlabel("window (blocks on the GPU)")
+            ax.set_ylabel("seconds")
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"40B shape, seq {seq}, one simulated H100 at 32 GiB")
+            ax.legend()
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
         lines.append(f"![iteration time against window size]({os.path.basename(args.png)})")
