@@ -131,6 +131,7 @@ class BackwardUpdates:
                     if sg not in self._subgroups_of[i]:
                         self._subgroups_of[i].append(sg)
         self._needed = [len(n) for n in needed]
+        self._ready_ns, self._backward_end_ns = {}, None  # timed under the old subgroups' numbers
         self._reset_counts()
         self.choose()
 

@@ -84,6 +84,9 @@ def test_at_most_the_given_number_of_subgroups_take_part_the_first_backward_comp
     eager.choose()
     first = sorted(eager._ready_ns, key=eager._ready_ns.get)[:3]
     assert eager._chosen == set(first)
+    # New subgroups: the timing was of the old ones, so the count rule again until timed anew.
+    opt2.add_param_group({"params": [torch.nn.Parameter(torch.zeros(7, dtype=torch.bfloat16))]})
+    assert eager.last_choice["rule"] == "count"
 
 
 def test_the_worker_takes_what_it_can_finish_before_backward_ends():
