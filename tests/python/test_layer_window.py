@@ -37,9 +37,12 @@ def make_model(ckpt: bool = False) -> TinyGPT:
     return model
 
 
-def train(size=None, *, steps=3, micro=1, clip=None, scale=None, ckpt=False, evict=False, **window_args):
-    """Trains TinyGPT; returns its final parameters (and the window)."""
+def train(size=None, *, steps=3, micro=1, clip=None, scale=None, ckpt=False, evict=False, prepare=None,
+          **window_args):
+    """Trains TinyGPT (changed first by `prepare`); returns its final parameters (and the window)."""
     model = make_model(ckpt)
+    if prepare is not None:
+        prepare(model)
     window = LayerWindow(model.blocks.layers, size=size, **window_args) if size is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if window is not None:
@@ -294,21 +297,11 @@ def test_careless_use_between_steps_trains_as_without_the_window():
 def test_a_parameter_without_a_gradient_does_not_keep_its_block_waiting():
     # An unused parameter (a layer the forward never calls) gets no gradient: its block's other
     # gradients still go home, at the end of backward at the latest.
-    def run(size):
-        model = make_model()
+    def unused(model):
         model.blocks.layers[3].unused = torch.nn.Linear(4, 4)
-        window = LayerWindow(model.blocks.layers, size=size) if size else None
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            x, y = arithmetic_batch(gen, 8, 16, 32)
-            lm_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return [p.detach().clone() for p in model.parameters()], window
 
-    reference, _ = run(None)
-    got, window = run(1)
+    reference, _ = train(prepare=unused)
+    got, window = train(1, prepare=unused)
     assert same(reference, got)
     assert window.stats["grad_offloads"] == 3 * LAYERS
 
