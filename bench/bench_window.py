@@ -122,22 +122,25 @@ def main() -> int:
               "- **Sequence 2048**: a block's forward (34 ms of compute) covers its copy in, and its backward "
               "(103 ms with the recomputation) covers both directions: STRONGHOLD's plateau starts at one block, "
               "so forward is flat from m = 1 and the knee is 1. A larger window only leaves less device memory "
-              "to the rest of the iteration, and backward and the update phase grow with it.",
+              "to the rest of the iteration: the allocator more and more often finds no cached block of the "
+              "size asked, releases its cache and retries, waiting for the GPU each time (the last column), and "
+              "backward grows with it; so does the update phase, with fewer GPU subgroups.",
               "- **Sequence 512**: forward (8.6 ms per block) is shorter than the copy in and backward (26 ms) "
               "shorter than the gradients going out: the link bounds every window size. Forward gains the "
               "resident blocks' copies (29 ms each) but the same memory costs more elsewhere.", ""]
     for seq, (sweep, auto) in sweeps.items():
         lines += [f"### Sequence {seq}", "",
-                  "| window | forward | backward | update | iteration | peak backward | H2D per iteration |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| window | forward | backward | update | iteration | peak backward | H2D per iteration | "
+                  "allocator retries |",
+                  "|---|---|---|---|---|---|---|---|"]
         for m, r in sweep:
             if r is None:
-                lines.append(f"| {m} | out of memory | | | | | |")
+                lines.append(f"| {m} | out of memory | | | | | | |")
                 continue
             s = r["simulated"]
             lines.append(f"| {m} | {s['forward_s']:.3f} s | {s['backward_s']:.3f} s | {s['update_s']:.3f} s | "
                          f"{s['iteration_s']:.3f} s | {r['peak_bytes']['backward'] / GiB:.1f} GiB | "
-                         f"{r['window_h2d_bytes'] / GiB:.0f} GiB |")
+                         f"{r['window_h2d_bytes'] / GiB:.0f} GiB | {r['alloc_retries']} |")
         lines += ["", f"auto chose **{auto['window']}** ({auto['window_why']}); its iteration: "
                   f"{auto['simulated']['iteration_s']:.3f} s.", ""]
 

@@ -147,6 +147,7 @@ class Rank {
     recording_ = record;
     memory_.clear();
     const double bytes_before = engine_->grad_bytes_to_host();
+    const std::int64_t retries_before = allocator_.stats().num_alloc_retries;
 
     window_h2d_bytes_ = 0;
     if (window_ > 0 && next_fetch_ == 0) prefetch_window();  // the first iteration: no update before it
@@ -232,6 +233,7 @@ class Rank {
     out.backward_update_params = bwd_params_;
     out.backward_update_busy_s = bwd_busy_ns_ / 1e9;
     out.window_h2d_bytes = window_h2d_bytes_;
+    out.alloc_retries = allocator_.stats().num_alloc_retries - retries_before;
     out.phase_start_s[0] = t0;
     out.phase_start_s[1] = t1;
     out.phase_start_s[2] = t2;

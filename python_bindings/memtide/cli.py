@@ -942,6 +942,7 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
             "update_bound_s": r["update_bound_s"],
             "update_vs_bound": r["update_bound_s"] / sim["update_s"] if sim["update_s"] > 0 else None,
             "grad_bytes_to_host": r["grad_bytes_to_host"],
+            "alloc_retries": r["alloc_retries"],
             "nvme": {"subgroups": r["nvme_subgroups"], "bytes": r["nvme_bytes"]} if r["nvme_subgroups"] else None,
             "plan": {k: r["plan"][k] for k in (
                 "k", "gpu_streamed", "static_residents", "gpu_slots")},

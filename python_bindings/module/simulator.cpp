@@ -148,6 +148,7 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
   d["window"] = r.window_blocks;
   d["window_why"] = r.window_why;
   d["window_h2d_bytes"] = r.window_h2d_bytes;
+  d["alloc_retries"] = r.alloc_retries;
   d["backward_update_params"] = r.backward_update_params;
   d["backward_update_busy_s"] = r.backward_update_busy_s;
   d["phase_start_s"] = nb::make_tuple(r.phase_start_s[0], r.phase_start_s[1], r.phase_start_s[2]);

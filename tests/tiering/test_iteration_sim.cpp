@@ -182,6 +182,19 @@ TEST(IterationSim, OutOfMemoryLeavesNothingAllocated) {
   }
 }
 
+// Memory pressure is counted: a window that leaves the passes little room makes the allocator
+// release its cache and retry, one that leaves plenty does not.
+TEST(IterationSim, AllocatorRetriesCountMemoryPressure) {
+  ModelShape m = ModelShape::table2("40B");
+  NodeSpec n;
+  n.gpus = 1;
+  n.device.capacity = 32ULL << 30;
+  n.window_blocks = 1;
+  EXPECT_EQ(simulate_iteration(m, n, Contender::memtide).alloc_retries, 0);
+  n.window_blocks = 12;
+  EXPECT_GT(simulate_iteration(m, n, Contender::memtide).alloc_retries, 0);
+}
+
 TEST(IterationSim, BadInputsAreNamed) {
   auto expect_named = [](const auto& call, const std::string& word) {
     try {

@@ -133,6 +133,9 @@ struct IterationResult {
   std::size_t nvme_subgroups = 0;  ///< subgroups on NVMe (NodeSpec::host_budget_bytes)
   double nvme_bytes = 0;           ///< bytes the NVMe tier read and wrote in the update phase
   double grad_bytes_to_host = 0; ///< gradient bytes sent to host memory in the iteration
+  /// Allocations in the iteration that found no cached block and had to release the cache and
+  /// retry, each waiting for the device first (AllocatorStats::num_alloc_retries): memory pressure.
+  std::int64_t alloc_retries = 0;
   /// The layer window the iteration ran with (0: none); with NodeSpec::kWindowAuto, how it was
   /// chosen (choose_window's words and numbers).
   int window_blocks = 0;
