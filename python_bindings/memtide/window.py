@@ -274,7 +274,7 @@ class LayerWindow:
         self._adopt_homes(b)
         if self._copy_stream is not None:
             # The copy may not start before the buffer's previous block is done with it on the
-            # compute stream (and, in backward, before its gradients were copied out: same stream).
+            # compute stream (its gradients are tensors of their own, copied home on another).
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
                 self._copy_in(b, slot, non_blocking=True)
