@@ -578,20 +578,18 @@ class Rank {
     }
     const auto& nvme = engine_->on_nvme();
     const SimConfig& c = device_.config();
-    double host = 0;  // when the host would be done with the subgroups taken so far, from backward's start
-    for (std::size_t k = n; k-- > 0;) {
+    std::vector<BackwardCandidate> candidates;
+    for (std::size_t k = 0; k < n; ++k) {
       // Any subgroup whose newest state is in host memory: one the last plan updated on the CPU
       // (in backward or after) or streamed through the GPU, not a static resident.
       if (last_placement_[k] == Placement::gpu_static || (!nvme.empty() && nvme[k])) continue;
       const auto params = static_cast<double>(groups[k].second - groups[k].first);
       const double complete = last_backward_ns_ * (1 - static_cast<double>(groups[k].first) / static_cast<double>(n_));
-      const double ready = complete + params * 4 / c.d2h_bytes_per_s * 1e9;
-      const double work = params / c.cpu_update_params_per_s * 1e9 +
-                          (node_.speculative_backup ? params * 24 / c.host_dram_bytes_per_s * 1e9 : 0);
-      if (std::max(host, ready) + work > last_backward_ns_) continue;
-      host = std::max(host, ready) + work;
-      bwd_take_[k] = true;
+      candidates.push_back({k, complete + params * 4 / c.d2h_bytes_per_s * 1e9,
+                            params / c.cpu_update_params_per_s * 1e9 +
+                                (node_.speculative_backup ? params * 24 / c.host_dram_bytes_per_s * 1e9 : 0)});
     }
+    for (std::size_t k : fit_before_end(std::move(candidates), last_backward_ns_, n)) bwd_take_[k] = true;
     engine_->set_host_gradients(bwd_take_);  // their gradients go to the host, whatever the plan said
   }
   void complete_subgroups(std::size_t begin) {

@@ -207,6 +207,22 @@ std::vector<std::size_t> nvme_read_order(const std::vector<Placement>& placement
   return order;
 }
 
+std::vector<std::size_t> fit_before_end(std::vector<BackwardCandidate> candidates, double end_ns, std::size_t cap) {
+  std::sort(candidates.begin(), candidates.end(), [](const BackwardCandidate& a, const BackwardCandidate& b) {
+    return a.ready_ns != b.ready_ns ? a.ready_ns < b.ready_ns : a.subgroup < b.subgroup;
+  });
+  std::vector<std::size_t> taken;
+  double free = -INFINITY;  // when the worker is done with those taken so far
+  for (const BackwardCandidate& c : candidates) {
+    if (taken.size() == cap) break;
+    const double finish = std::max(free, c.ready_ns) + c.work_ns;
+    if (finish > end_ns) continue;
+    free = finish;
+    taken.push_back(c.subgroup);
+  }
+  return taken;
+}
+
 std::size_t nvme_staging_buffers(const std::vector<Placement>& placement, const std::vector<bool>& spilled,
                                  std::size_t slots, std::size_t read_ahead) {
   std::size_t streamed = 0;

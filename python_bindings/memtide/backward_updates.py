@@ -69,20 +69,9 @@ class _Speculation:
 
 
 def fit_before_end(ready_ns: Dict[int, float], cost_ns: Dict[int, float], end_ns: float, cap: int) -> List[int]:
-    """The subgroups one worker can update before backward ends: taken in the order their
-    gradients complete (`ready_ns`), each starting when both it and the worker are free and taking
-    `cost_ns`; one that would finish after `end_ns` is left to the update phase (a later, smaller
-    one may still fit). At most `cap`."""
-    chosen: List[int] = []
-    free = float("-inf")
-    for sg in sorted(ready_ns, key=lambda k: (ready_ns[k], k)):
-        if len(chosen) == cap:
-            break
-        finish = max(free, ready_ns[sg]) + cost_ns[sg]
-        if finish <= end_ns:
-            chosen.append(sg)
-            free = finish
-    return chosen
+    """The subgroups one worker can update before backward ends, at most `cap`, in the order
+    taken: tiering::fit_before_end, the rule the simulator follows too, on measured times."""
+    return _memtide.fit_before_end([(sg, ready_ns[sg], cost_ns[sg]) for sg in ready_ns], end_ns, cap)
 
 
 class BackwardUpdates:
@@ -194,15 +183,12 @@ class BackwardUpdates:
             self._left[sg] -= 1
             if self._left[sg] == 0:
                 self._ready_ns[sg] = time.perf_counter_ns()
-                if self._eligible(opt, sg):
+                if sg in self._chosen:  # at most max_subgroups of them
                     self._submit(opt, sg)
 
     def _backward_ended(self) -> None:
         self._watching = False
         self._backward_end_ns = time.perf_counter_ns()
-
-    def _eligible(self, opt: "TieredAdamW", sg: int) -> bool:
-        return sg in self._chosen and len(self._spec) < self.max_subgroups
 
     def _submit(self, opt: "TieredAdamW", sg: int) -> None:
         segments = opt._subgroup_segments(sg)

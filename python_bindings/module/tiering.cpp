@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "memtide/allocator/host_arena.hpp"
@@ -20,6 +21,8 @@
 #endif
 #include "memtide/tiering/update_engine.hpp"
 #include "common.hpp"
+
+#include <nanobind/stl/tuple.h>
 
 namespace memtide::bindings {
 
@@ -610,6 +613,17 @@ void bind_tiering(nb::module_& m) {
       "The layer window's size (tiering::choose_window): `blocks` is a list of dicts with forward_ns,\n"
       "backward_ns, h2d_ns, d2h_ns and bytes per block; returns blocks (m), hides_transfers,\n"
       "peak_bytes and why. Raises ValueError, with the numbers, when one block and its prefetch do not fit.");
+  m.def(
+      "fit_before_end",
+      [](const std::vector<std::tuple<std::size_t, double, double>>& candidates, double end_ns, std::size_t cap) {
+        std::vector<tiering::BackwardCandidate> c;
+        c.reserve(candidates.size());
+        for (const auto& [subgroup, ready, work] : candidates) c.push_back({subgroup, ready, work});
+        return tiering::fit_before_end(std::move(c), end_ns, cap);
+      },
+      "candidates"_a, "end_ns"_a, "cap"_a,
+      "Which subgroups one host worker updates before backward ends (tiering::fit_before_end):\n"
+      "`candidates` are (subgroup, ready_ns, work_ns); returns the subgroups taken, in order, at most `cap`.");
   m.def(
       "window_pass_ns",
       [](const nb::list& blocks, int window, double async_ns) {

@@ -679,3 +679,14 @@ TEST(PerfModelNvme, LargeSpilledWorkloadsArePlannedThroughTheProxyToo) {
   EXPECT_GT(p.prediction.nvme_ns, 0);
   EXPECT_LE(p.prediction.total_ns, model.plan(w, with_nvme(8, 6), Policy::cpu).prediction.total_ns * (1 + 1e-9));
 }
+
+TEST(PerfModel, FitBeforeEndTakesWhatOneWorkerFinishesInTime) {
+  // Subgroup 2 is ready first; each takes 15 ns of a 30 ns backward: the worker is busy until
+  // 15, then 30, and the third would end at 45.
+  const std::vector<BackwardCandidate> c = {{0, 20, 15}, {1, 10, 15}, {2, 0, 15}};
+  EXPECT_EQ(fit_before_end(c, 30, 8), (std::vector<std::size_t>{2, 1}));
+  // One too long for the time left is skipped; a later, shorter one still fits.
+  EXPECT_EQ(fit_before_end({{0, 20, 5}, {1, 10, 5}, {2, 0, 100}}, 30, 8), (std::vector<std::size_t>{1, 0}));
+  EXPECT_EQ(fit_before_end(c, 1000, 1), (std::vector<std::size_t>{2}));
+  EXPECT_TRUE(fit_before_end({}, 30, 8).empty());
+}

@@ -127,6 +127,21 @@ std::vector<std::size_t> nvme_read_order(const std::vector<Placement>& placement
 std::size_t nvme_staging_buffers(const std::vector<Placement>& placement, const std::vector<bool>& spilled,
                                  std::size_t slots, std::size_t read_ahead);
 
+/// A subgroup that could be updated on the host during backward: when its gradients are in host
+/// memory and how long the host takes to update it, both in ns from backward's start.
+struct BackwardCandidate {
+  std::size_t subgroup = 0;
+  double ready_ns = 0;
+  double work_ns = 0;
+};
+
+/// The one place that decides which subgroups are updated during backward: those one host worker
+/// finishes before backward ends (`end_ns`), taken in the order they become ready (ties by
+/// subgroup), each starting when it and the worker are free. One that would finish later is left
+/// to the update phase (a later, shorter one may still fit). At most `cap`; returned in the order
+/// taken. The simulator feeds it modelled times, TieredAdamW measured ones.
+std::vector<std::size_t> fit_before_end(std::vector<BackwardCandidate> candidates, double end_ns, std::size_t cap);
+
 /// Predicted busy time per resource and the resulting update time.
 struct Prediction {
   double total_ns = 0;  ///< predicted update-phase time
