@@ -18,7 +18,7 @@ from datetime import date
 
 import memtide
 from memtide.cli import _SIM_GPUS
-from plotting import pyplot
+from plotting import pyplot, write_report
 
 GPUS = {name: _SIM_GPUS[name] for name in ("h100", "a100")}  # memtide simulate --gpu's figures
 VARIANTS = (("update phase only", {}),
@@ -73,9 +73,7 @@ def main() -> int:
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
         lines += [f"![phases per variant]({os.path.basename(args.png)})", ""]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
+    write_report(args.out, lines)
     return 0
 
 

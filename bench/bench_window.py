@@ -23,7 +23,7 @@ import time
 from datetime import date
 
 import memtide
-from plotting import pyplot
+from plotting import pyplot, write_report
 
 GiB = 2**30
 SHAPE = dict(hidden=8192, heads=64)
@@ -163,9 +163,7 @@ def main() -> int:
         fig.savefig(args.png, dpi=110)
         lines.append(f"![iteration time against window size]({os.path.basename(args.png)})")
         lines.append("")
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
+    write_report(args.out, lines)
     return 0
 
 

@@ -25,6 +25,8 @@ import sys
 import time
 from datetime import date
 
+from plotting import write_report
+
 
 def run_phase(args: argparse.Namespace) -> dict:
     import torch
@@ -165,9 +167,7 @@ def main() -> int:
               f"({capped['cap_bytes'] / gib:.2f} GiB): {base['param_grad_bytes'] > capped['cap_bytes'] > 0}. "
               f"Losses bit for bit equal: {'yes' if same else 'no'} ({base['losses'][-1]:.6f} and "
               f"{capped['losses'][-1]:.6f} at the last step).", ""]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
+    write_report(args.out, lines)
     return 0
 
 

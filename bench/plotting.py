@@ -1,4 +1,4 @@
-"""What the bench scripts share for their plots."""
+"""What the bench scripts share: their plots and their Markdown reports."""
 
 from __future__ import annotations
 
@@ -17,3 +17,10 @@ def pyplot():
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return None
     return plt
+
+
+def write_report(path: str, lines: list) -> None:
+    """Writes the report's Markdown lines to `path` and shows them."""
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
