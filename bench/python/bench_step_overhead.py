@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""What TieredAdamW.step() costs in Python: the step's wall time less the time spent inside calls
+of the native engine.
+
+  python bench/python/bench_step_overhead.py [--python NAME=INTERPRETER ...] [--rounds 5] [--out FILE.md]
+
+Each model (about 1M and 100M fp32 parameters: stacks of Linear + LayerNorm on CPU tensors,
+so 2 tensors of weights and 4 small ones per block) trains with a real backward; each step() is
+timed whole, and every call of the native engine's methods is timed by a proxy put around the
+native engine object, so the difference is everything the torch adapter does around the engine (gathering
+gradients, building the step's segments, checks, write-back, bookkeeping). Without a GPU the
+engine runs on the simulated device, whose "GPU" updates run on the host: the engine's own time
+is real work either way, and the Python-side cost is what this page is about.
+
+With several --python interpreters (for example an install of the code before a change and one
+after), each (interpreter, model) runs in its own child process, the children alternating round
+by round, so that both see the same machine: the shared VM's speed drifts over minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+MODELS = {
+    # name: (blocks, width, subgroup size, steps per round)
+    "1M": (4, 512, 262_144, 40),
+    "100M": (24, 2048, 8_388_608, 4),
+}
+
+
+def _native_holder(opt):
+    """(object, attribute) holding the native engine whose step() is timed, on the code before
+    and after the engine took the step over."""
+    engine = getattr(opt, "engine", None)
+    if engine is not None and hasattr(engine, "native"):
+        return engine, "native"
+    if hasattr(opt, "_native"):
+        return opt, "_native"
+    raise RuntimeError("bench_step_overhead: cannot find TieredAdamW's native engine")
+
+
+class _Timed:
+    """Forwards every attribute to the native engine and times every call of its methods (step,
+    and whatever else the adapter asks of it: gradients, syncs): all of it is the engine's own."""
+
+    def __init__(self, native):
+        object.__setattr__(self, "_native", native)
+        object.__setattr__(self, "seconds", 0.0)
+
+    def __getattr__(self, name):
+        value = getattr(self._native, name)
+        if not callable(value):
+            return value
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return value(*args, **kwargs)
+            finally:
+                object.__setattr__(self, "seconds", self.seconds + time.perf_counter() - t0)
+
+        return timed
+
+
+def child(model: str, policy: str, steps: int) -> dict:
+    import torch
+
+    import memtide.optim
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    blocks, width, subgroup, _ = MODELS[model]
+    layers = []
+    for _ in range(blocks):
+        layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width)]
+    net = torch.nn.Sequential(*layers)
+    opt = memtide.optim.TieredAdamW(net.parameters(), lr=1e-4, policy=policy, subgroup_size=subgroup)
+    holder, attr = _native_holder(opt)
+    timed = _Timed(getattr(holder, attr))
+    setattr(holder, attr, timed)
+    x = torch.randn(2, width)
+    rows = []
+    for i in range(steps + 2):  # two warm-up steps
+        net(x).square().mean().backward()
+        before = timed.seconds
+        t0 = time.perf_counter()
+        opt.step()
+        wall = time.perf_counter() - t0
+        engine = timed.seconds - before
+        opt.zero_grad(set_to_none=True)
+        if i >= 2:
+            rows.append((wall, engine))
+    params = sum(p.numel() for p in net.parameters())
+    return {"params": params, "tensors": len(list(net.parameters())), "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--python", action="append", default=[], metavar="NAME=INTERPRETER",
+                    help="an interpreter with memtide installed (default: this one, named 'this')")
+    ap.add_argument("--models", default="1M,100M")
+    ap.add_argument("--policy", default="auto")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        model, steps = args.child.split(":")
+        print(json.dumps(child(model, args.policy, int(steps))))
+        return
+
+    pythons = []
+    for spec in args.python or [f"this={sys.executable}"]:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            ap.error(f"--python {spec!r}: expected NAME=INTERPRETER")
+        pythons.append((name, path))
+    models = [m for m in args.models.split(",") if m]
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"--models: {m!r} is not one of {', '.join(MODELS)}")
+    samples = {(n, m): [] for n, _ in pythons for m in models}
+    meta = {}
+    for r in range(args.rounds):
+        order = pythons[r % len(pythons):] + pythons[:r % len(pythons)]
+        for m in models:
+            for name, path in order:
+                out = subprocess.run([path, __file__, "--child", f"{m}:{MODELS[m][3]}", "--policy", args.policy],
+                                     capture_output=True, text=True)
+                if out.returncode != 0:
+                    sys.exit(f"{name} {m}: child failed:\n{out.stderr}")
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                meta[m] = (result["params"], result["tensors"])
+                samples[(name, m)] += result["rows"]
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+
+    lines = [
+        "# TieredAdamW.step(): the Python side",
+        "",
+        f"`python bench/python/bench_step_overhead.py {' '.join(sys.argv[1:])}`",
+        "",
+        f"- {time.strftime('%Y-%m-%d')}: {os.cpu_count()} cores, "
+        f"{platform.system()} {platform.release()}, Python {platform.python_version()}",
+        f"- policy {args.policy}; CPU tensors, so the engine runs on the simulated device (its 'GPU' updates run on "
+        "the host); torch intra-op threads 1; medians over every timed step of every round",
+        "",
+        "| code | model | params (tensors) | step() ms | engine ms | Python side ms |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for m in models:
+        params, tensors = meta[m]
+        for name, _ in pythons:
+            rows = samples[(name, m)]
+            wall = statistics.median(w for w, _ in rows)
+            engine = statistics.median(e for _, e in rows)
+            side = statistics.median(w - e for w, e in rows)
+            lines.append(f"| {name} | {m} | {params / 1e6:.2f}M ({tensors}) | {wall * 1e3:.3f} | {engine * 1e3:.3f} | "
+                         f"{side * 1e3:.3f} |")
+    lines.append("")
+    text = "\n".join(lines)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
