@@ -22,9 +22,9 @@
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/device/sim_device.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
-#include "memtide/tiering/optimizer_state.hpp"
-#include "memtide/tiering/perf_model.hpp"
-#include "memtide/tiering/update_scheduler.hpp"
+#include "memtide/tiering/engine/optimizer_state.hpp"
+#include "memtide/tiering/model/perf_model.hpp"
+#include "memtide/tiering/engine/update_scheduler.hpp"
 
 using namespace memtide;
 using namespace memtide::tiering;

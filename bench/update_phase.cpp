@@ -39,9 +39,9 @@
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/bandwidth_probe.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
-#include "memtide/tiering/optimizer_state.hpp"
-#include "memtide/tiering/perf_model.hpp"
-#include "memtide/tiering/update_scheduler.hpp"
+#include "memtide/tiering/engine/optimizer_state.hpp"
+#include "memtide/tiering/model/perf_model.hpp"
+#include "memtide/tiering/engine/update_scheduler.hpp"
 
 using namespace memtide;
 using namespace memtide::tiering;

@@ -13,8 +13,8 @@
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
-#include "memtide/tiering/optimizer_state.hpp"
-#include "memtide/tiering/update_engine.hpp"
+#include "memtide/tiering/engine/optimizer_state.hpp"
+#include "memtide/tiering/engine/update_engine.hpp"
 
 namespace memtide::tiering {
 namespace {

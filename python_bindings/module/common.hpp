@@ -17,7 +17,7 @@
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
-#include "memtide/tiering/perf_model.hpp"
+#include "memtide/tiering/model/perf_model.hpp"
 #include "memtide/cupti_tracer/tracer.hpp"
 
 namespace nb = nanobind;

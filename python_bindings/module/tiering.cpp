@@ -12,14 +12,14 @@
 
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/thread_pool.hpp"
-#include "memtide/tiering/calibration.hpp"
-#include "memtide/tiering/layer_window.hpp"
-#include "memtide/tiering/perf_model.hpp"
+#include "memtide/tiering/model/calibration.hpp"
+#include "memtide/tiering/window/layer_window.hpp"
+#include "memtide/tiering/model/perf_model.hpp"
 #include "memtide/core/error.hpp"
 #if MEMTIDE_HAVE_NVME
-#include "memtide/tiering/nvme_store.hpp"
+#include "memtide/tiering/nvme/nvme_store.hpp"
 #endif
-#include "memtide/tiering/update_engine.hpp"
+#include "memtide/tiering/engine/update_engine.hpp"
 #include "common.hpp"
 
 #include <nanobind/stl/tuple.h>

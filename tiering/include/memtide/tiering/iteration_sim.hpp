@@ -28,9 +28,9 @@
 
 #include "memtide/allocator/phase_tracker.hpp"
 #include "memtide/device/sim_device.hpp"
-#include "memtide/tiering/layer_window.hpp"
-#include "memtide/tiering/perf_model.hpp"
-#include "memtide/tiering/update_scheduler.hpp"
+#include "memtide/tiering/window/layer_window.hpp"
+#include "memtide/tiering/model/perf_model.hpp"
+#include "memtide/tiering/engine/update_scheduler.hpp"
 
 namespace memtide::tiering {
 

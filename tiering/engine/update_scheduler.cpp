@@ -1,4 +1,4 @@
-#include "memtide/tiering/update_scheduler.hpp"
+#include "memtide/tiering/engine/update_scheduler.hpp"
 
 #include <algorithm>
 #include <exception>

@@ -18,7 +18,7 @@
 #include <string>
 
 #include "memtide/core/error.hpp"
-#include "memtide/tiering/nvme_store.hpp"
+#include "memtide/tiering/nvme/nvme_store.hpp"
 
 using namespace memtide;
 using namespace memtide::tiering;

@@ -1,4 +1,4 @@
-#include "memtide/tiering/calibration.hpp"
+#include "memtide/tiering/model/calibration.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -18,7 +18,7 @@
 #include "memtide/allocator/host_slab.hpp"
 #include "memtide/device/device.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
-#include "memtide/tiering/placement.hpp"
+#include "memtide/tiering/model/placement.hpp"
 
 namespace memtide::tiering {
 

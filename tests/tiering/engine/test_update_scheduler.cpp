@@ -11,12 +11,12 @@
 #include <random>
 #include <vector>
 
-#include "../device_types.hpp"
+#include "../../device_types.hpp"
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/core/error.hpp"
-#include "memtide/tiering/grad_sink.hpp"
+#include "memtide/tiering/engine/grad_sink.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
-#include "memtide/tiering/update_scheduler.hpp"
+#include "memtide/tiering/engine/update_scheduler.hpp"
 
 namespace memtide::tiering {
 namespace {

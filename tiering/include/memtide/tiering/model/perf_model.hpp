@@ -32,7 +32,7 @@
 #include <string>
 #include <vector>
 
-#include "memtide/tiering/placement.hpp"
+#include "memtide/tiering/model/placement.hpp"
 
 namespace memtide {
 struct SimConfig;

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "memtide/device/device.hpp"
-#include "memtide/tiering/perf_model.hpp"
+#include "memtide/tiering/model/perf_model.hpp"
 
 namespace memtide::tiering {
 

@@ -1,4 +1,4 @@
-#include "memtide/tiering/layer_window.hpp"
+#include "memtide/tiering/window/layer_window.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "memtide/allocator/caching_allocator.hpp"
-#include "memtide/tiering/optimizer_state.hpp"
+#include "memtide/tiering/engine/optimizer_state.hpp"
 
 namespace memtide::tiering {
 

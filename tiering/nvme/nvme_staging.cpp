@@ -1,4 +1,4 @@
-#include "memtide/tiering/nvme_staging.hpp"
+#include "memtide/tiering/nvme/nvme_staging.hpp"
 
 #include <algorithm>
 #include <chrono>

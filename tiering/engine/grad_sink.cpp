@@ -1,4 +1,4 @@
-#include "memtide/tiering/grad_sink.hpp"
+#include "memtide/tiering/engine/grad_sink.hpp"
 
 #include <algorithm>
 #include <string>

@@ -29,9 +29,9 @@
 #include <vector>
 
 #include "memtide/allocator/caching_allocator.hpp"
-#include "memtide/tiering/nvme_staging.hpp"
-#include "memtide/tiering/optimizer_state.hpp"
-#include "memtide/tiering/perf_model.hpp"
+#include "memtide/tiering/nvme/nvme_staging.hpp"
+#include "memtide/tiering/engine/optimizer_state.hpp"
+#include "memtide/tiering/model/perf_model.hpp"
 
 namespace memtide::tiering {
 

@@ -1,4 +1,4 @@
-#include "memtide/tiering/optimizer_state.hpp"
+#include "memtide/tiering/engine/optimizer_state.hpp"
 
 #include <algorithm>
 #include <atomic>

@@ -1,4 +1,4 @@
-#include "memtide/tiering/perf_model.hpp"
+#include "memtide/tiering/model/perf_model.hpp"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "memtide/tiering/nvme_store.hpp"
+#include "memtide/tiering/nvme/nvme_store.hpp"
 
 #include <fcntl.h>
 #include <liburing.h>

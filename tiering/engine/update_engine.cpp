@@ -1,4 +1,4 @@
-#include "memtide/tiering/update_engine.hpp"
+#include "memtide/tiering/engine/update_engine.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -14,7 +14,7 @@
 #include "memtide/core/log.hpp"
 #include "memtide/core/options.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
-#include "memtide/tiering/optimizer_state.hpp"
+#include "memtide/tiering/engine/optimizer_state.hpp"
 
 namespace memtide::tiering {
 namespace {

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "memtide/core/error.hpp"
-#include "memtide/tiering/layer_window.hpp"
+#include "memtide/tiering/window/layer_window.hpp"
 
 using namespace memtide;
 using namespace memtide::tiering;

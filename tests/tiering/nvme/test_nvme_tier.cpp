@@ -21,13 +21,13 @@
 #include <string>
 #include <vector>
 
-#include "../device_types.hpp"
+#include "../../device_types.hpp"
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/device/sim_device.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
-#include "memtide/tiering/update_engine.hpp"
+#include "memtide/tiering/engine/update_engine.hpp"
 
 namespace memtide::tiering {
 namespace {

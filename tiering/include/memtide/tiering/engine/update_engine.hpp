@@ -48,11 +48,11 @@
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/thread_pool.hpp"
-#include "memtide/tiering/calibration.hpp"
-#include "memtide/tiering/grad_sink.hpp"
-#include "memtide/tiering/nvme_store.hpp"
-#include "memtide/tiering/perf_model.hpp"
-#include "memtide/tiering/update_scheduler.hpp"
+#include "memtide/tiering/model/calibration.hpp"
+#include "memtide/tiering/engine/grad_sink.hpp"
+#include "memtide/tiering/nvme/nvme_store.hpp"
+#include "memtide/tiering/model/perf_model.hpp"
+#include "memtide/tiering/engine/update_scheduler.hpp"
 
 namespace memtide::tiering {
 
