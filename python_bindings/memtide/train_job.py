@@ -156,12 +156,12 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
     engine_s = statistics.median(h[1] for h in hist)
     step_s = statistics.median(h[2] for h in hist)
     params_per_step = hist[-1][0]
-    predicted = opt.engine.predict_seconds(opt.plan)
+    predicted = opt.plan.engine_plan.prediction.total_ns * 1e-9
     # The engine's own measure of the update phase (the scheduler's clock: virtual on a SimDevice).
-    engine_ns = list(getattr(opt.engine, "measured_ns", []))
+    engine_ns = list(opt.measured_ns)
     engine_ns = engine_ns[1:] or engine_ns
     measured = statistics.median(engine_ns) * 1e-9 if engine_ns else None
-    clock = getattr(opt.engine, "clock", "wall")
+    clock = opt.clock
 
     # The same update (the trained state and the last gradients) under every policy.
     progress(f"one update of the last gradients under each policy ({POLICY_REPEATS} repeats) ...")
@@ -185,17 +185,17 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
             o.step()
         sync()
         seconds = statistics.median(h[1] for h in o.stats.history)
-        engine_ns = getattr(o.engine, "measured_ns", [])
+        engine_ns = o.measured_ns
         policies.append({
             "policy": name,
             "plan": o.plan.summary(),
             "placement": o.plan.counts(),
             "update_seconds": seconds,
             # The scheduler's own measure of the phase (its clock, virtual on a SimDevice), and the
-            # PerfModel's prediction; None with the CPU engine.
+            # PerfModel's prediction.
             "phase_seconds": statistics.median(engine_ns) * 1e-9 if engine_ns else None,
-            "phase_clock": getattr(o.engine, "clock", "wall"),
-            "predicted_seconds": o.engine.predict_seconds(o.plan),
+            "phase_clock": o.clock,
+            "predicted_seconds": o.plan.engine_plan.prediction.total_ns * 1e-9,
             "params_per_second": o.stats.history[0][0] / seconds if seconds > 0 else 0.0,
             "digest": _digest(o),
         })
@@ -221,14 +221,14 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
             "pinned": b.pinned,
             "host_arena": _host_arena_report(opt),
             "low_precision": None if b.lowp is None else str(b.lowp.dtype).replace("torch.", ""),
-            "engine": opt.engine.name,
+            "engine": "scheduler",
             "cpu_isa": memtide.cpu_isa(),
             "cpu_threads": memtide.cpu_threads(),
         },
         "nvme": None if not opt.spilled_subgroups else {
             k: v for k, v in opt.nvme_info().items() if k != "on_nvme"},
         "plan": {"summary": opt.plan.summary(), "placement": opt.plan.counts(), "reason": opt.plan.reason,
-                 "engine_plan": opt.plan.engine_plan},
+                 "engine_plan": opt.plan.as_dict()},
         "update": {
             "params_per_step": params_per_step,
             "engine_seconds_median": engine_s,
@@ -251,7 +251,7 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
 
 def _host_arena_report(opt) -> Optional[Dict[str, Any]]:
     """Where the engine's fp32 state lives: bytes asked for against what the arena reserved."""
-    native = getattr(opt.engine, "native", None)
+    native = opt.engine
     if native is None:
         return None
     stats = memtide.host.stats(device=native.device)

@@ -59,8 +59,10 @@ void bind_runtime(nb::module_& m);
 void bind_host(nb::module_& m);
 /// The optimizer kernels on their own: CPU AdamW, its memory roof, the device-side ops.
 void bind_kernels(nb::module_& m);
-/// The PerfModel and the UpdateEngine.
+/// The PerfModel, the layer window's sizing, the NVMe probe.
 void bind_tiering(nb::module_& m);
+/// The UpdateEngine and the typed results it hands over (Plan, StepReport, Segment).
+void bind_engine(nb::module_& m);
 /// The iteration simulator.
 void bind_simulator(nb::module_& m);
 /// CUPTI activity tracing.
@@ -69,7 +71,12 @@ void bind_tracing(nb::module_& m);
 /// (the host clock of a CUDA device); nullopt when it is not tracing.
 std::optional<cupti::PcieUse> traced_pcie(double from_ns, double to_ns);
 
-// Shared by the tiering and simulator bindings (tiering.cpp).
+// Shared by the tiering, engine and simulator bindings (tiering.cpp).
+std::size_t count_arg(const char* name, std::int64_t value);
+const char* policy_key(tiering::Policy p);
+tiering::Policy policy_arg(const std::string& name);
+/// One letter per subgroup: c (CPU), g (streamed through the GPU), s (GPU-static), d (done).
+std::string placement_string(const std::vector<tiering::Placement>& placement);
 nb::dict rates_dict(const tiering::Rates& r);
 nb::dict prediction_dict(const tiering::Prediction& p);
 nb::dict plan_dict(const tiering::Plan& p);

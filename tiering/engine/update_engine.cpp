@@ -712,6 +712,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   }
   EngineStep out;
   out.predicted_ns = predicted_ns;
+  out.placement = placement;
   // What the host holds of spilled subgroups (a checkpoint read or load) goes back to NVMe
   // first: the step reads them from there.
   if (nvme_) {
@@ -856,6 +857,64 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     cache_.pop_back();
   }
   observe(out.total, predicted_ns);
+  return out;
+}
+
+void UpdateEngine::set_layout(ParamLayout layout) {
+  Busy busy(*this);
+  const std::size_t covered = layout.params().empty() ? 0 : layout.params().back().end;
+  if (covered != n_) {
+    throw InvalidArgument("UpdateEngine::set_layout: the layout covers " + std::to_string(covered) +
+                          " elements, the engine has " + std::to_string(n_));
+  }
+  layout_ = std::move(layout);
+  plan_.reset();
+}
+
+void UpdateEngine::set_policy(PolicyChoice choice) {
+  Busy busy(*this);
+  if (!(choice.static_fraction >= 0 && choice.static_fraction <= 1)) {
+    throw InvalidArgument("UpdateEngine::set_policy: static_fraction must be in [0, 1], got " +
+                          std::to_string(choice.static_fraction));
+  }
+  if (choice.k && !(*choice.k >= 1 && std::isfinite(*choice.k))) {
+    throw InvalidArgument("UpdateEngine::set_policy: the stride k must be finite and >= 1, got " +
+                          std::to_string(*choice.k));
+  }
+  policy_ = choice;
+  plan_.reset();
+}
+
+const EnginePlan& UpdateEngine::current_plan() {
+  Busy busy(*this);
+  if (!plan_) plan_ = plan(policy_.policy, policy_.static_fraction, policy_.k);
+  return *plan_;
+}
+
+EngineStep UpdateEngine::step(const StepRequest& request) {
+  Busy busy(*this);
+  if (!request.done.empty() && request.done.size() != subgroups_.size()) {
+    throw InvalidArgument("UpdateEngine::step: " + std::to_string(request.done.size()) + " done flags, there are " +
+                          std::to_string(subgroups_.size()) + " subgroups");
+  }
+  std::vector<Segment> all = layout_.segments(request.groups, request.has_grad);
+  if (all.empty()) return EngineStep{};
+  // Under auto without a stride the memory and the rates decide, and both move: plan anew.
+  if (policy_.policy == Policy::automatic && !policy_.k) plan_.reset();
+  const EnginePlan& planned = current_plan();
+  std::vector<Placement> placement = planned.plan.placement;
+  if (!request.done.empty()) {
+    // Updated during backward: the run leaves them as they are, and the scheduler cached for the
+    // whole placement stays the one a full step uses, with its residents where they are.
+    for (std::size_t g = 0; g < placement.size(); ++g) {
+      if (request.done[g]) placement[g] = Placement::done;
+    }
+  }
+  EngineStep out = step(placement, planned.plan.gpu_slots, all, request.grad_scale, request.clip, /*l2=*/false,
+                        request.skip_if_nonfinite, planned.plan.prediction.total_ns, request.path_verdict);
+  if (out.skipped) return out;
+  if (sync_after_step_) sync_host();
+  layout_.advance(request.has_grad);
   return out;
 }
 

@@ -50,18 +50,31 @@
 #include "memtide/core/thread_pool.hpp"
 #include "memtide/tiering/model/calibration.hpp"
 #include "memtide/tiering/engine/grad_sink.hpp"
+#include "memtide/tiering/engine/param_layout.hpp"
 #include "memtide/tiering/nvme/nvme_store.hpp"
 #include "memtide/tiering/model/perf_model.hpp"
 #include "memtide/tiering/engine/update_scheduler.hpp"
 
 namespace memtide::tiering {
 
-/// A range [start, end) of the flat arrays, inside subgroup `subgroup`, stepped with `params`.
-struct Segment {
-  std::size_t subgroup = 0;
-  std::size_t start = 0;
-  std::size_t end = 0;
-  StepParams params;
+/// How the engine places subgroups when it plans a step itself (see PerfModel::plan).
+struct PolicyChoice {
+  Policy policy = Policy::automatic;
+  double static_fraction = 0;
+  std::optional<double> k;  ///< the stride of streamed GPU updates; none under auto: the model chooses
+};
+
+/// What an optimizer's step asks of the engine once a ParamLayout is set (see set_layout).
+struct StepRequest {
+  std::vector<StepParams> groups;      ///< per param group: lr, betas, eps, weight decay (step is the engine's)
+  std::vector<std::uint8_t> has_grad;  ///< per param: it has a gradient this step
+  double grad_scale = 1.0;             ///< multiplies every gradient (1 / loss scale)
+  double clip = 1.0;                   ///< the global clipping factor
+  bool skip_if_nonfinite = false;      ///< a non-finite gradient leaves everything untouched
+  std::optional<bool> path_verdict;    ///< finish_grads()'s verdict when every gradient came through it
+  /// Per subgroup (empty: none): already updated for this step (during backward). The step
+  /// counts them as stepped and leaves their state as it is.
+  std::vector<bool> done;
 };
 
 /// The device memory a plan was made with and what it took.
@@ -94,6 +107,8 @@ struct EngineStep {
   std::size_t runs = 0;    ///< scheduler phases (one per distinct set of hyper-parameters)
   StepReport total;        ///< summed over the runs
   double predicted_ns = 0;
+  /// The placement the step ran (Placement::done for subgroups updated before it).
+  std::vector<Placement> placement;
 };
 
 /// The NVMe tier of an engine: used when the host state (16 B/param) does not fit
@@ -158,6 +173,32 @@ class UpdateEngine {
   /// Pinned host bytes the arrays take in the arena (what was asked for, rounded to its alignment).
   [[nodiscard]] std::uint64_t host_bytes() const;
 
+  // ---- the step an optimizer asks for ---------------------------------------------------------
+  /// Where the optimizer's params lie (their step counts start from the layout's). Drops the
+  /// current plan. Throws InvalidArgument when it does not cover the engine's elements.
+  void set_layout(ParamLayout layout);
+  [[nodiscard]] ParamLayout& layout() noexcept { return layout_; }
+  /// The policy step(const StepRequest&) plans with; drops the current plan.
+  void set_policy(PolicyChoice choice);
+  [[nodiscard]] const PolicyChoice& policy() const noexcept { return policy_; }
+  /// The plan the next step(const StepRequest&) runs: made under the policy when there is none,
+  /// and before every step under auto without a stride (memory and rates move).
+  const EnginePlan& current_plan();
+  /// Copy the newest state of static residents into the host arrays after every step (a front
+  /// end that reads them between steps: params that are views of the fp32 masters).
+  void set_sync_after_step(bool on) noexcept { sync_after_step_ = on; }
+  /// The optimizer's step: cuts it into segments from the layout, plans it under the policy,
+  /// runs it (as step() below, subgroups in `request.done` left as they are), feeds the
+  /// Calibration with the plan's own prediction, and counts a step for every param with a
+  /// gradient unless it was skipped.
+  EngineStep step(const StepRequest& request);
+  /// The segments step(request) would run; only subgroup `only` when given.
+  [[nodiscard]] std::vector<Segment> segments(const StepRequest& request,
+                                              std::optional<std::size_t> only = std::nullopt) const {
+    return layout_.segments(request.groups, request.has_grad, only);
+  }
+
+  // ---- the engine's parts, for callers that plan themselves -----------------------------------
   /// The plan for the next step under `policy` (see PerfModel::plan for `static_fraction` and
   /// the stride `k`), sized to the device memory available now (see the file comment).
   EnginePlan plan(Policy policy, double static_fraction = 0, std::optional<double> k = std::nullopt);
@@ -333,6 +374,12 @@ class UpdateEngine {
   std::vector<bool> done_before_phase_;
   std::vector<bool> host_gradients_;
   std::unique_ptr<NvmeTier> nvme_;
+
+  // The optimizer's step (step(const StepRequest&)).
+  ParamLayout layout_;
+  PolicyChoice policy_;
+  std::optional<EnginePlan> plan_;
+  bool sync_after_step_ = false;
 };
 
 }  // namespace memtide::tiering

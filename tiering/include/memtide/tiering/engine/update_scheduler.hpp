@@ -49,6 +49,8 @@ struct StepParams {
   /// Set when the gradients were already checked (the GradSink checks them on the GPU on their
   /// way to the host); nullopt: the scheduler checks every gradient before stepping anything.
   std::optional<bool> grads_finite;
+
+  friend bool operator==(const StepParams&, const StepParams&) = default;
 };
 
 struct SchedulerConfig {

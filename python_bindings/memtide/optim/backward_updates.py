@@ -35,14 +35,12 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
-from . import _memtide
+from .. import _memtide
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .optim import Segment, TieredAdamW
 
 
 @dataclass
@@ -61,7 +59,7 @@ class _Piece:
 @dataclass
 class _Speculation:
     subgroup: int
-    segments: List["Segment"]
+    segments: List[Any]
     grad_scale: float
     pieces: List[_Piece] = field(default_factory=list)
     future: Optional[Future] = None
@@ -83,7 +81,7 @@ class BackwardUpdates:
             copy until step()): the host memory the copies take is bounded by that.
     """
 
-    def __init__(self, optimizer: "TieredAdamW", max_subgroups: int) -> None:
+    def __init__(self, optimizer: Any, max_subgroups: int) -> None:
         self._opt = weakref.ref(optimizer)
         self.max_subgroups = max_subgroups
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memtide-backward-update")
@@ -132,10 +130,9 @@ class BackwardUpdates:
         that: the `max_subgroups` that backward completes first (the last ones: backward runs the
         layers in reverse). Their gradients go to the host whatever the plan said."""
         opt = self._opt()
-        ep = getattr(opt.plan, "engine_plan", None)
-        marks = ep["placement"] if ep is not None else "c" * len(opt._layout.pieces)
+        marks = opt.plan.engine_plan.marks
         candidates = [sg for sg, c in enumerate(marks) if c in "cgd"]
-        if getattr(opt.engine, "spilled", 0):
+        if opt.spilled_subgroups:
             candidates = []
         ready = {sg: self._ready_ns[sg] for sg in candidates if sg in self._ready_ns}
         if ready and self._ns_per_param is not None and self._backward_end_ns is not None:
@@ -149,9 +146,7 @@ class BackwardUpdates:
             chosen = candidates[-self.max_subgroups:]
             self.last_choice = dict(rule="count", subgroups=sorted(chosen), candidates=len(candidates))
         self._chosen = set(chosen)
-        native = getattr(opt.engine, "native", None)
-        if native is not None:
-            native.set_host_gradients([sg in self._chosen for sg in range(len(marks))])
+        opt.engine.set_host_gradients([sg in self._chosen for sg in range(len(marks))])
 
     def _reset_counts(self) -> None:
         self._left = list(self._needed)
@@ -190,14 +185,14 @@ class BackwardUpdates:
         self._watching = False
         self._backward_end_ns = time.perf_counter_ns()
 
-    def _submit(self, opt: "TieredAdamW", sg: int) -> None:
+    def _submit(self, opt: Any, sg: int) -> None:
         segments = opt._subgroup_segments(sg)
         if not segments:
             return
         spec = _Speculation(sg, segments, opt._grad_scale())
         self._spec[sg] = spec
         self.stats["speculated"] += 1
-        native = opt.engine.native if opt._device_path else None
+        native = opt.engine if opt._device_path else None
         spec.future = self._pool.submit(self._run, opt.buffers, spec, native)
 
     def _run(self, b, spec: _Speculation, native) -> bool:
@@ -214,7 +209,7 @@ class BackwardUpdates:
         for s in spec.segments:
             lo, hi = s.start, s.end
             piece = _Piece(lo, hi, b.exp_avg[lo:hi].clone(), b.exp_avg_sq[lo:hi].clone())
-            if s.lowp:
+            if s.low_precision:
                 piece.params = b.params[lo:hi].clone()
                 # On the host even when the model's copy is the engine's device buffer (CUDA params):
                 # the CPU kernel writes it here, publish() copies it over.
@@ -253,11 +248,11 @@ class BackwardUpdates:
                                f"{failed}") from failed
         return self._spec
 
-    def accept(self, segments: List["Segment"], grad_scale: float, clip: float, stale: Set[int],
+    def accept(self, segments: List[Any], grad_scale: float, clip: float, stale: Set[int],
                scaler: bool) -> Set[int]:
         """Which settled subgroups the step takes as done; the others are put back now."""
         pieces = self._opt()._layout.pieces
-        by_subgroup: Dict[int, List["Segment"]] = {}
+        by_subgroup: Dict[int, List[Any]] = {}
         for s in segments:
             by_subgroup.setdefault(s.subgroup, []).append(s)
         done: Set[int] = set()

@@ -1,0 +1,151 @@
+"""TieredAdamW's checks of what a user hands it: hyperparameters, NVMe arguments, state dicts.
+Each raises ValueError naming the bad value and what is accepted, before anything changes."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .. import _memtide
+from .loss_scale import LossScaler
+
+
+@dataclass(frozen=True)
+class NvmeTier:
+    """Where and when the optimizer state spills to NVMe (TieredAdamW's nvme_dir and host_budget)."""
+
+    dir: Optional[str]
+    host_budget: int
+    read_ahead: int
+
+
+def nvme_tier(nvme_dir: Any, host_budget: Any, nvme_read_ahead: Any) -> Optional[NvmeTier]:
+    """Checks TieredAdamW's NVMe arguments; None when no host budget is set."""
+    if not (isinstance(nvme_read_ahead, int) and not isinstance(nvme_read_ahead, bool) and nvme_read_ahead >= 1):
+        raise ValueError(f"TieredAdamW: nvme_read_ahead must be an integer >= 1, got {nvme_read_ahead!r}")
+    if host_budget is None:
+        if nvme_dir is not None:
+            raise ValueError("TieredAdamW: nvme_dir needs host_budget, the host memory the optimizer state may take "
+                             "(e.g. host_budget='64GiB'); the subgroups that do not fit it go to NVMe")
+        return None
+    if isinstance(host_budget, bool) or not isinstance(host_budget, (int, str)):
+        raise ValueError(f"TieredAdamW: host_budget must be bytes (an int) or a size such as '64GiB', "
+                         f"got {host_budget!r}")
+    budget = _memtide.parse_bytes(host_budget) if isinstance(host_budget, str) else host_budget
+    if budget <= 0:
+        raise ValueError(f"TieredAdamW: host_budget must be > 0 bytes, got {host_budget!r}")
+    if nvme_dir is not None:
+        if not isinstance(nvme_dir, (str, os.PathLike)):
+            raise ValueError(f"TieredAdamW: nvme_dir must be a path, got {nvme_dir!r}")
+        nvme_dir = os.fspath(nvme_dir)
+        if not nvme_dir:
+            raise ValueError("TieredAdamW: nvme_dir is empty; expected a directory on an NVMe drive")
+    return NvmeTier(nvme_dir, int(budget), nvme_read_ahead)
+
+
+def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where: str):
+    """Checks a whole optimizer state dict against `param_groups` without changing anything.
+
+    Returns the per-param entries to load ((param, exp_avg, exp_avg_sq, step, master or None)),
+    each group's hyperparameters, and the loss scaler's state (or None). Raises ValueError naming
+    the first problem: structure, counts, sizes, dtypes, a step that is not a count >= 0, a
+    hyperparameter or loss-scaler value outside its range, amsgrad state.
+    """
+    def bad(message: str) -> ValueError:
+        return ValueError(f"{where}: {message}")
+
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), (list, tuple)) \
+            or not isinstance(state_dict.get("state"), dict):
+        raise bad("expected a dict with 'state' (a dict) and 'param_groups' (a list)")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise bad(f"the state dict has {len(saved_groups)} param groups, this optimizer has {len(param_groups)}")
+    groups = []
+    for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+            raise bad(f"param group {gi} is not a dict with a 'params' list")
+        if len(saved["params"]) != len(group["params"]):
+            raise bad(f"param group {gi} has {len(saved['params'])} params in the state dict, "
+                      f"{len(group['params'])} here")
+        if saved.get("amsgrad", False):
+            raise bad("the state dict comes from amsgrad=True, which TieredAdamW does not support")
+        values = {k: v for k, v in saved.items() if k != "params"}
+        try:
+            check_group({**group, **values})
+        except ValueError as e:
+            raise bad(f"param group {gi}: {e}") from None
+        groups.append(values)
+    order = [p for g in param_groups for p in g["params"]]
+    saved_order = [idx for g in saved_groups for idx in g["params"]]
+    saved_state = state_dict["state"]
+    entries = []
+    for idx, p in zip(saved_order, order):
+        entry = saved_state.get(idx)
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            raise bad(f"state of param {idx} is not a dict")
+        if "max_exp_avg_sq" in entry:
+            raise bad("the state dict has max_exp_avg_sq (amsgrad), which TieredAdamW does not support")
+        tensors = {}
+        for key in ("exp_avg", "exp_avg_sq", "master_param"):
+            value = entry.get(key)
+            if value is None:
+                if key == "master_param":
+                    continue
+                raise bad(f"state of param {idx} has no {key!r}")
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                raise bad(f"{key} of param {idx} must be a floating-point tensor, got "
+                          f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}")
+            if value.numel() != p.numel():
+                raise bad(f"{key} of param {idx} has {value.numel()} elements, the param has {p.numel()}")
+            tensors[key] = value
+        step = entry.get("step", 0)
+        if isinstance(step, torch.Tensor):
+            step = step.item() if step.numel() == 1 else None
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
+                or step < 0 or step != int(step):
+            raise bad(f"step of param {idx} must be a whole number >= 0, got {entry.get('step')!r}")
+        entries.append((p, tensors["exp_avg"], tensors["exp_avg_sq"], int(step), tensors.get("master_param")))
+    memtide_state = state_dict.get("memtide") or {}
+    if not isinstance(memtide_state, dict):
+        raise bad("'memtide' must be a dict")
+    scaler_state = memtide_state.get("loss_scaler")
+    if scaler_state is not None:
+        try:
+            check = LossScaler(init_scale=scaler_state["scale"], growth_factor=scaler_state["growth_factor"],
+                               backoff_factor=scaler_state["backoff_factor"],
+                               growth_interval=scaler_state["growth_interval"], dynamic=scaler_state["dynamic"])
+            tracker = scaler_state["growth_tracker"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"the loss scaler's state is not valid: {e}") from None
+        if isinstance(tracker, bool) or not isinstance(tracker, int) or not 0 <= tracker < check.growth_interval:
+            raise bad(f"the loss scaler's growth_tracker must be an int in [0, growth_interval), got {tracker!r}")
+    return entries, groups, scaler_state
+
+
+def check_group(group: Dict[str, Any]) -> None:
+    """Rejects hyperparameters the kernel cannot take, naming the value and what is accepted."""
+    if group.get("amsgrad", False):
+        raise ValueError("TieredAdamW: amsgrad=True is not supported (accepted: False); "
+                         "use torch.optim.AdamW(amsgrad=True) for AMSGrad")
+    lr = group["lr"]
+    lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"TieredAdamW: lr must be a finite number >= 0, got {group['lr']!r}")
+    try:
+        beta1, beta2 = (float(x) for x in group["betas"])
+    except (TypeError, ValueError):
+        raise ValueError(f"TieredAdamW: betas must be a pair of numbers in [0, 1), got {group['betas']!r}") from None
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"TieredAdamW: betas must be a pair of numbers in [0, 1), got {group['betas']!r}")
+    eps = float(group["eps"])
+    if not (math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"TieredAdamW: eps must be a finite number >= 0, got {group['eps']!r}")
+    wd = float(group["weight_decay"])
+    if not (math.isfinite(wd) and wd >= 0.0):
+        raise ValueError(f"TieredAdamW: weight_decay must be a finite number >= 0, got {group['weight_decay']!r}")

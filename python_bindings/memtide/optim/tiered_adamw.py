@@ -1,0 +1,804 @@
+"""TieredAdamW: torch's optimizer interface over memtide's engine (memtide._memtide.UpdateEngine,
+tiering::UpdateEngine), which owns the step.
+
+The engine keeps fp32 master params, exp_avg, exp_avg_sq and fp32 gradients in four flat host
+arrays (pinned, NUMA-bound, in the device's HostArena), cut into subgroups of ``subgroup_size``
+elements whose bounds ignore tensor bounds. It also knows where each param lies, its param group
+and its step count: each step this adapter hands it the groups' hyper-parameters, which params
+have a gradient, the gradient scale and the clip factor, and the engine cuts the step into
+segments, plans it (the PerfModel, under the policy), runs it (the UpdateScheduler), learns from
+it (the Calibration) and reports what it did (a StepReport). Placement never changes the
+arithmetic, so every policy gives bit-identical results.
+
+What stays here is what only torch knows: param groups, the model's tensors (made views of the
+engine's buffers where they can be), the gradient hooks of backward, loss scaling, clipping's
+norm and state_dict. ``k`` has one meaning everywhere in memtide: the stride of the paper's
+Algorithm 1, one in every k subgroups updated on the GPU (k = 1 all, k = 2 every other one).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+
+from .. import _memtide
+from .arguments import NvmeTier, check_group, check_state_dict, nvme_tier
+from .backward_updates import BackwardUpdates
+from .loss_scale import LossScaler, make_scaler
+from .plan import POLICIES, UpdatePlan, requested
+
+_LOWP = (torch.float16, torch.bfloat16)
+_SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def engine_unavailable(numel: int) -> str:
+    """Why memtide's engine cannot run on the runtime's device here ("" if it can)."""
+    if numel == 0:
+        return "no params to update"
+    try:
+        backend = _memtide.backend()
+        if backend == "sim" and _memtide.options().get("sim_phantom") == "true":
+            return "the runtime's SimDevice is in phantom mode (MEMTIDE_SIM_PHANTOM=true): it stores no data"
+        if _memtide.device_count() < 1:
+            return f"the memtide backend {backend} has no device"
+    except Exception as e:  # a bad MEMTIDE_* setting must not pass silently
+        return f"memtide runtime unavailable: {e}"
+    return ""
+
+
+def _grad_hook(optimizer: "weakref.ref[TieredAdamW]", i: int, p: torch.Tensor) -> None:
+    opt = optimizer()
+    if opt is not None:
+        opt._grad_ready(i, p)
+
+
+def _device_of(params: List[torch.Tensor]) -> int:
+    """The CUDA device the params live on (0 when all are on the CPU); one per optimizer."""
+    devices = sorted({p.device.index or 0 for p in params if p.is_cuda})
+    if len(devices) > 1:
+        raise ValueError(f"TieredAdamW: params live on cuda:{devices[0]} and cuda:{devices[1]}; one device per "
+                         "optimizer is supported (make one TieredAdamW per device)")
+    return devices[0] if devices else 0
+
+
+@dataclass
+class FlatBuffers:
+    """The engine's host state as tensors. All fp32 except ``lowp`` (the model's fp16/bf16 copy:
+    the engine's device buffer, or a host copy rounded from the masters after each step)."""
+
+    params: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grads: torch.Tensor
+    lowp: Optional[torch.Tensor]
+    pinned: bool
+
+    def nbytes(self) -> int:
+        tensors = [self.params, self.exp_avg, self.exp_avg_sq, self.grads] + ([self.lowp] if self.lowp is not None
+                                                                                else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class _Layout:
+    params: List[torch.nn.Parameter]
+    ranges: List[Tuple[int, int]]
+    lowp_of: List[bool]  # the model param is fp16/bf16: the kernel writes its copy
+    aliased: List[bool]  # the model param's storage is a view of the flat buffers
+    pieces: List[List[Tuple[int, int, int]]]  # per subgroup: (param index, start, end)
+    subgroups: Tuple[Tuple[int, int], ...]
+    numel: int
+
+
+@dataclass
+class _Flushed:
+    """A gradient the hook sent on its way: which tensor, at which in-place version, its norm."""
+
+    address: int
+    version: int
+    norm: Optional[torch.Tensor]
+    on_device: bool  # through the engine's gradient path (with its NaN/Inf verdict)
+
+
+@dataclass
+class UpdateStats:
+    """What step() has done so far."""
+
+    steps: int = 0
+    skipped: int = 0
+    params_updated: int = 0
+    engine_seconds: float = 0.0
+    step_seconds: float = 0.0
+    last_engine_seconds: float = 0.0
+    last_step_seconds: float = 0.0
+    last_params: int = 0
+    history: List[Tuple[int, float, float]] = field(default_factory=list)  # (params, engine s, step s)
+
+
+class TieredAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, as torch.optim.AdamW) over flat host buffers in subgroups.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as torch.optim.AdamW; per-group values are honoured
+            at every step (LR schedulers work). ``amsgrad=True`` is rejected.
+        policy: where subgroups are updated: "cpu", "static", "interleaved" or "auto". Placement
+            never changes the result.
+        subgroup_size: elements per subgroup (the last one may be smaller).
+        gpu_static_fraction: share of subgroups kept on the GPU through the whole iteration
+            (static, interleaved, and auto with k), placed last; capped by the device memory the
+            whole iteration leaves.
+        k: the stride of the interleaved update: one in every k (>= 1, may be fractional)
+            subgroups is updated on the GPU (interleaved, default 2; auto: fixes the stride
+            instead of letting the performance model choose).
+        loss_scale: None, "dynamic" (GradScaler's defaults), a number (static scale) or a
+            :class:`LossScaler`. Scale the loss with :meth:`scale_loss`; step() unscales, and a
+            non-finite gradient skips the step, leaving params and state untouched.
+        max_grad_norm: clip the global gradient norm (as torch.nn.utils.clip_grad_norm_ after
+            GradScaler.unscale_) inside the fused step.
+        host_budget: host memory the optimizer state may take (bytes, or a size such as
+            "64GiB"). The state takes 16 B/param (fp32 params, two moments, gradient); when that
+            is more, the fewest subgroups that bring it within the budget keep their params and
+            moments on NVMe (spread over the update order) and each step streams them through
+            pinned staging, ``nvme_read_ahead`` subgroups ahead, writing them back behind.
+            Needs the model's params in fp16/bf16 on the optimizer's device (an fp32 model would
+            be a host copy of the very state that spills).
+        nvme_dir: the directory (on an NVMe drive) in which a private spill directory is made.
+            Its space is reserved at construction; files left by a crashed run are reported.
+        update_during_backward: True (a quarter of the subgroups) or a number: update that many
+            subgroups whose state is in host memory on a worker while backward goes on
+            (speculatively, bit-exact; see memtide.optim.backward_updates).
+
+    With an NVMe tier, the tensors of ``state`` hold the spilled subgroups' values only after
+    :meth:`sync_state` (state_dict() calls it); write to them only after it, too.
+
+    The model's params stay where they are. CPU params become views of the optimizer's buffers
+    (fp32: of the master params; fp16/bf16: of the low-precision copy the kernel writes), so
+    their update costs no copy; params on a GPU are copied back after each step.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, policy: str = "auto",
+                 subgroup_size: int = 100_000_000, gpu_static_fraction: float = 0.0, k: Optional[float] = None,
+                 loss_scale: Union[None, str, float, LossScaler] = None,
+                 max_grad_norm: Optional[float] = None, host_budget: Union[None, int, str] = None,
+                 nvme_dir: Any = None, nvme_read_ahead: int = 2,
+                 update_during_backward: Union[bool, int] = False) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"TieredAdamW: policy {policy!r} is not accepted; accepted: "
+                             f"{', '.join(repr(p) for p in POLICIES)}")
+        if not (isinstance(subgroup_size, int) and not isinstance(subgroup_size, bool) and subgroup_size > 0):
+            raise ValueError(f"TieredAdamW: subgroup_size must be an integer > 0, got {subgroup_size!r}")
+        if not (isinstance(gpu_static_fraction, (int, float)) and not isinstance(gpu_static_fraction, bool)
+                and 0.0 <= gpu_static_fraction <= 1.0):
+            raise ValueError(f"TieredAdamW: gpu_static_fraction must be in [0, 1], got {gpu_static_fraction!r}")
+        if k is not None and not (isinstance(k, (int, float)) and not isinstance(k, bool) and math.isfinite(k)
+                                  and k >= 1):
+            raise ValueError(f"TieredAdamW: k must be None or a stride >= 1 (one in every k subgroups on the GPU), "
+                             f"got {k!r}")
+        if policy == "cpu" and (gpu_static_fraction or k is not None):
+            raise ValueError("TieredAdamW: policy 'cpu' updates everything on the CPU; "
+                             f"gpu_static_fraction={gpu_static_fraction!r} and k={k!r} would be ignored")
+        if policy == "static" and k is not None:
+            raise ValueError(f"TieredAdamW: k={k!r} applies to policies 'interleaved' and 'auto', not 'static'")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                              and not isinstance(max_grad_norm, bool)
+                                              and math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(f"TieredAdamW: max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+        if not (isinstance(update_during_backward, bool) or (isinstance(update_during_backward, int)
+                                                              and update_during_backward >= 1)):
+            raise ValueError("TieredAdamW: update_during_backward must be True, False or a number of subgroups >= 1, "
+                             f"got {update_during_backward!r}")
+        self.nvme: Optional[NvmeTier] = nvme_tier(nvme_dir, host_budget, nvme_read_ahead)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+        self._ready = False
+        self.policy = policy
+        self.subgroup_size = subgroup_size
+        self.gpu_static_fraction = float(gpu_static_fraction)
+        self.k = None if k is None else float(k)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.scaler = make_scaler(loss_scale)
+        self.stats = UpdateStats()
+        self.last_step_skipped = False
+        self.last_grad_norm: Optional[float] = None
+        #: The engine's report of the last step it ran (a memtide._memtide.StepReport).
+        self.last_report: Optional[Any] = None
+        #: Every step's measured update phase in ns, on :attr:`clock` (skipped steps excluded).
+        self.measured_ns: List[float] = []
+        self._mark_update = False
+        self._pending_copies: Optional[Any] = None  # CUDA event after the last write-back
+        self._host_versions: Optional[Tuple[int, ...]] = None  # _versions() after the last update
+        #: Whether the next backward is the last before step() (gradient accumulation: set False for
+        #: the micro-batches before the last). Updates during backward happen only in the last.
+        self.last_micro_batch = True
+        self._eager: Optional[BackwardUpdates] = None
+        self._stale: set = set()
+        super().__init__(params, defaults)
+        self._ready = True
+        self._build()
+        if update_during_backward:
+            cap = (max(1, math.ceil(len(self._layout.subgroups) / 4)) if update_during_backward is True
+                   else int(update_during_backward))
+            self._eager = BackwardUpdates(self, cap)
+            self._eager.rebuild()
+
+    # -- param groups -----------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        try:
+            check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        if self._ready:
+            self._build()
+
+    def _params(self) -> Tuple[List[torch.nn.Parameter], List[int], Optional[torch.dtype]]:
+        """Every param in group order, its group, and the one low-precision dtype among them."""
+        params, group_of = [], []
+        lowp_dtype: Optional[torch.dtype] = None
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.dtype not in _SUPPORTED_PARAM_DTYPES:
+                    raise ValueError(f"TieredAdamW: param of dtype {p.dtype} is not supported; "
+                                     "accepted: torch.float32, torch.float16, torch.bfloat16")
+                if p.is_sparse:
+                    raise ValueError("TieredAdamW: sparse params are not supported")
+                if p.dtype in _LOWP:
+                    if lowp_dtype is not None and p.dtype != lowp_dtype:
+                        raise ValueError(f"TieredAdamW: params mix {lowp_dtype} and {p.dtype}; one low-precision "
+                                         "dtype per optimizer is supported (fp32 params may be mixed in)")
+                    lowp_dtype = p.dtype
+                params.append(p)
+                group_of.append(gi)
+        return params, group_of, lowp_dtype
+
+    def _build(self) -> None:
+        """(Re)creates the engine from param_groups, keeping the state of known params."""
+        if self._eager is not None:
+            self._eager.rollback()
+        old = getattr(self, "_layout", None)
+        old_buffers: Optional[FlatBuffers] = getattr(self, "buffers", None)
+        old_index = {id(p): i for i, p in enumerate(old.params)} if old else {}
+        old_steps = torch.from_dlpack(self.engine.steps()).tolist() if old and self.engine is not None else None
+        if old_buffers is not None and self.engine is not None:
+            self.engine.sync_host()  # residents may hold newer state than the old host buffers
+
+        params, group_of, lowp_dtype = self._params()
+        ranges, offset = [], 0
+        for p in params:
+            ranges.append((offset, offset + p.numel()))
+            offset += p.numel()
+        numel = offset
+        if -(-numel // self.subgroup_size) > _memtide.MAX_SUBGROUPS:
+            raise ValueError(f"TieredAdamW: subgroup_size {self.subgroup_size} cuts {numel} params into "
+                             f"{-(-numel // self.subgroup_size)} subgroups, at most {_memtide.MAX_SUBGROUPS} are "
+                             f"supported: use subgroup_size >= {-(-numel // _memtide.MAX_SUBGROUPS)}")
+        bounds = tuple((s, min(s + self.subgroup_size, numel)) for s in range(0, numel, self.subgroup_size))
+        lowp_of = [p.dtype in _LOWP for p in params]
+        why = engine_unavailable(numel)
+        if why and numel > 0:
+            raise ValueError(f"TieredAdamW: memtide's engine cannot run here: {why}")
+        self.engine = None if numel == 0 else self._make_engine(numel, bounds, params, lowp_dtype)
+        engine = self.engine
+        aliased = [False] * len(params)
+        if engine is not None:
+            engine.set_layout(ranges, group_of, lowp_of)
+            engine.set_policy(self.policy, k=self.k, static_fraction=self.gpu_static_fraction)
+            steps = torch.from_dlpack(engine.steps())
+            buffers = self.buffers
+            with torch.no_grad():
+                for i, (p, (lo, hi)) in enumerate(zip(params, ranges)):
+                    j = old_index.get(id(p))
+                    if j is not None and old_buffers is not None:
+                        olo, ohi = old.ranges[j]
+                        buffers.params[lo:hi].copy_(old_buffers.params[olo:ohi])
+                        buffers.exp_avg[lo:hi].copy_(old_buffers.exp_avg[olo:ohi])
+                        buffers.exp_avg_sq[lo:hi].copy_(old_buffers.exp_avg_sq[olo:ohi])
+                        steps[i] = float(old_steps[j])
+                    else:
+                        buffers.params[lo:hi].copy_(p.detach().reshape(-1))
+                    if lowp_of[i]:
+                        buffers.lowp[lo:hi].copy_(p.detach().reshape(-1))
+                    source = buffers.lowp if lowp_of[i] else buffers.params
+                    if source.device == p.device:
+                        # The param becomes a view of the buffer the step writes: no copy-back.
+                        p.data = source[lo:hi].view(p.shape)
+                        aliased[i] = True
+                    if self.spilled_subgroups:
+                        # Spilled subgroups filled so far go to NVMe now: at most about a subgroup of
+                        # them is in host memory at once.
+                        engine.spill_host(hi)
+            if self.spilled_subgroups:
+                if not (self.model_attached and all(lowp_of) and all(aliased)):
+                    bad = next(i for i in range(len(params)) if not (lowp_of[i] and aliased[i]))
+                    raise ValueError(
+                        f"TieredAdamW: with {self.spilled_subgroups} subgroup(s) on NVMe the model's params must be "
+                        f"fp16/bf16 on the optimizer's device, so that each step writes them directly; param {bad} is "
+                        f"{params[bad].dtype} on {params[bad].device} (an fp32 or host copy of the model would need "
+                        "the very state that spilled in host memory)")
+                engine.spill_host(numel)
+            # Only when every param is a view of the engine's model buffer does nothing read the
+            # fp32 masters between steps (checkpoints sync them on demand).
+            self.sync_after_step = not (self.model_attached and all(l and a for l, a in zip(lowp_of, aliased)))
+            engine.set_sync_after_step(self.sync_after_step)
+
+        pieces: List[List[Tuple[int, int, int]]] = [[] for _ in bounds]
+        for i, (lo, hi) in enumerate(ranges):
+            for sg in range(lo // self.subgroup_size, (hi - 1) // self.subgroup_size + 1) if hi > lo else ():
+                s, e = bounds[sg]
+                pieces[sg].append((i, max(lo, s), min(hi, e)))
+        self._layout = _Layout(params, ranges, lowp_of, aliased, pieces, bounds, numel)
+        # The gradient path: each gradient leaves for the host the moment backward finishes it.
+        for handle in getattr(self, "_grad_hooks", ()):
+            handle.remove()
+        # A weak reference: the params outlive the optimizer and must not keep it (and its pinned
+        # memory) alive through their hooks. Frozen params get none (step() gathers them later).
+        me = weakref.ref(self)
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, me, i))
+                            for i, p in enumerate(params) if p.requires_grad and p.is_leaf]
+        self._flushed: List[Optional[_Flushed]] = [None] * len(params)
+        self._device_path = engine is not None and not engine.simulated
+        self._host_versions = None
+        self._requested = requested(self.policy, bounds, self.k, self.gpu_static_fraction)
+        if engine is not None:
+            engine.plan  # planned now: the first backward's gradient path follows this plan
+        if self._eager is not None:
+            self._eager.rebuild()
+        self.state.clear()
+        self._expose_state()
+
+    def _make_engine(self, numel: int, bounds, params: List[torch.Tensor], lowp_dtype: Optional[torch.dtype]):
+        """The engine over `numel` elements cut at `bounds`, with :attr:`buffers` as tensors over it."""
+        lowp_bytes = 4 if lowp_dtype is None else torch.empty(0, dtype=lowp_dtype).element_size()
+        tier = {} if self.nvme is None else dict(nvme_dir=self.nvme.dir, host_budget=self.nvme.host_budget,
+                                                 nvme_read_ahead=self.nvme.read_ahead)
+        engine = _memtide.UpdateEngine(numel, list(bounds), low_precision_bytes=lowp_bytes,
+                                       device=_device_of(params), **tier)
+        #: Subgroups whose params and moments live on NVMe (0: no NVMe tier in use).
+        self.spilled_subgroups = int(engine.nvme_info()["spilled"])
+        arrays = [torch.from_dlpack(a) for a in engine.arrays()]
+        pinned = torch.cuda.is_available() and not engine.simulated
+        self.buffers = FlatBuffers(*arrays, lowp=None, pinned=pinned)
+        #: The model's low-precision params are views of the engine's device buffer, which every
+        #: step writes inside the update phase (no copy pass, no write-back).
+        self.model_attached = False
+        lowp_params = [p for p in params if p.dtype in _LOWP]
+        if lowp_dtype is not None:
+            if all(p.is_cuda != engine.simulated for p in lowp_params):
+                self.buffers.lowp = torch.from_dlpack(
+                    engine.model_params("bf16" if lowp_dtype == torch.bfloat16 else "fp16"))
+                self.model_attached = True
+            else:  # a host copy that step() rounds from the masters
+                self.buffers.lowp = torch.zeros(numel, dtype=lowp_dtype, pin_memory=pinned)
+        return engine
+
+    @property
+    def plan(self) -> UpdatePlan:
+        """The plan the next step runs (after a step under auto: the plan that step ran)."""
+        return UpdatePlan(self.policy, self.k, self.gpu_static_fraction, self._layout.subgroups, self._requested,
+                          self.engine.plan)
+
+    @property
+    def clock(self) -> str:
+        """"simulated" on a SimDevice (virtual clocks), "wall" on a real device."""
+        return "simulated" if self.engine is None or self.engine.simulated else "wall"
+
+    def _versions(self) -> Tuple[int, ...]:
+        """torch's in-place write counters of the host state and of the params that are views of it
+        (a write through ``p.data`` is not counted: call sync_master_from_model after one)."""
+        b, layout = self.buffers, self._layout
+        return (b.params._version, b.exp_avg._version, b.exp_avg_sq._version,
+                *(p._version for p, a in zip(layout.params, layout.aliased) if a))
+
+    def _host_changed(self) -> None:
+        self.engine.host_changed()
+        self._host_versions = None
+
+    def _expose_state(self) -> None:
+        """torch.optim's view of every stepped param's state: views of the flat buffers, and the
+        step count, a view of the engine's own (so a step changes it without a call here)."""
+        params = self._layout.params
+        if self.engine is None or len(self.state) == len(params):
+            return
+        steps = torch.from_dlpack(self.engine.steps())
+        for i, taken in enumerate(steps.tolist()):
+            p = params[i]
+            if taken > 0 and p not in self.state:
+                lo, hi = self._layout.ranges[i]
+                self.state[p] = {"step": steps[i], "exp_avg": self.buffers.exp_avg[lo:hi].view(p.shape),
+                                 "exp_avg_sq": self.buffers.exp_avg_sq[lo:hi].view(p.shape)}
+
+    # -- phases, loss scale -----------------------------------------------------------------------
+
+    def attach(self, model: torch.nn.Module):
+        """Installs memtide phase marks on `model` and this optimizer (see memtide.install_phase_hooks)."""
+        from .. import install_phase_hooks
+
+        return install_phase_hooks(model, self)
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The current loss scale (None without loss scaling)."""
+        return None if self.scaler is None else self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (``loss`` itself without loss scaling); call backward on it."""
+        return loss if self.scaler is None else loss * self.scaler.scale
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._mark_update:
+            _memtide.mark_phase("update")
+        if self.engine is None:
+            return loss
+        t0 = time.perf_counter()
+        self._wait_for_copies()
+        groups = []
+        for group in self.param_groups:
+            check_group(group)
+            beta1, beta2 = group["betas"]
+            groups.append(_memtide.StepParams(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                                              float(group["weight_decay"])))
+
+        speculated = self._eager.settle() if self._eager is not None else {}
+        has_grad, path_verdict = self._gather_grads()
+        self.last_step_skipped = False
+        if not any(has_grad):
+            self._flushed = [None] * len(self._layout.params)
+            if self._eager is not None:
+                self._eager.rollback()
+            return loss
+
+        grad_scale = self._grad_scale()
+        clip = 1.0
+        nonfinite = False
+        if self.max_grad_norm is not None:
+            norm = math.sqrt(self._grad_norm_squares(has_grad)) * grad_scale
+            self.last_grad_norm = norm
+            if math.isfinite(norm):
+                clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            else:
+                nonfinite = True
+        self._flushed = [None] * len(self._layout.params)  # the next backward sends its own
+
+        flags = bytes(has_grad)
+        engine_seconds = 0.0
+        engine_ran = False
+        report = None
+        if not nonfinite and self._host_versions is not None and self._host_versions != self._versions():
+            # The model's params or the state were changed in place since the last step
+            # (model.load_state_dict, an init): copies the engine keeps on a GPU are stale.
+            self._host_changed()
+            self._host_versions = self._versions()
+        done: set = set()
+        if speculated:
+            # Updates made during backward stand where they used exactly the step's inputs; the
+            # others are put back and run below (backward_updates.py).
+            done = self._eager.accept(self.engine.segments(groups, flags), grad_scale, clip, self._stale,
+                                      self.scaler is not None)
+            if nonfinite or (self.scaler is not None and self._eager.nonfinite()):
+                self._eager.rollback()  # the whole step is skipped
+                done = set()
+                nonfinite = True
+        if not nonfinite:
+            nonfinite_done = self._eager is not None and self._eager.nonfinite()
+            marks = [sg in done for sg in range(len(self._layout.subgroups))] if done else []
+            t1 = time.perf_counter()
+            report = self.engine.step(groups, flags, grad_scale=grad_scale, clip=clip,
+                                      skip_if_nonfinite=self.scaler is not None, grads_finite=path_verdict,
+                                      done=marks)
+            engine_seconds = time.perf_counter() - t1
+            nonfinite = report.nonfinite
+            engine_ran = not report.skipped
+            if not engine_ran and done:
+                self._eager.rollback()  # skipped: the updates made during backward go too
+            elif done:
+                self._eager.publish()
+            if engine_ran:
+                self.last_report = report
+                self.measured_ns.append(float(report.measured_ns))
+                self._round_host_copy(has_grad)
+            nonfinite |= nonfinite_done
+            self._host_versions = self._versions()
+
+        if self._eager is not None:
+            self._eager.finish()
+        if self.scaler is not None:
+            self.scaler.update(nonfinite)
+        # Skipped: with a loss scaler the engine left everything untouched; with clipping the
+        # norm told before anything ran. Without either, the step ran as torch.optim.AdamW would.
+        skipped = nonfinite and not engine_ran
+        if nonfinite and self.scaler is None:
+            warnings.warn("TieredAdamW: non-finite gradient " +
+                          ("(gradient norm is not finite): step skipped" if skipped else
+                           "without loss scaling: params and state now hold NaN/Inf"),
+                          RuntimeWarning, stacklevel=2)
+        self.last_step_skipped = skipped
+        if skipped:
+            self.stats.skipped += 1
+            return loss
+
+        self._expose_state()  # the engine counted the step of every param with a gradient
+        self._write_back(has_grad)
+        step_seconds = time.perf_counter() - t0
+        params_in_step = sum(hi - lo for (lo, hi), g in zip(self._layout.ranges, has_grad) if g)
+        s = self.stats
+        s.steps += 1
+        s.params_updated += params_in_step
+        s.engine_seconds += engine_seconds
+        s.step_seconds += step_seconds
+        s.last_engine_seconds, s.last_step_seconds, s.last_params = engine_seconds, step_seconds, params_in_step
+        s.history.append((params_in_step, engine_seconds, step_seconds))
+        return loss
+
+    def _round_host_copy(self, has_grad: List[bool]) -> None:
+        """A model copy in fp16/bf16 that is not the engine's is rounded from the fp32 masters
+        here (round to nearest even, as the fused kernel writes it)."""
+        b, layout = self.buffers, self._layout
+        if b.lowp is None or self.model_attached:
+            return
+        for i, (lo, hi) in enumerate(layout.ranges):
+            if has_grad[i] and layout.lowp_of[i]:
+                b.lowp[lo:hi].copy_(b.params[lo:hi])
+
+    @torch.no_grad()
+    def _grad_ready(self, i: int, p: torch.Tensor) -> None:
+        """Backward has finished param i's gradient (a post-accumulate-grad hook): send it to the
+        host gradient buffer now, overlapping the rest of backward, and take its norm where it is.
+
+        CUDA gradients go through the engine's gradient path (upcast on the GPU, D2H on its own
+        streams, checked for NaN/Inf on the way); CPU gradients are copied (upcast) at once. With
+        gradient accumulation every micro-batch sends the accumulated gradient again: the last,
+        complete one is what step() finds.
+        """
+        g = p.grad
+        lo, hi = self._layout.ranges[i]
+        if g is None or g.is_sparse or hi == lo:
+            return
+        if g.is_cuda:
+            if not (self._device_path and g.device.index == self.engine.device and g.is_contiguous()
+                    and g.dtype in _SUPPORTED_PARAM_DTYPES):
+                return  # gathered by step()
+            self.engine.push_grad(lo, g.data_ptr(), str(g.dtype).replace("torch.", ""), hi - lo,
+                                  torch.cuda.current_stream(g.device).cuda_stream)
+            norm = None if self.max_grad_norm is None else torch.linalg.vector_norm(g, dtype=torch.float32)
+            self._flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=True)
+        else:
+            grads = self.buffers.grads
+            grads[lo:hi].copy_(g.reshape(-1))
+            norm = None if self.max_grad_norm is None else torch.linalg.vector_norm(grads[lo:hi])
+            self._flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=False)
+        if self._eager is not None:
+            self._eager.grad_ready(i)
+
+    def _gather_grads(self) -> Tuple[List[bool], Optional[bool]]:
+        """Makes the flat fp32 gradient buffer hold every gradient: waits for the gradient path,
+        then copies (upcast) those it did not carry or that changed since (an in-place edit
+        between backward and step). Returns which params have a gradient, and the gradient path's
+        NaN/Inf verdict when it carried all of them (else None: the engine scans the host)."""
+        layout, grads = self._layout, self.buffers.grads
+        has_grad = [False] * len(layout.params)
+        verdict = self.engine.finish_grads() if self._device_path else True
+        all_on_device = True
+        stale = []
+        for i, p in enumerate(layout.params):
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError("TieredAdamW does not support sparse gradients")
+            has_grad[i] = True
+            f = self._flushed[i]
+            if f is not None and f.address == g.data_ptr() and f.version == g._version:
+                all_on_device &= f.on_device
+                continue
+            if f is not None and getattr(g, "_memtide_copy_of", None) == (f.address, f.version, g._version):
+                # An unchanged copy of the gradient the hook took (the layer window sent it home).
+                all_on_device &= f.on_device
+                continue
+            self._flushed[i] = None
+            stale.append(i)
+        self._stale = set(stale)
+        if stale and self._device_path:
+            # Gradients the path kept on the GPU go to the host first, so the copies below win.
+            self.engine.grads_to_host()
+        any_cuda = False
+        for i in stale:
+            g, (lo, hi) = layout.params[i].grad, layout.ranges[i]
+            any_cuda |= g.is_cuda
+            all_on_device = False
+            grads[lo:hi].copy_(g.reshape(-1), non_blocking=g.is_cuda)
+        if any_cuda:
+            torch.cuda.synchronize()
+        return has_grad, (verdict if all_on_device and any(has_grad) else None)
+
+    def _grad_norm_squares(self, has_grad: List[bool]) -> float:
+        """Sum of the squared gradient norms, each taken where its gradient is (in the hook)."""
+        b, sq = self.buffers, 0.0
+        for i, (lo, hi) in enumerate(self._layout.ranges):
+            if has_grad[i] and hi > lo:
+                f = self._flushed[i]
+                norm = f.norm if f is not None and f.norm is not None else torch.linalg.vector_norm(b.grads[lo:hi])
+                sq += float(norm) ** 2
+        return sq
+
+    def _grad_scale(self) -> float:
+        return 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+
+    def _step_groups(self) -> List[Any]:
+        """Each param group's hyper-parameters as the engine takes them."""
+        return [_memtide.StepParams(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+                                    float(g["weight_decay"])) for g in self.param_groups]
+
+    def _subgroup_segments(self, sg: int) -> List[Any]:
+        """Subgroup sg's segments as step() would make them now (for an update during backward)."""
+        params = self._layout.params
+        flags = bytearray(len(params))
+        for i, _, _ in self._layout.pieces[sg]:
+            flags[i] = params[i].grad is not None
+        return self.engine.segments(self._step_groups(), bytes(flags), only=sg)
+
+    def _write_back(self, has_grad: List[bool]) -> None:
+        """Copies the new values into model params that are not views of the flat buffers."""
+        layout, b = self._layout, self.buffers
+        any_cuda = False
+        for i, p in enumerate(layout.params):
+            if not has_grad[i] or layout.aliased[i]:
+                continue
+            lo, hi = layout.ranges[i]
+            source = b.lowp if layout.lowp_of[i] else b.params
+            p.data.copy_(source[lo:hi].view(p.shape), non_blocking=b.pinned and p.is_cuda)
+            any_cuda |= p.is_cuda
+        if any_cuda:
+            # The next step overwrites the pinned sources: it waits for these copies first.
+            event = torch.cuda.Event()
+            event.record()
+            self._pending_copies = event
+
+    def _wait_for_copies(self) -> None:
+        if self._pending_copies is not None:
+            self._pending_copies.synchronize()
+            self._pending_copies = None
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def sync_state(self) -> None:
+        """Makes the host buffers (``buffers``, the tensors in ``state``) hold the newest state.
+
+        Subgroups kept on the GPU between steps hold theirs there; when every param is a view of
+        the engine's device buffer, nothing else reads the host copy, so it is refreshed only on
+        demand. state_dict() calls this itself.
+        """
+        if self._eager is not None:
+            self._eager.rollback()  # a checkpoint holds no update the next step may still take back
+        self._wait_for_copies()
+        if self.engine is not None:
+            self.engine.sync_host()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch.optim.AdamW's layout (per param: step, exp_avg, exp_avg_sq), plus the fp32
+        master params of fp16/bf16 params under "master_param" and memtide's own state.
+
+        Like torch's, the tensors are references to the live state (views of the flat buffers):
+        copy or save the dict before the next step if it must not change.
+        """
+        self.sync_state()
+        packed = super().state_dict()
+        layout = self._layout
+        index = {id(p): i for i, p in enumerate(layout.params)}
+        state = {}
+        order = [p for g in self.param_groups for p in g["params"]]
+        for idx, entry in packed["state"].items():
+            entry = dict(entry)
+            i = index[id(order[idx])]
+            if layout.lowp_of[i]:
+                lo, hi = layout.ranges[i]
+                entry["master_param"] = self.buffers.params[lo:hi].view(layout.params[i].shape)
+            state[idx] = entry
+        packed["state"] = state
+        packed["memtide"] = {"format": 1, "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
+        return packed
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state dict of TieredAdamW or torch.optim.AdamW (same param order and sizes).
+
+        The whole dict is checked before anything changes: a bad one raises ValueError naming
+        what is wrong and leaves the optimizer exactly as it was.
+        """
+        entries, groups, scaler_state = check_state_dict(state_dict, self.param_groups, "TieredAdamW.load_state_dict")
+        if self._eager is not None:
+            self._eager.rollback()
+        layout = self._layout
+        index = {id(p): i for i, p in enumerate(layout.params)}
+        if self.engine is not None:
+            # Everything is known good from here on.
+            self._wait_for_copies()
+            if self.spilled_subgroups:
+                self.sync_state()  # spilled ranges in host memory, so that what is written here counts
+            self._host_changed()
+            # The model is the truth for fp32 params and the fallback for fp16/bf16 ones (a state
+            # dict of torch.optim.AdamW has no master params); saved masters replace it below.
+            self.sync_master_from_model()
+            b = self.buffers
+            steps = torch.from_dlpack(self.engine.steps())
+            with torch.no_grad():
+                b.exp_avg.zero_()
+                b.exp_avg_sq.zero_()
+                steps.zero_()
+                for p, exp_avg, exp_avg_sq, step, master in entries:
+                    i = index[id(p)]
+                    lo, hi = layout.ranges[i]
+                    b.exp_avg[lo:hi].copy_(exp_avg.reshape(-1))
+                    b.exp_avg_sq[lo:hi].copy_(exp_avg_sq.reshape(-1))
+                    steps[i] = float(step)
+                    if master is not None:
+                        b.params[lo:hi].copy_(master.reshape(-1))
+                        if layout.lowp_of[i]:
+                            b.lowp[lo:hi].copy_(b.params[lo:hi])
+                            if not layout.aliased[i]:
+                                p.data.copy_(b.lowp[lo:hi].view(p.shape))
+        for values, group in zip(groups, self.param_groups):
+            group.update(values)
+        if scaler_state is not None:
+            if self.scaler is None:
+                self.scaler = LossScaler()
+            self.scaler.load_state_dict(scaler_state)
+        self.state.clear()
+        self._expose_state()
+        if self.spilled_subgroups:
+            self.engine.spill_host(layout.numel)  # back within the host budget now
+
+    spilled_subgroups = 0  #: subgroups whose params and moments live on NVMe (0 without an NVMe tier)
+    engine = None  #: memtide._memtide.UpdateEngine (None while there is nothing to update)
+    model_attached = False
+    sync_after_step = True
+
+    def nvme_info(self) -> Optional[Dict[str, Any]]:
+        """The NVMe tier (see memtide._memtide.UpdateEngine.nvme_info), None without one."""
+        return self.engine.nvme_info() if self.spilled_subgroups else None
+
+    @torch.no_grad()
+    def sync_master_from_model(self) -> None:
+        """Re-reads the master params from the model's params.
+
+        Needed only after the model's params changed outside step() and load_state_dict (e.g.
+        ``model.load_state_dict`` after this optimizer was created) for params that are not views
+        of the optimizer's buffers: params on a GPU, and fp16/bf16 params (whose fp32 master is
+        then rebuilt from the low-precision values). In-place changes to the other params
+        (``model.load_state_dict``, ``torch.nn.init``) are noticed at the next step; a write
+        through ``p.data`` is not, so call this after one.
+        """
+        if self.engine is None:
+            return
+        self._wait_for_copies()
+        if self.spilled_subgroups:
+            self.sync_state()  # the moments of spilled subgroups must be there beside the new params
+        self._host_changed()
+        layout, b = self._layout, self.buffers
+        for i, p in enumerate(layout.params):
+            lo, hi = layout.ranges[i]
+            if layout.lowp_of[i]:
+                if not layout.aliased[i]:
+                    b.lowp[lo:hi].copy_(p.detach().reshape(-1))
+                b.params[lo:hi].copy_(b.lowp[lo:hi])
+            elif not layout.aliased[i]:
+                b.params[lo:hi].copy_(p.detach().reshape(-1))
+
+    def __repr__(self) -> str:
+        plan = self.plan.summary() if self.engine is not None else "nothing to update"
+        return (f"TieredAdamW({self._layout.numel} params in {len(self._layout.subgroups)} subgroup(s) of "
+                f"{self.subgroup_size}, {plan}, loss scale {self.scaler!r})")

@@ -1,0 +1,541 @@
+// memtide._memtide: the engine TieredAdamW drives (tiering::UpdateEngine) and the typed results
+// that cross into Python: Plan, StepReport, Segment and their parts. Conversion only.
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "memtide/allocator/host_arena.hpp"
+#include "memtide/core/error.hpp"
+#include "memtide/core/thread_pool.hpp"
+#include "memtide/tiering/engine/update_engine.hpp"
+#include "common.hpp"
+
+#include <nanobind/operators.h>
+
+namespace memtide::bindings {
+namespace {
+
+using FloatArray = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+/// The Python face of tiering::UpdateEngine on one of the runtime's devices. One call at a time
+/// reaches the engine (it is not thread-safe); the GIL is released while it works.
+class PyUpdateEngine {
+ public:
+  PyUpdateEngine(std::int64_t n, const std::vector<std::pair<std::int64_t, std::int64_t>>& subgroups,
+                 std::int64_t low_precision_bytes, int device, std::optional<std::string> nvme_dir,
+                 std::int64_t host_budget, std::int64_t nvme_read_ahead, double nvme_read_bytes_per_s,
+                 double nvme_write_bytes_per_s) {
+    std::vector<std::pair<std::size_t, std::size_t>> ranges;
+    for (auto [s, e] : subgroups) {
+      if (s < 0 || e < 0) {
+        value_error("UpdateEngine: subgroup [" + std::to_string(s) + ", " + std::to_string(e) + ") is negative");
+      }
+      ranges.emplace_back(static_cast<std::size_t>(s), static_cast<std::size_t>(e));
+    }
+    tiering::EngineConfig config;
+    config.low_precision_bytes = count_arg("low_precision_bytes", low_precision_bytes);
+    if (nvme_dir) config.nvme.dir = *nvme_dir;
+    config.nvme.host_budget_bytes = count_arg("host_budget", host_budget);
+    config.nvme.read_ahead = count_arg("nvme_read_ahead", nvme_read_ahead);
+    if (!(nvme_read_bytes_per_s >= 0) || !(nvme_write_bytes_per_s >= 0)) {
+      value_error("UpdateEngine: nvme_read_bytes_per_s and nvme_write_bytes_per_s must be >= 0 (0: measured)");
+    }
+    config.nvme.read_bytes_per_s = nvme_read_bytes_per_s;
+    config.nvme.write_bytes_per_s = nvme_write_bytes_per_s;
+    const std::size_t count = count_arg("n", n);
+    Runtime& rt = Runtime::get();
+    CachingAllocator& a = rt.allocator(device);
+    HostArena& arena = rt.host_arena(device);
+    nb::gil_scoped_release nogil;  // the arena may map, touch and register a slab: milliseconds
+    engine_ = std::make_unique<tiering::UpdateEngine>(a, arena, count, std::move(ranges), &default_pool(), config);
+    device_ = device;
+  }
+
+  // The four host arrays as zero-copy arrays that keep this engine alive.
+  nb::tuple arrays(nb::handle self) {
+    const std::size_t shape[1] = {engine_->size()};
+    auto view = [&](float* p) { return FloatArray(p, 1, shape, self); };
+    return nb::make_tuple(view(engine_->param()), view(engine_->exp_avg()), view(engine_->exp_avg_sq()),
+                          view(engine_->grad()));
+  }
+
+  void set_layout(const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges,
+                  const std::vector<std::int64_t>& groups, const std::vector<bool>& low_precision) {
+    if (groups.size() != ranges.size() || low_precision.size() != ranges.size()) {
+      value_error("UpdateEngine.set_layout: " + std::to_string(ranges.size()) + " ranges, " +
+                  std::to_string(groups.size()) + " groups and " + std::to_string(low_precision.size()) +
+                  " precision flags; one of each per param");
+    }
+    std::vector<tiering::ParamSlot> params(ranges.size());
+    for (std::size_t i = 0; i < ranges.size(); ++i) {
+      params[i].start = count_arg("start", ranges[i].first);
+      params[i].end = count_arg("end", ranges[i].second);
+      params[i].group = count_arg("group", groups[i]);
+      params[i].low_precision = low_precision[i];
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->set_layout(tiering::ParamLayout(std::move(params), engine_->subgroups()));
+  }
+
+  void set_policy(const std::string& policy, std::optional<double> k, double static_fraction) {
+    const tiering::PolicyChoice choice{policy_arg(policy), static_fraction, k};
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->set_policy(choice);
+  }
+
+  tiering::EnginePlan plan() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return engine_->current_plan();
+  }
+
+  static tiering::StepRequest request(std::vector<tiering::StepParams> groups, const nb::bytes& has_grad,
+                                      double grad_scale, double clip, bool skip_if_nonfinite,
+                                      std::optional<bool> grads_finite, std::vector<bool> done) {
+    tiering::StepRequest r;
+    r.groups = std::move(groups);
+    const auto* flags = static_cast<const std::uint8_t*>(has_grad.data());
+    r.has_grad.assign(flags, flags + has_grad.size());
+    r.grad_scale = grad_scale;
+    r.clip = clip;
+    r.skip_if_nonfinite = skip_if_nonfinite;
+    r.path_verdict = grads_finite;
+    r.done = std::move(done);
+    return r;
+  }
+
+  tiering::EngineStep step(std::vector<tiering::StepParams> groups, const nb::bytes& has_grad, double grad_scale,
+                           double clip, bool skip_if_nonfinite, std::optional<bool> grads_finite,
+                           std::vector<bool> done) {
+    const tiering::StepRequest r =
+        request(std::move(groups), has_grad, grad_scale, clip, skip_if_nonfinite, grads_finite, std::move(done));
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    tiering::EngineStep out = engine_->step(r);
+    if (!out.placement.empty()) observe_traced_pcie(out.total);  // the engine ran (skipped or not)
+    return out;
+  }
+
+  std::vector<tiering::Segment> segments(std::vector<tiering::StepParams> groups, const nb::bytes& has_grad,
+                                         std::optional<std::size_t> only) {
+    const tiering::StepRequest r = request(std::move(groups), has_grad, 1.0, 1.0, false, std::nullopt, {});
+    std::lock_guard<std::mutex> lock(mutex_);
+    return engine_->segments(r, only);
+  }
+
+  // The step count of every param (float32, writable: a checkpoint load sets them).
+  FloatArray steps(nb::handle self) {
+    const std::size_t shape[1] = {engine_->layout().size()};
+    return FloatArray(engine_->layout().steps(), 1, shape, self);
+  }
+
+  void set_sync_after_step(bool on) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->set_sync_after_step(on);
+  }
+
+  nb::dict nvme_info() const {
+    const tiering::NvmeTierInfo i = engine_->nvme_info();
+    nb::dict d;
+    d["spilled"] = i.spilled;
+    d["spilled_params"] = i.spilled_params;
+    d["on_nvme"] = engine_->on_nvme();
+    d["file"] = i.file.empty() ? nb::none() : nb::cast(i.file.string());
+    d["file_bytes"] = i.file_bytes;
+    d["staging_bytes"] = i.staging_bytes;
+    d["read_bytes_per_s"] = i.read_bytes_per_s;
+    d["write_bytes_per_s"] = i.write_bytes_per_s;
+    d["held"] = i.held;
+    d["last"] = nb::cast(i.last);
+    return d;
+  }
+
+  void spill_host(std::int64_t up_to) {
+    const std::size_t at = count_arg("up_to", up_to);
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->spill_host(at);
+  }
+
+  double nvme_round_trip() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return engine_->nvme_round_trip();
+  }
+
+  void inject_nvme_faults(int write_errno, bool short_write, int read_errno) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->inject_nvme_faults(tiering::NvmeFaults{write_errno, short_write, read_errno});
+  }
+
+  void host_changed() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->host_changed();
+  }
+
+  void push_grad(std::int64_t offset, std::uintptr_t address, const std::string& dtype, std::int64_t n,
+                 std::uintptr_t stream) {
+    tiering::DType dt = tiering::DType::none;
+    if (dtype == "float32") dt = tiering::DType::fp32;
+    else if (dtype == "float16") dt = tiering::DType::fp16;
+    else if (dtype == "bfloat16") dt = tiering::DType::bf16;
+    else value_error("UpdateEngine.push_grad: dtype must be float32, float16 or bfloat16, got \"" + dtype + "\"");
+    const std::size_t at = count_arg("offset", offset);
+    const std::size_t count = count_arg("n", n);
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->push_grad(at, reinterpret_cast<const void*>(address), dt, count, Stream{reinterpret_cast<void*>(stream)});
+  }
+
+  bool finish_grads() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return engine_->finish_grads();
+  }
+
+  // Not under mutex_: an update during backward waits here on a worker thread while backward
+  // goes on pushing (the engine locks itself only to mark the point).
+  void wait_grads_pushed() {
+    nb::gil_scoped_release nogil;
+    engine_->wait_grads_pushed();
+  }
+
+  void set_host_gradients(const std::vector<bool>& host) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->set_host_gradients(host);
+  }
+
+  double grad_bytes_to_host() const { return engine_->grad_bytes_to_host(); }
+
+  void grads_to_host() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->grads_to_host();
+  }
+
+  void sync_host() {
+    nb::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine_->sync_host();
+  }
+
+  // The model's 16-bit params in the engine's device memory: a CUDA array on a GPU, a CPU array
+  // over the simulated device's memory (which is host memory) on a SimDevice.
+  nb::ndarray<> model_params(nb::handle self, const std::string& dtype) {
+    tiering::DType dt = tiering::DType::none;
+    if (dtype == "bf16" || dtype == "bfloat16") dt = tiering::DType::bf16;
+    else if (dtype == "fp16" || dtype == "float16") dt = tiering::DType::fp16;
+    else value_error("UpdateEngine.model_params: dtype must be \"bf16\" or \"fp16\", got \"" + dtype + "\"");
+    void* p = nullptr;
+    {
+      nb::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mutex_);
+      p = engine_->model_params(dt);
+    }
+    const std::size_t shape[1] = {engine_->size()};
+    const auto code = static_cast<std::uint8_t>(dt == tiering::DType::bf16 ? nb::dlpack::dtype_code::Bfloat
+                                                                            : nb::dlpack::dtype_code::Float);
+    const nb::dlpack::dtype d{code, 16, 1};
+    const bool sim = simulated();
+    return nb::ndarray<>(p, 1, shape, self, nullptr, d, sim ? nb::device::cpu::value : nb::device::cuda::value,
+                         sim ? 0 : device_);
+  }
+
+  nb::dict rates() const { return rates_dict(engine_->rates()); }
+  static nb::dict errors_dict(const tiering::PredictionErrors& e) {
+    nb::dict d;
+    d["count"] = e.count;
+    d["last"] = e.last;
+    d["mean_abs"] = e.mean_abs;
+    d["max_abs"] = e.max_abs;
+    return d;
+  }
+  nb::dict errors() const { return errors_dict(engine_->prediction_errors()); }
+  nb::dict iteration_errors() const { return errors_dict(engine_->iteration_errors()); }
+  std::uint64_t host_bytes() const { return engine_->host_bytes(); }
+  tiering::UpdateEngine& native() { return *engine_; }
+
+  // On a GPU with CUPTI tracing on, the PCIe links during the previous update phase (its records
+  // have arrived by now) less this engine's own copies tell the plan what others take.
+  void observe_traced_pcie(const tiering::StepReport& r) {
+    if (engine_->device().properties().backend != "cuda") return;
+    if (last_window_[1] > last_window_[0]) {
+      if (const auto use = traced_pcie(last_window_[0], last_window_[1])) {
+        engine_->observe_pcie(tiering::PcieObservation{last_window_[1] - last_window_[0], use->h2d.busy_ns,
+                                                       use->d2h.busy_ns, last_own_[0], last_own_[1]});
+      }
+    }
+    last_window_[0] = r.phase_start_ns;
+    last_window_[1] = r.phase_start_ns + r.phase_ns;
+    last_own_[0] = r.h2d.busy_ns;
+    last_own_[1] = r.d2h.busy_ns;
+  }
+  std::uint64_t resident_bytes() const { return engine_->resident_bytes(); }
+  std::string device_name() const { return engine_->device().properties().name; }
+  int device() const { return device_; }
+  // For reports: which clock the measurements are on.
+  bool simulated() const { return engine_->device().properties().backend != "cuda"; }
+
+ private:
+  std::unique_ptr<tiering::UpdateEngine> engine_;
+  double last_window_[2] = {0, 0};  // the last update phase, host clock ns
+  double last_own_[2] = {0, 0};     // its H2D and D2H busy time from this engine's copies
+  std::mutex mutex_;
+  int device_ = 0;
+};
+
+}  // namespace
+
+namespace {
+void bind_results(nb::module_& m) {
+  nb::enum_<tiering::Placement>(m, "Placement", "Where a subgroup is updated in one update phase.")
+      .value("cpu", tiering::Placement::cpu, "on the host; its low-precision params go H2D")
+      .value("gpu", tiering::Placement::gpu, "streamed H2D into a GPU slot, updated there, flushed D2H")
+      .value("gpu_static", tiering::Placement::gpu_static, "resident on the GPU between steps")
+      .value("done", tiering::Placement::done, "updated before the phase (during backward)");
+
+  nb::class_<tiering::StepParams>(m, "StepParams", "One param group's AdamW hyper-parameters for a step.")
+      .def(nb::init<>())
+      .def("__init__",
+           [](tiering::StepParams* p, double lr, double beta1, double beta2, double eps, double weight_decay) {
+             new (p) tiering::StepParams{};
+             p->lr = lr;
+             p->beta1 = beta1;
+             p->beta2 = beta2;
+             p->eps = eps;
+             p->weight_decay = weight_decay;
+           },
+           "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a)
+      .def_ro("lr", &tiering::StepParams::lr)
+      .def_ro("beta1", &tiering::StepParams::beta1)
+      .def_ro("beta2", &tiering::StepParams::beta2)
+      .def_ro("eps", &tiering::StepParams::eps)
+      .def_ro("weight_decay", &tiering::StepParams::weight_decay)
+      .def_ro("step", &tiering::StepParams::step);
+
+  nb::class_<tiering::Segment>(m, "Segment",
+                               "A run [start, end) of one subgroup's elements stepped with one group's\n"
+                               "hyper-parameters at one step count.")
+      .def_ro("subgroup", &tiering::Segment::subgroup)
+      .def_ro("start", &tiering::Segment::start)
+      .def_ro("end", &tiering::Segment::end)
+      .def_prop_ro("lr", [](const tiering::Segment& s) { return s.params.lr; })
+      .def_prop_ro("beta1", [](const tiering::Segment& s) { return s.params.beta1; })
+      .def_prop_ro("beta2", [](const tiering::Segment& s) { return s.params.beta2; })
+      .def_prop_ro("eps", [](const tiering::Segment& s) { return s.params.eps; })
+      .def_prop_ro("weight_decay", [](const tiering::Segment& s) { return s.params.weight_decay; })
+      .def_prop_ro("step", [](const tiering::Segment& s) { return s.params.step; })
+      .def_ro("low_precision", &tiering::Segment::low_precision)
+      .def(nb::self == nb::self)  // NOLINT(misc-redundant-expression): nanobind's operator binding
+      .def("__repr__", [](const tiering::Segment& s) {
+        return "Segment(subgroup=" + std::to_string(s.subgroup) + ", [" + std::to_string(s.start) + ", " +
+               std::to_string(s.end) + "), step=" + std::to_string(s.params.step) + ")";
+      });
+
+  nb::class_<tiering::Prediction>(m, "Prediction", "The PerfModel's prediction of one update phase.")
+      .def_ro("total_ns", &tiering::Prediction::total_ns)
+      .def_ro("bound_ns", &tiering::Prediction::bound_ns, "the busiest resource's time")
+      .def_ro("cpu_ns", &tiering::Prediction::cpu_ns)
+      .def_ro("gpu_ns", &tiering::Prediction::gpu_ns)
+      .def_ro("h2d_ns", &tiering::Prediction::h2d_ns)
+      .def_ro("d2h_ns", &tiering::Prediction::d2h_ns)
+      .def_ro("dram_ns", &tiering::Prediction::dram_ns)
+      .def_ro("nvme_ns", &tiering::Prediction::nvme_ns)
+      .def_ro("busiest", &tiering::Prediction::busiest)
+      .def_ro("h2d_bytes", &tiering::Prediction::h2d_bytes)
+      .def_ro("d2h_bytes", &tiering::Prediction::d2h_bytes)
+      .def_ro("dram_bytes", &tiering::Prediction::dram_bytes)
+      .def_ro("nvme_bytes", &tiering::Prediction::nvme_bytes)
+      .def("as_dict", [](const tiering::Prediction& p) { return prediction_dict(p); }, "For JSON output.");
+
+  nb::class_<tiering::EngineBudget>(m, "PlanBudget", "The device memory a plan was made with and what it took.")
+      .def_prop_ro("update_bytes", [](const tiering::EngineBudget& b) { return b.budget.update_bytes; },
+                   "for streamed slots: what the update phase leaves")
+      .def_prop_ro("resident_bytes", [](const tiering::EngineBudget& b) { return b.budget.resident_bytes; },
+                   "for static residents: what the whole iteration leaves")
+      .def_ro("source", &tiering::EngineBudget::source)
+      .def_ro("slot_bytes", &tiering::EngineBudget::slot_bytes)
+      .def_ro("slots_taken", &tiering::EngineBudget::slots_taken)
+      .def_ro("residents_taken", &tiering::EngineBudget::residents_taken)
+      .def_prop_ro("phase_min_free",
+                   [](const tiering::EngineBudget& b) {
+                     std::vector<std::pair<std::string, std::optional<std::uint64_t>>> out;
+                     for (int p = 0; p < kPhaseCount; ++p) {
+                       out.emplace_back(phase_name(static_cast<Phase>(p)),
+                                        b.phase_seen[p] ? std::optional<std::uint64_t>(b.phase_min_free[p])
+                                                        : std::nullopt);
+                     }
+                     return out;
+                   },
+                   "(phase, lowest free bytes or None where the phase was not seen) in phase order");
+
+  nb::class_<tiering::EnginePlan>(m, "Plan", "The engine's plan of one update phase.")
+      .def_prop_ro("policy", [](const tiering::EnginePlan& p) { return std::string(policy_key(p.plan.policy)); })
+      .def_prop_ro("placement", [](const tiering::EnginePlan& p) { return p.plan.placement; },
+                   "one Placement per subgroup")
+      .def_prop_ro("marks", [](const tiering::EnginePlan& p) { return placement_string(p.plan.placement); },
+                   "the placement as one letter per subgroup, for people: c CPU, g streamed GPU, s GPU-static, d done")
+      .def_prop_ro("k", [](const tiering::EnginePlan& p) { return p.plan.k; }, "the stride (0: none)")
+      .def_prop_ro("gpu_slots", [](const tiering::EnginePlan& p) { return p.plan.gpu_slots; })
+      .def_prop_ro("gpu_streamed", [](const tiering::EnginePlan& p) { return p.plan.gpu_streamed; })
+      .def_prop_ro("static_residents", [](const tiering::EnginePlan& p) { return p.plan.static_residents; })
+      .def_prop_ro("prediction", [](const tiering::EnginePlan& p) { return p.plan.prediction; })
+      .def_ro("budget", &tiering::EnginePlan::budget)
+      .def_ro("reason", &tiering::EnginePlan::reason, "why it differs from what the policy asked for ('' if not)")
+      .def("as_dict",
+           [](const tiering::EnginePlan& p) {
+             nb::dict d = plan_dict(p.plan);
+             d["reason"] = p.reason;
+             return d;
+           },
+           "For JSON output.");
+
+  nb::class_<tiering::ResourceUse>(m, "ResourceUse", "What one resource did in an update phase.")
+      .def_ro("busy_ns", &tiering::ResourceUse::busy_ns)
+      .def_ro("bytes", &tiering::ResourceUse::bytes)
+      .def_ro("params", &tiering::ResourceUse::params)
+      .def_ro("ops", &tiering::ResourceUse::ops);
+
+  nb::class_<tiering::NvmeUse>(m, "NvmeUse", "What the NVMe tier moved in an update phase.")
+      .def_ro("read_bytes", &tiering::NvmeUse::read_bytes)
+      .def_ro("write_bytes", &tiering::NvmeUse::write_bytes)
+      .def_ro("read_busy_ns", &tiering::NvmeUse::read_busy_ns)
+      .def_ro("write_busy_ns", &tiering::NvmeUse::write_busy_ns)
+      .def_ro("stall_ns", &tiering::NvmeUse::stall_ns)
+      .def_ro("stall_wall_ns", &tiering::NvmeUse::stall_wall_ns)
+      .def_ro("reads", &tiering::NvmeUse::reads)
+      .def_ro("writes", &tiering::NvmeUse::writes);
+
+  using Step = tiering::EngineStep;
+  nb::class_<Step>(m, "StepReport", "What one step of the engine did.")
+      .def_ro("nonfinite", &Step::nonfinite, "a gradient was NaN or Inf (after scale and clip)")
+      .def_ro("skipped", &Step::skipped, "non-finite with skip_if_nonfinite: nothing changed")
+      .def_ro("runs", &Step::runs, "scheduler runs (one per distinct set of hyper-parameters)")
+      .def_ro("predicted_ns", &Step::predicted_ns)
+      .def_ro("placement", &Step::placement, "what ran (Placement.done for subgroups updated before)")
+      .def_prop_ro("measured_ns", [](const Step& s) { return s.total.phase_ns; },
+                   "the update phase, on the engine's clock (simulated on a SimDevice)")
+      .def_prop_ro("cpu", [](const Step& s) { return s.total.cpu; })
+      .def_prop_ro("gpu", [](const Step& s) { return s.total.gpu; })
+      .def_prop_ro("h2d", [](const Step& s) { return s.total.h2d; })
+      .def_prop_ro("d2h", [](const Step& s) { return s.total.d2h; })
+      .def_prop_ro("h2d_d2h_overlap_ns", [](const Step& s) { return s.total.h2d_d2h_overlap_ns; })
+      .def_prop_ro("params_cpu", [](const Step& s) { return s.total.params_cpu; })
+      .def_prop_ro("params_gpu", [](const Step& s) { return s.total.params_gpu; })
+      .def_prop_ro("params_gpu_static", [](const Step& s) { return s.total.params_gpu_static; })
+      .def_prop_ro("loop_allocations", [](const Step& s) { return s.total.loop_allocations; })
+      .def_prop_ro("loop_device_allocs", [](const Step& s) { return s.total.loop_device_allocs; })
+      .def_prop_ro("nvme", [](const Step& s) { return s.total.nvme; });
+}
+}  // namespace
+
+void bind_engine(nb::module_& m) {
+  bind_results(m);
+
+  nb::class_<PyUpdateEngine>(m, "UpdateEngine",
+                             "The tiering engine of one device (tiering::UpdateEngine): it owns the host state (four\n"
+                             "flat float32 arrays in the device's pinned, NUMA-bound HostArena), plans each step with\n"
+                             "the PerfModel from the phase tracker's memory and the calibrated rates, and runs the\n"
+                             "UpdateScheduler (a data-mode SimDevice without a GPU).")
+      .def(nb::init<std::int64_t, const std::vector<std::pair<std::int64_t, std::int64_t>>&, std::int64_t, int,
+                    std::optional<std::string>, std::int64_t, std::int64_t, double, double>(),
+           "n"_a, "subgroups"_a, "low_precision_bytes"_a = 2, "device"_a = 0, "nvme_dir"_a = nb::none(),
+           "host_budget"_a = 0, "nvme_read_ahead"_a = 2, "nvme_read_bytes_per_s"_a = 0.0,
+           "nvme_write_bytes_per_s"_a = 0.0,
+           "Host state for `n` params (zeroed), cut into `subgroups`, consecutive [start, end) ranges covering it.\n"
+           "With `host_budget` (bytes, 0: none) smaller than the state (16 B/param), the fewest subgroups that\n"
+           "fit it keep their params and moments on NVMe in a private spill directory under `nvme_dir`,\n"
+           "streamed `nvme_read_ahead` subgroups ahead of each step (rates: planned with until measured).")
+      .def("nvme_info", &PyUpdateEngine::nvme_info,
+           "The NVMe tier: spilled (subgroups), spilled_params, on_nvme (per subgroup), file, file_bytes,\n"
+           "staging_bytes, read/write_bytes_per_s (planned with), held (subgroups whose newest state only host\n"
+           "memory holds after a failed write) and last (the last step's transfers).")
+      .def("spill_host", &PyUpdateEngine::spill_host, "up_to"_a,
+           "Writes spilled subgroups wholly below element `up_to` whose host range is the truth to NVMe and\n"
+           "drops their host pages (the next step does it for all).")
+      .def("nvme_round_trip", &PyUpdateEngine::nvme_round_trip,
+           "Reads every spilled subgroup through staging and writes it back unchanged, in update order, no\n"
+           "update between: the NVMe tier's I/O for one step alone, in ns on the engine's host clock.")
+      .def("inject_nvme_faults", &PyUpdateEngine::inject_nvme_faults, "write_errno"_a = 0, "short_write"_a = false,
+           "read_errno"_a = 0, "For tests: the NVMe tier's next write or read request fails as given.")
+      .def("arrays", [](nb::handle self) { return nb::cast<PyUpdateEngine&>(self).arrays(self); },
+           "(param, exp_avg, exp_avg_sq, grad): zero-copy float32 arrays over the host state (DLPack;\n"
+           "torch.from_dlpack makes tensors of them). They keep the engine alive.")
+      .def("set_layout", &PyUpdateEngine::set_layout, "ranges"_a, "groups"_a, "low_precision"_a,
+           "Where the optimizer's params lie: per param its [start, end) of the flat arrays (consecutive from\n"
+           "0, covering them), its param group and whether the model's copy is fp16/bf16. Step counts start at 0.")
+      .def("set_policy", &PyUpdateEngine::set_policy, "policy"_a, "k"_a = nb::none(), "static_fraction"_a = 0.0,
+           "The policy step() plans with (cpu, static, interleaved, auto), its stride `k` (one in every k\n"
+           "subgroups on the GPU; None under auto: the PerfModel searches) and GPU-resident share.")
+      .def_prop_ro("plan", &PyUpdateEngine::plan,
+                   "The Plan the next step runs (made now if there is none; under auto without k, every step\n"
+                   "plans anew from the phase tracker's memory and the calibrated rates).")
+      .def("step", &PyUpdateEngine::step, "groups"_a, "has_grad"_a, "grad_scale"_a = 1.0, "clip"_a = 1.0,
+           "skip_if_nonfinite"_a = false, "grads_finite"_a = nb::none(), "done"_a = std::vector<bool>{},
+           "The optimizer's step: `groups` the StepParams of each param group, `has_grad` a byte per param.\n"
+           "The engine cuts it into segments, plans it under its policy, runs it (subgroups flagged in `done`\n"
+           "were updated during backward and are left as they are), learns from what it measured and counts\n"
+           "a step per param with a gradient. `grads_finite`: the gradient path's verdict when every\n"
+           "gradient came through it. Returns a StepReport.")
+      .def("segments", &PyUpdateEngine::segments, "groups"_a, "has_grad"_a, "only"_a = nb::none(),
+           "The Segments step() would run with these arguments (only subgroup `only` when given).")
+      .def("steps", [](nb::handle self) { return nb::cast<PyUpdateEngine&>(self).steps(self); },
+           "Every param's step count: a float32 array over the engine's own (writable; keeps it alive).")
+      .def("set_sync_after_step", &PyUpdateEngine::set_sync_after_step, "on"_a,
+           "Copy GPU-static residents' newest state into the host arrays after every step.")
+      .def("push_grad", &PyUpdateEngine::push_grad, "offset"_a, "address"_a, "dtype"_a, "n"_a, "stream"_a = 0,
+           "Gradients of flattened elements [offset, offset + n) at device `address` (torch dtype name) are\n"
+           "final on `stream` (a cudaStream_t as int): upcast and copied to the host gradient array on the\n"
+           "engine's streams while backward goes on; `stream` waits until they have been read.")
+      .def("finish_grads", &PyUpdateEngine::finish_grads,
+           "Waits for every pushed gradient; True when all were finite (or none was pushed).")
+      .def("wait_grads_pushed", &PyUpdateEngine::wait_grads_pushed,
+           "Waits until every gradient pushed so far that goes to the host is there, without ending the\n"
+           "pass (finish_grads does): for updates during backward. Callable from another thread.")
+      .def("set_host_gradients", &PyUpdateEngine::set_host_gradients, "host"_a,
+           "Per subgroup: its gradients go to host memory in the next backward whatever the plan says\n"
+           "(updates during backward read them there); an empty list: as the plan says.")
+      .def("grads_to_host", &PyUpdateEngine::grads_to_host,
+           "Moves gradients the path kept on the GPU into the host array (before editing it).")
+      .def_prop_ro("grad_bytes_to_host", &PyUpdateEngine::grad_bytes_to_host,
+                   "Bytes the gradient path has copied to the host.")
+      .def("host_changed", &PyUpdateEngine::host_changed,
+           "The host arrays were changed outside step(): GPU-static residents are dropped and moved in\n"
+           "again from the host on the next step.")
+      .def("sync_host", &PyUpdateEngine::sync_host,
+           "Copies the newest state of GPU-static residents into the host arrays (before reading them).")
+      .def("model_params", [](nb::handle self, const std::string& dtype) {
+             return nb::cast<PyUpdateEngine&>(self).model_params(self, dtype);
+           }, "dtype"_a,
+           "The model's 16-bit params (\"bf16\" or \"fp16\") for every element, in the engine's device memory,\n"
+           "allocated on first call: from then on each step writes them inside the update phase. A CUDA array\n"
+           "on a GPU, a CPU array over the SimDevice's memory otherwise; it keeps the engine alive.")
+      .def("rates", &PyUpdateEngine::rates, "The Calibration's current rates.")
+      .def("prediction_errors", &PyUpdateEngine::errors, "Recent (measured - predicted) / predicted of whole phases.")
+      .def(
+          "observe_pcie",
+          [](PyUpdateEngine& self, double window_ns, double h2d_busy_ns, double d2h_busy_ns, double own_h2d_busy_ns,
+             double own_d2h_busy_ns) {
+            self.native().observe_pcie(
+                tiering::PcieObservation{window_ns, h2d_busy_ns, d2h_busy_ns, own_h2d_busy_ns, own_d2h_busy_ns});
+          },
+          "window_ns"_a, "h2d_busy_ns"_a, "d2h_busy_ns"_a, "own_h2d_busy_ns"_a = 0.0, "own_d2h_busy_ns"_a = 0.0,
+          "What CUPTI saw on the PCIe links during an update phase: the share others took is planned around.")
+      .def("foreign_pcie_share", [](PyUpdateEngine& self) { return self.native().foreign_pcie_share(); },
+           "The shares of H2D and D2H that traffic memtide did not issue takes (smoothed).")
+      .def("iteration_errors", &PyUpdateEngine::iteration_errors,
+           "The same for whole iterations (on a GPU: the passes as the last iteration ran them plus the planned\n"
+           "update, against this iteration's).")
+      .def_prop_ro("host_bytes", &PyUpdateEngine::host_bytes, "Pinned host bytes the state takes in the arena.")
+      .def_prop_ro("resident_bytes", &PyUpdateEngine::resident_bytes, "Device bytes the engine holds between steps.")
+      .def_prop_ro("device", &PyUpdateEngine::device)
+      .def_prop_ro("device_name", &PyUpdateEngine::device_name)
+      .def_prop_ro("simulated", &PyUpdateEngine::simulated);
+}
+
+}  // namespace memtide::bindings
