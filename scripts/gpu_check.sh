@@ -282,7 +282,7 @@ run nvme-train 120 gpu install -- nvme_train_check
 run bench-window-gpu 240 gpu install -- "$py" bench/bench_window_gpu.py --out "$outdir/$date_tag-$gpu_label-window.md"
 run bench-update-phase 200 gpu build -- "$build/bench/memtide_bench_update_phase" --device cuda --params "$update_params" \
   --steps "$update_steps" --headroom 16GiB --out "$outdir/$date_tag-$gpu_label-update-phase.md"
-run pytest 200 gpu install -- "$py" -m pytest tests/python -q -rs -p no:cacheprovider --junitxml="$logs/pytest.xml"
+run pytest 200 gpu install -- "$py" -m pytest tests -q -rs -p no:cacheprovider --junitxml="$logs/pytest.xml"
 run bench-adamw-gpu 90 gpu install -- "$py" bench/bench_adamw_gpu.py --n "$adamw_n" --repeats "$adamw_repeats" \
   --out "$outdir/$date_tag-$gpu_label-adamw-gpu.md"
 run bench-torch-allocator 120 gpu install -- "$py" bench/torch_allocator_compare.py \
