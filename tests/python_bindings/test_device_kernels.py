@@ -71,6 +71,6 @@ def test_device_convert_upcasts_with_scale_and_downcasts():
 def test_gpu_benchmark_says_why_it_cannot_run():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the benchmark would run")
-    r = run_python([os.path.join(ROOT, "bench", "bench_adamw_gpu.py"), "--n", "1024"], env=clean_env())
+    r = run_python([os.path.join(ROOT, "bench", "python", "bench_adamw_gpu.py"), "--n", "1024"], env=clean_env())
     assert r.returncode == 2
     assert "needs a CUDA GPU" in r.stderr

@@ -339,15 +339,16 @@ def test_a_block_called_out_of_order_is_named_and_skipping_one_is_fine():
 
 
 def test_the_gpu_window_benchmark_runs_its_code_on_the_cpu(tmp_path):
-    # bench/bench_window_gpu.py is gpu_check's proof of the window on a GPU; here its code runs on
-    # CPU tensors (no cap), so that a broken script is found before a GPU session is spent on it.
+    # bench/python/bench_window_gpu.py is gpu_check's proof of the window on a GPU; here its code
+    # runs on CPU tensors (no cap), so that a broken script is found before a GPU session is spent
+    # on it.
     import subprocess
     import sys
     from pathlib import Path
 
     from memtide_testing import clean_env
 
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_window_gpu.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "python" / "bench_window_gpu.py"
     out = tmp_path / "window.md"
     p = subprocess.run([sys.executable, str(script), "--device", "cpu", "--hidden", "64", "--heads", "4", "--layers",
                         "4", "--seq", "16", "--batch", "2", "--vocab", "64", "--steps", "3", "--out", str(out)],
