@@ -255,7 +255,7 @@ class PinnedHeap::Impl {
     }
     backend_ = config.backend;
     if (backend_ == PinnedHeapBackend::automatic) {
-      // jemalloc by measurement (bench/results/*-pinned-heap.md); mimalloc when it cannot load.
+      // jemalloc by measurement (bench/results/pinned-heap/); mimalloc when it cannot load.
       std::string why_je, why_mi;
       if (detail::jemalloc_available(&why_je)) {
         backend_ = PinnedHeapBackend::jemalloc;

@@ -9,7 +9,7 @@
 #   --only T      one target: options or topology_xml
 #   --ubsan-only  UBSan without ASan (preset fuzz-ubsan): the topology loader forks per input, and
 #                 an ASan process forks at ~150 inputs/s, too slow for 1e6; without ASan, ~380/s
-#   --out FILE    also write the counts and results as Markdown (bench/results/)
+#   --out FILE    also write the counts and results as Markdown (bench/results/fuzz/<date>-<machine>.md)
 set -euo pipefail
 args="$*"
 cd "$(dirname "$0")/.."

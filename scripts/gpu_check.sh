@@ -2,7 +2,8 @@
 # Every GPU check in one call, on a bare GPU machine: build with CUDA against the bundle made by
 # scripts/gpu_bundle.sh, every C++ suite (the Cuda instantiations must run, not skip), the Python
 # package and pytest, the loading checks, and every GPU benchmark. Writes one results Markdown per
-# benchmark, summary.md and logs.tar.gz into OUTDIR, and prints a summary table at the end.
+# benchmark (OUTDIR/SUITE/<date>-<gpu>.md, as bench/results/ keeps them), summary.md and
+# logs.tar.gz into OUTDIR, and prints a summary table at the end.
 #
 # Usage: bash scripts/gpu_check.sh [--quick|--full] [OUTDIR]
 #   --quick (default) fits one 10-minute call: 2B-parameter update phase, short benchmarks.
@@ -24,7 +25,7 @@ for a in "$@"; do
   case "$a" in
     --quick) mode=quick ;;
     --full) mode=full ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option $a (expected --quick, --full or an output folder)" >&2; exit 2 ;;
     *) [ -z "$outdir" ] || { echo "gpu_check.sh: one output folder only (got $outdir and $a)" >&2; exit 2; }
        outdir=$a ;;
@@ -250,11 +251,18 @@ assert len(digests) == 1, f"policies disagree with the NVMe tier: {digests}"
 EOF2
 }
 
-gbench_report() {  # target title label
+gbench_report() {  # target title suite
   local json=$logs/$1.json
-  "$build/bench/$1" --benchmark_min_time="$bench_min_time" --benchmark_format=console \
+  "$build/bench/cpp/$1" --benchmark_min_time="$bench_min_time" --benchmark_format=console \
     --benchmark_out="$json" --benchmark_out_format=json || return 1
-  "$py" bench/report.py "$json" "$outdir/$date_tag-$gpu_label-$3.md" --title "$2" --command "bash scripts/gpu_check.sh --$mode"
+  "$py" bench/cpp/report.py "$json" "$(results "$3")" --title "$2" --command "bash scripts/gpu_check.sh --$mode"
+}
+
+# A benchmark's results file, laid out as bench/results/ keeps them (SUITE/<date>-<gpu>.md), so
+# OUTDIR's suite folders copy over as they are. Made when the step's command line is expanded;
+# the folders of steps that wrote nothing are removed before the summary.
+results() {  # suite
+  mkdir -p "$outdir/$1" && echo "$outdir/$1/$date_tag-$gpu_label.md"
 }
 
 # ---- the run --------------------------------------------------------------------------------
@@ -262,7 +270,7 @@ gpu_label=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || t
   sed -E 's/nvidia //; s/[^a-z0-9]+/-/g; s/-+$//')
 gpu_label=${gpu_label:-nogpu}
 export -f machine configure_and_build cuda_suites_ran install_package alloc_conf_check bridge_check observe_check gbench_report \
-  timeline_check nvme_check nvme_train_check
+  results timeline_check nvme_check nvme_train_check
 export mode budget bundle_note py build jobs logs outdir date_tag gpu_label bench_min_time
 
 run machine 30 -- machine
@@ -279,18 +287,19 @@ run nvme-probe 60 gpu install -- nvme_check
 run nvme-train 120 gpu install -- nvme_train_check
 # The layer window: a model whose parameters and gradients exceed a capped GPU memory trains with
 # it; throughput against the same model uncapped without it.
-run bench-window-gpu 240 gpu install -- "$py" bench/bench_window_gpu.py --out "$outdir/$date_tag-$gpu_label-window.md"
+run bench-window-gpu 240 gpu install -- "$py" bench/python/bench_window_gpu.py --out "$(results window)"
 run bench-update-phase 200 gpu build -- "$build/bench/memtide_bench_update_phase" --device cuda --params "$update_params" \
-  --steps "$update_steps" --headroom 16GiB --out "$outdir/$date_tag-$gpu_label-update-phase.md"
-run pytest 200 gpu install -- "$py" -m pytest tests/python -q -rs -p no:cacheprovider --junitxml="$logs/pytest.xml"
-run bench-adamw-gpu 90 gpu install -- "$py" bench/bench_adamw_gpu.py --n "$adamw_n" --repeats "$adamw_repeats" \
-  --out "$outdir/$date_tag-$gpu_label-adamw-gpu.md"
-run bench-torch-allocator 120 gpu install -- "$py" bench/torch_allocator_compare.py \
-  --out "$outdir/$date_tag-$gpu_label-torch-allocator.md"
+  --steps "$update_steps" --headroom 16GiB --out "$(results update-phase)"
+run pytest 200 gpu install -- "$py" -m pytest tests -q -rs -p no:cacheprovider --junitxml="$logs/pytest.xml"
+run bench-adamw-gpu 90 gpu install -- "$py" bench/python/bench_adamw_gpu.py --n "$adamw_n" --repeats "$adamw_repeats" \
+  --out "$(results adamw-gpu)"
+run bench-torch-allocator 120 gpu install -- "$py" bench/python/torch_allocator_compare.py \
+  --out "$(results torch-allocator)"
 run bench-allocator 90 gpu build -- gbench_report memtide_bench_allocator "Allocator benchmarks" allocator
 run bench-host 90 gpu build -- gbench_report memtide_bench_host "Host tier benchmarks (HostArena)" host-arena
 
 # ---- summary --------------------------------------------------------------------------------
+find "$outdir" -mindepth 1 -maxdepth 1 -type d -empty -delete
 failed=0
 {
   echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ), $mode mode"

@@ -19,14 +19,14 @@ log "C++: stress tests under TSan (caching allocator; PinnedHeap on jemalloc and
 cmake --preset tsan >/dev/null
 cmake --build --preset tsan -j "$jobs" --target memtide_stress_test memtide_pinned_heap_test
 # setarch -R: TSan's shadow mapping cannot cope with high-entropy ASLR on newer kernels.
-setarch "$(uname -m)" -R build/tsan/tests/memtide_stress_test
-setarch "$(uname -m)" -R build/tsan/tests/memtide_pinned_heap_test --gtest_filter='*Stress*:*Thread*'
+setarch "$(uname -m)" -R build/tsan/tests/allocator/memtide_stress_test
+setarch "$(uname -m)" -R build/tsan/tests/allocator/memtide_pinned_heap_test --gtest_filter='*Stress*:*Thread*'
 
 log "C++: a short libFuzzer run of the options table and the hwloc XML loader (ASan+UBSan)"
 bash scripts/fuzz.sh --runs 20000
 
 log "Python: install memtide into .venv and run pytest"
 CMAKE_BUILD_PARALLEL_LEVEL=$jobs .venv/bin/python -m pip install -q --no-build-isolation .
-.venv/bin/python -m pytest tests/python -q -rs
+.venv/bin/python -m pytest tests -q -rs
 
 log "all tests passed in $(( $(date +%s) - t0 )) s"

@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "../../device_types.hpp"
-#include "../../failing_device.hpp"
+#include "device_types.hpp"
+#include "failing_device.hpp"
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/error.hpp"

@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-#include "../../device_types.hpp"
+#include "device_types.hpp"
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/tiering/engine/grad_sink.hpp"

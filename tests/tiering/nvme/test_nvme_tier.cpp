@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "../../device_types.hpp"
+#include "device_types.hpp"
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/error.hpp"

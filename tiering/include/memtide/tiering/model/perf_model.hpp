@@ -88,7 +88,7 @@ inline constexpr std::size_t kUsefulSlots = 3;
 /// The most subgroups a workload may have (2^20). Each is one scheduled transfer and update per
 /// step: a 20B-parameter model at this count has subgroups of 19k params, whose ~10 us of
 /// per-operation cost already exceeds their transfer time (the paper uses 100M params each).
-/// Planning this many takes well under a second (bench/bench_plan.py).
+/// Planning this many takes well under a second (bench/python/bench_plan.py).
 inline constexpr std::size_t kMaxSubgroups = std::size_t{1} << 20;
 
 /// Device memory a plan may use.
