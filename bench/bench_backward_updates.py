@@ -17,10 +17,10 @@ import time
 from datetime import date
 
 import memtide
-from memtide.cli import _SIM_GPUS
+from memtide.cli.simulate import SIM_GPUS
 from plotting import pyplot, write_report
 
-GPUS = {name: _SIM_GPUS[name] for name in ("h100", "a100")}  # memtide simulate --gpu's figures
+GPUS = {name: SIM_GPUS[name] for name in ("h100", "a100")}  # memtide simulate --gpu's figures
 VARIANTS = (("update phase only", {}),
             ("during backward, speculative copy", {"updates_during_backward": 1}),
             ("during backward, no copy needed", {"updates_during_backward": 1, "speculative_backup": 0}))

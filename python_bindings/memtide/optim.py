@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from . import _memtide
+from ._memtide import format_bytes
 from .backward_updates import BackwardUpdates
 
 __all__ = [
@@ -43,7 +44,7 @@ __all__ = [
     "UpdatePlan",
 ]
 
-POLICIES = ("cpu", "static", "interleaved", "auto")
+POLICIES = _memtide.POLICIES
 
 _LOWP = (torch.float16, torch.bfloat16)
 _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -211,8 +212,6 @@ class UpdatePlan:
 
 def _budget_words(budget: Dict[str, Any]) -> str:
     """How much device memory each phase left and what the plan took from it."""
-    from .cli import format_bytes
-
     left = ", ".join(f"{phase} {format_bytes(free)}" for phase, free in budget["phase_min_free"].items()
                      if free is not None and phase != "other")
     text = (f"device memory: update phase {format_bytes(budget['update_bytes'])} for slots (took "
