@@ -34,7 +34,8 @@ std::string format_duration_ns(double ns) {
   } else if (ns < 1e6) {
     std::snprintf(buf, sizeof buf, "%.1f us", ns / 1e3);
   } else if (ns < 1e9) {
-    std::snprintf(buf, sizeof buf, "%.1f ms", ns / 1e6);
+    // Two decimals: predicted and measured update phases of a few ms are compared in them.
+    std::snprintf(buf, sizeof buf, "%.2f ms", ns / 1e6);
   } else {
     std::snprintf(buf, sizeof buf, "%.2f s", ns / 1e9);
   }

@@ -39,6 +39,13 @@ TEST(Format, PrintsBinaryUnits) {
   EXPECT_EQ(format_bytes(1023), "1023 B");
 }
 
+TEST(Format, PrintsDurations) {
+  EXPECT_EQ(format_duration_ns(2.5e9), "2.50 s");
+  EXPECT_EQ(format_duration_ns(12.3e6), "12.30 ms");
+  EXPECT_EQ(format_duration_ns(4.2e3), "4.2 us");
+  EXPECT_EQ(format_duration_ns(850), "850 ns");
+}
+
 TEST(Format, PrintsCountsInMlNotation) {
   EXPECT_EQ(format_count(1.31e9), "1.31B");
   EXPECT_EQ(format_count(5.92e6), "5.92M");

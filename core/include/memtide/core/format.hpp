@@ -12,7 +12,7 @@ namespace memtide {
 
 /// "1.50 GiB", "512 B": binary units up to TiB, `decimals` (0-9) after the point.
 std::string format_bytes(std::uint64_t bytes, int decimals = 2);
-/// "12.3 ms", "850 ns".
+/// "2.50 s", "12.34 ms", "4.2 us", "850 ns".
 std::string format_duration_ns(double ns);
 /// "1.31B", "5.92M", "350.00k", "12": parameter and operation counts in ML notation.
 std::string format_count(double n);
