@@ -1,14 +1,16 @@
 #include "memtide/core/format.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <utility>
 
 namespace memtide {
 
-std::string format_bytes(std::uint64_t bytes) {
+std::string format_bytes(std::uint64_t bytes, int decimals) {
   static constexpr std::array<const char*, 5> units{"B", "KiB", "MiB", "GiB", "TiB"};
   double value = static_cast<double>(bytes);
   std::size_t unit = 0;
@@ -20,7 +22,7 @@ std::string format_bytes(std::uint64_t bytes) {
   if (unit == 0) {
     std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
   } else {
-    std::snprintf(buf, sizeof buf, "%.2f %s", value, units[unit]);
+    std::snprintf(buf, sizeof buf, "%.*f %s", std::clamp(decimals, 0, 9), value, units[unit]);
   }
   return buf;
 }
@@ -32,10 +34,24 @@ std::string format_duration_ns(double ns) {
   } else if (ns < 1e6) {
     std::snprintf(buf, sizeof buf, "%.1f us", ns / 1e3);
   } else if (ns < 1e9) {
-    std::snprintf(buf, sizeof buf, "%.1f ms", ns / 1e6);
+    // Two decimals: predicted and measured update phases of a few ms are compared in them.
+    std::snprintf(buf, sizeof buf, "%.2f ms", ns / 1e6);
   } else {
     std::snprintf(buf, sizeof buf, "%.2f s", ns / 1e9);
   }
+  return buf;
+}
+
+std::string format_count(double n) {
+  static constexpr std::array<std::pair<const char*, double>, 3> scales{{{"B", 1e9}, {"M", 1e6}, {"k", 1e3}}};
+  char buf[48];
+  for (const auto& [suffix, scale] : scales) {
+    if (n >= scale) {
+      std::snprintf(buf, sizeof buf, "%.2f%s", n / scale, suffix);
+      return buf;
+    }
+  }
+  std::snprintf(buf, sizeof buf, "%.0f", n);
   return buf;
 }
 

@@ -17,12 +17,12 @@ import time
 from datetime import date
 
 import memtide
-from memtide.cli import _SIM_GPUS
+from memtide.cli.simulate import SIM_GPUS
 # What the bench scripts share lies one folder up, in bench/.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from plotting import pyplot, write_report  # noqa: E402
 
-GPUS = {name: _SIM_GPUS[name] for name in ("h100", "a100")}  # memtide simulate --gpu's figures
+GPUS = {name: SIM_GPUS[name] for name in ("h100", "a100")}  # memtide simulate --gpu's figures
 VARIANTS = (("update phase only", {}),
             ("during backward, speculative copy", {"updates_during_backward": 1}),
             ("during backward, no copy needed", {"updates_during_backward": 1, "speculative_backup": 0}))

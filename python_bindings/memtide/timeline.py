@@ -36,6 +36,8 @@ import tempfile
 from collections import defaultdict
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
+from ._memtide import format_bytes
+
 VERSION = 1
 ENGINES = ("compute", "link", "h2d", "d2h", "host", "nvme")
 PHASES = ("forward", "backward", "update", "other")
@@ -367,11 +369,8 @@ class Timeline:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    # memtide's byte formatter with one decimal: the report's labels are short.
+    return format_bytes(int(n), 1)
 
 
 def _svg_phase_bands(tl: Timeline, x, height: int) -> List[str]:

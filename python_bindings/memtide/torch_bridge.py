@@ -21,6 +21,10 @@ import ctypes
 import os
 from typing import Any, Dict, Optional
 
+# From the extension, not the package: memtide's __init__ imports this module back.
+from ._memtide import backend, options
+from ._memtide import library_path as memtide_library
+
 LIBRARY = "libmemtide_torch.so"
 STATUS_FILE = "torch_bridge_status.txt"
 
@@ -82,8 +86,6 @@ def load() -> ctypes.CDLL:
 
 
 def _bridge_enabled() -> bool:
-    from . import options
-
     return options().get("torch_bridge", "true") == "true"
 
 
@@ -97,8 +99,6 @@ def install() -> Dict[str, Any]:
     if _active is not None:
         return status()
     import torch.cuda.memory
-
-    from . import backend
 
     if backend() != "cuda" and torch.cuda.is_available():
         # torch would hand the simulated device's addresses to CUDA kernels.
@@ -118,8 +118,6 @@ def install() -> Dict[str, Any]:
 
             warnings.warn(f"memtide: torch bridge unavailable ({why}); using torch's pluggable allocator, without "
                           "torch.cuda.memory_stats, snapshots, record_stream or graph pools", RuntimeWarning, stacklevel=3)
-    from . import library_path as memtide_library
-
     alloc = torch.cuda.memory.CUDAPluggableAllocator(memtide_library(), "memtide_malloc", "memtide_free")
     torch.cuda.memory.change_current_allocator(alloc)
     _active = {"path": "pluggable", "why": why, "allocator": alloc}

@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 import memtide
+from memtide.planning import HOST_STATE_BYTES_PER_PARAM
 
 TRAIN_DEFAULTS = {
     "layers": 4,
@@ -255,7 +256,7 @@ def _host_arena_report(opt) -> Optional[Dict[str, Any]]:
     if native is None:
         return None
     stats = memtide.host.stats(device=native.device)
-    return {"requested_bytes": 16 * opt.buffers.params.numel(), "state_bytes": native.host_bytes,
+    return {"requested_bytes": HOST_STATE_BYTES_PER_PARAM * opt.buffers.params.numel(), "state_bytes": native.host_bytes,
             "reserved_bytes": stats["reserved_bytes"], "slabs": stats["slabs"],
             "registered_slabs": stats["registered_slabs"], "numa_node": stats["numa_node"],
             "device": native.device_name}

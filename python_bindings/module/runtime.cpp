@@ -255,7 +255,14 @@ void bind_runtime(nb::module_& m) {
         return *v;
       },
       "text"_a, "Bytes from a size such as \"64GiB\", \"512MB\" or \"4096\" (the options table's parser).");
-  m.def("format_bytes", [](std::uint64_t n) { return memtide::format_bytes(n); }, "n"_a, "\"1.50 GiB\", \"512 B\".");
+  m.def("format_bytes", [](std::uint64_t n, int decimals) { return memtide::format_bytes(n, decimals); }, "n"_a,
+        "decimals"_a = 2, "\"1.50 GiB\", \"512 B\": binary units up to TiB, `decimals` (0-9) after the point.");
+  m.def("format_duration_ns", [](double ns) { return memtide::format_duration_ns(ns); }, "ns"_a,
+        "\"2.50 s\", \"12.34 ms\", \"4.2 us\", \"850 ns\".");
+  m.def("format_count", [](double n) { return memtide::format_count(n); }, "n"_a,
+        "\"1.31B\", \"5.92M\", \"350.00k\", \"12\": parameter and operation counts.");
+  m.def("format_cpu_list", [](const std::vector<int>& cpus) { return memtide::format_cpu_list(cpus); }, "cpus"_a,
+        "[0, 1, 2, 3, 8] -> \"0-3,8\", the kernel's cpu list notation.");
   m.def("backend", [] { return std::string(backend_name(memtide::Runtime::get().backend())); },
         "The backend the runtime's allocators use: \"cuda\" or \"sim\" (MEMTIDE_DEVICE resolved).");
   m.def("resolve_backend",

@@ -359,6 +359,11 @@ void bind_tiering(nb::module_& m) {
         "the fewest, spread evenly, never among the last `gpu_static_limit` (one bool per subgroup).");
   m.attr("MAX_SUBGROUPS") = tiering::kMaxSubgroups;
   m.attr("USEFUL_SLOTS") = tiering::kUsefulSlots;
+  m.attr("STATE_BYTES_PER_PARAM") = static_cast<int>(tiering::kStateBytesPerParam);
+  m.attr("GRAD_BYTES_PER_PARAM") = static_cast<int>(tiering::kGradBytesPerParam);
+  // The spellings policy_arg takes first, in the order the CLI lists them.
+  m.attr("POLICIES") = nb::make_tuple(policy_key(tiering::Policy::cpu), policy_key(tiering::Policy::static_split),
+                                      policy_key(tiering::Policy::interleaved), policy_key(tiering::Policy::automatic));
   m.def("fit_gpu_budget", &fit_gpu_budget, "subgroup_params"_a, "update_bytes"_a, "resident_bytes"_a,
         "grads_on_host"_a = true,
         "What a plan may hold: streamed slots in `update_bytes` (memory free during the update phase)\n"

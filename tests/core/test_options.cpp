@@ -24,6 +24,8 @@ TEST(Format, ParsesSizesWithUnits) {
   EXPECT_EQ(parse_bytes(" 8 GiB "), 8ull << 30);
   EXPECT_EQ(parse_bytes("1.5GB"), 1500000000ull);
   EXPECT_EQ(parse_bytes("1e9"), 1000000000ull);
+  EXPECT_EQ(parse_bytes("64G"), 64000000000ull);
+  EXPECT_EQ(parse_bytes("2k"), 2000u);
   EXPECT_FALSE(parse_bytes("12 parsecs"));
   EXPECT_FALSE(parse_bytes("-3"));
   EXPECT_FALSE(parse_bytes(""));
@@ -32,6 +34,23 @@ TEST(Format, ParsesSizesWithUnits) {
 TEST(Format, PrintsBinaryUnits) {
   EXPECT_EQ(format_bytes(512), "512 B");
   EXPECT_EQ(format_bytes(3ull << 29), "1.50 GiB");
+  EXPECT_EQ(format_bytes(3ull << 29, 1), "1.5 GiB");
+  EXPECT_EQ(format_bytes(3ull << 39), "1.50 TiB");
+  EXPECT_EQ(format_bytes(1023), "1023 B");
+}
+
+TEST(Format, PrintsDurations) {
+  EXPECT_EQ(format_duration_ns(2.5e9), "2.50 s");
+  EXPECT_EQ(format_duration_ns(12.3e6), "12.30 ms");
+  EXPECT_EQ(format_duration_ns(4.2e3), "4.2 us");
+  EXPECT_EQ(format_duration_ns(850), "850 ns");
+}
+
+TEST(Format, PrintsCountsInMlNotation) {
+  EXPECT_EQ(format_count(1.31e9), "1.31B");
+  EXPECT_EQ(format_count(5.92e6), "5.92M");
+  EXPECT_EQ(format_count(350e3), "350.00k");
+  EXPECT_EQ(format_count(12), "12");
 }
 
 TEST(Options, DefaultsWhenUnset) {

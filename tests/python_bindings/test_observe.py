@@ -137,7 +137,7 @@ def test_events_survive_a_program_that_dies_and_the_log_says_it_is_incomplete(tm
 
 
 def test_a_cut_last_line_is_reported_not_fatal(tmp_path, fake_cudart):
-    from memtide.cli import _read_timeline
+    from memtide.cli.observe import _read_timeline
 
     p = observe(tmp_path, "--log", "t.jsonl", "--", sys.executable, "-c", PROGRAM, fake_cudart, "0")
     assert p.returncode == 0

@@ -15,8 +15,6 @@
 namespace memtide::tiering {
 namespace {
 
-constexpr double kStateBytesPerParam = 12;  // fp32 param, exp_avg, exp_avg_sq
-constexpr double kGradBytesPerParam = 4;    // fp32 gradient
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // The planner's search budget: full predictions (O(n) each) per plan. kEvaluatedSubgroups / n

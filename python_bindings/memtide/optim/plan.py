@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 from .. import _memtide
 
 #: The update policies, as the engine parses them.
-POLICIES = ("cpu", "static", "interleaved", "auto")
+POLICIES = _memtide.POLICIES
 
 
 def requested(policy: str, subgroups: Tuple[Tuple[int, int], ...], k: Optional[float],

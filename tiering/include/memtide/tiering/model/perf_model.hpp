@@ -81,6 +81,12 @@ struct Workload {
   double phase_h2d_bytes = 0;
 };
 
+/// Bytes per parameter of the optimizer state that moves between tiers: the fp32 param, exp_avg
+/// and exp_avg_sq (what a streamed subgroup copies each way, what NVMe holds).
+inline constexpr double kStateBytesPerParam = 12;
+/// Bytes per parameter of the fp32 gradient; with the state, 16 B/param of host memory.
+inline constexpr double kGradBytesPerParam = 4;
+
 /// Streamed subgroups in flight at once: with three, one is being prefetched, one updated and one
 /// flushed, so both PCIe directions and the GPU are busy; more buys nothing but memory.
 inline constexpr std::size_t kUsefulSlots = 3;

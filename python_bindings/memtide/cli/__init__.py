@@ -1,0 +1,48 @@
+"""The ``memtide`` command line, one module per subcommand: ``info``, ``probe``, ``run`` (training, or
+``--trace``), ``plan``, ``simulate``, ``timeline`` and ``observe``. Each module holds its parser
+(``add_parser``) and its work; ``_common`` what they share."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+import memtide
+
+from . import info, observe, plan, probe, run, simulate, timeline
+from ._common import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_USAGE, UsageError, error
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="memtide",
+        description="memtide: CUDA-aware caching allocator and memory-tiering runtime.",
+    )
+    parser.add_argument("--version", action="version", version=f"memtide {memtide.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in (info, probe, run, plan, simulate, timeline, observe):
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.func(args))
+    except (memtide.ConfigError, UsageError) as e:
+        error(e)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader left (`memtide info --json | head`): not an error of ours. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except (MemoryError, RuntimeError, ValueError, OverflowError, OSError) as e:
+        error(e)
+        return EXIT_FAILURE

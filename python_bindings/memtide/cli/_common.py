@@ -1,0 +1,171 @@
+"""What the subcommands share: exit codes, the usage error, argument types and the rate flags.
+
+Sizes, durations, counts and cpu lists are written by the C++ rules (core/format), bound in
+``memtide._memtide``; sizes are read by the C++ parser, the one the options table uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Dict, Optional
+
+from memtide import _memtide
+
+# Exit codes: 2 is what argparse uses for bad usage; a bad MEMTIDE_* value is the same kind of
+# mistake, so it gets 2 as well. Failures of the work itself get 1.
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a C tool killed by the signal reports
+
+_INT_MAX = 2**31 - 1
+
+# A quadrillion parameters: beyond any model, and within every integer type the planner uses.
+_MAX_PARAMS = 1e15
+_COUNT_SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+class UsageError(ValueError):
+    """A combination of flags that argparse cannot check on its own."""
+
+
+def error(e: BaseException) -> None:
+    # An exception without a message (MemoryError() from a huge allocation) still says what it is.
+    message = str(e) or type(e).__name__
+    # The C++ messages (out of memory in particular) already start with "memtide:".
+    print(message if message.startswith("memtide") else f"memtide: {message}", file=sys.stderr)
+
+
+def model_shape(args: argparse.Namespace, defaults: Dict[str, int]) -> Dict[str, int]:
+    """The model shape from the flags, each one not given taken from `defaults`."""
+    return {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in defaults.items()}
+
+
+# ---- argument types ---------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value > _INT_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {_INT_MAX}, got {value}")
+    return value
+
+
+def _split_number(text: str):
+    """'20B' -> (20.0, 'B'); '1.5T' -> (1.5, 'T'); '20e9' -> (2e10, '')."""
+    t = text.strip()
+    i = len(t)
+    while i > 0 and t[i - 1].isalpha():
+        i -= 1
+    # '20e9' ends in a digit; '2e' alone is no number and falls through to the float() error.
+    number, unit = t[:i], t[i:].upper()
+    if unit == "E":
+        number, unit = t, ""
+    return float(number), unit
+
+
+def param_count(text: str) -> int:
+    """Parameters: 7000000000, 20e9, 20B, 1.5T, 100M, 350k (B is a billion here, not a byte)."""
+    try:
+        number, unit = _split_number(text)
+        scale = _COUNT_SUFFIXES[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count; expected e.g. 20e9, 20B, 100M, 1.5T") from None
+    value = number * scale
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 parameter, got {text!r}")
+    if value > _MAX_PARAMS:
+        raise argparse.ArgumentTypeError(f"must be at most {_MAX_PARAMS:.0e} parameters, got {text!r}")
+    return int(round(value))
+
+
+def size(text: str) -> int:
+    """Bytes: 80GiB, 512GB, 64G, 1.5TiB, 4096 (memtide's one size parser, as MEMTIDE_MAX_BYTES reads)."""
+    try:
+        value = _memtide.parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; expected e.g. 80GiB, 512GB, 1.5TiB or a number of bytes") from None
+    # The planner and the bindings take sizes as signed 64-bit integers.
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be below 8 EiB, got {text!r}")
+    return value
+
+
+def positive_size(text: str) -> int:
+    value = size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return value
+
+
+def _float(text: str, minimum: float, inclusive: bool, maximum: Optional[float] = None) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    ok = math.isfinite(value) and (value >= minimum if inclusive else value > minimum)
+    if maximum is not None:
+        ok = ok and value <= maximum
+    if not ok:
+        lo = f"{'>=' if inclusive else '>'} {minimum:g}"
+        accepted = f"a number {lo}" + (f" and <= {maximum:g}" if maximum is not None else "")
+        raise argparse.ArgumentTypeError(f"must be {accepted}, got {text!r}")
+    return value
+
+
+def rate(text: str) -> float:
+    return _float(text, 0.0, inclusive=False)
+
+
+def rate_or_zero(text: str) -> float:
+    return _float(text, 0.0, inclusive=True)
+
+
+def fraction(text: str) -> float:
+    return _float(text, 0.0, inclusive=True, maximum=1.0)
+
+
+def stride(text: str) -> float:
+    """k, the stride of the interleaved update: one in every k subgroups on the GPU."""
+    return _float(text, 1.0, inclusive=True)
+
+
+def window_arg(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of blocks >= 0 or auto, got {text!r}")
+    return n
+
+
+# ---- the PerfModel's rates as flags (memtide plan and memtide simulate) -----------------------
+
+# flag -> (rate key, unit)
+RATE_FLAGS = {
+    "h2d": ("h2d_bytes_per_s", 1e9), "d2h": ("d2h_bytes_per_s", 1e9),
+    "cpu_update": ("cpu_update_params_per_s", 1e9), "gpu_update": ("gpu_update_params_per_s", 1e9),
+    "dram": ("host_dram_bytes_per_s", 1e9),
+}
+
+
+def add_rate_flags(parser) -> None:
+    parser.add_argument("--h2d", type=rate, default=None, metavar="GB/s", help="pinned host-to-device rate")
+    parser.add_argument("--d2h", type=rate, default=None, metavar="GB/s", help="pinned device-to-host rate")
+    parser.add_argument("--cpu-update", type=rate, default=None, metavar="G/s",
+                        help="CPU optimizer step, G params/s per GPU (U_c)")
+    parser.add_argument("--gpu-update", type=rate, default=None, metavar="G/s",
+                        help="GPU optimizer step, G params/s (U_g)")
+    parser.add_argument("--dram", type=rate, default=None, metavar="GB/s",
+                        help="host DRAM bandwidth shared by CPU updates and DMA")

@@ -1,0 +1,156 @@
+"""``memtide observe``: run any CUDA program with the LD_PRELOAD observer and summarize its GPU memory
+timeline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Dict
+
+import memtide
+from memtide._memtide import format_bytes
+
+from ._common import UsageError
+
+def _read_timeline(path: str) -> Dict[str, Any]:
+    """Summarizes an observer log: every process's header, events and summary line.
+
+    A process that died before its exit (abort, _exit, a signal) leaves no summary line, and a
+    write cut short leaves half a line: both make the log incomplete, which the summary says
+    (`complete`, `problems`) instead of failing.
+    """
+    pids, events, summaries, problems = [], 0, [], []
+    peak, peak_t = 0, None
+    t0 = None
+    with open(path, errors="replace") as f:
+        lines = f.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the file ends with a newline, as every whole line does
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            problems.append(f"line {n} is not a whole JSON record" + (" (the last one: cut short)" if n == len(lines)
+                                                                      else ""))
+            continue
+        kind = rec.get("type")
+        if kind == "header":
+            pids.append(rec.get("pid"))
+        elif kind == "event":
+            events += 1
+            t0 = rec.get("t_ns", 0) if t0 is None else t0
+            if rec.get("peak", 0) > peak:
+                peak, peak_t = rec["peak"], rec.get("t_ns", 0)
+        elif kind == "summary":
+            summaries.append(rec)
+    if len(summaries) < len(pids):
+        problems.append(f"{len(pids) - len(summaries)} of {len(pids)} process(es) wrote no summary: they ended "
+                        "without running exit handlers (abort, _exit, a signal); their events up to then are here")
+    return {
+        "log": path, "processes": pids, "events": events, "peak_bytes": peak,
+        "peak_at_s": None if peak_t is None else (peak_t - t0) / 1e9,
+        "current_bytes": sum(s.get("current_bytes", 0) for s in summaries),
+        "unknown_frees": sum(s.get("unknown_frees", 0) for s in summaries),
+        "complete": not problems,
+        "problems": problems,
+    }
+
+
+def _cmd_observe(args: argparse.Namespace) -> int:
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("memtide observe: name the program to run, e.g. memtide observe -- python train.py")
+    lib = memtide.preload_library_path()
+    if not args.log:
+        raise UsageError("memtide observe: --log needs a file name")
+    log = os.path.abspath(args.log)
+    if os.path.lexists(log):
+        # The observer appends; one run, one timeline. Only a regular file is replaced: a link, a
+        # device or a folder at that path is the user's, not an old timeline.
+        if os.path.islink(log) or not os.path.isfile(log):
+            raise UsageError(f"memtide observe: --log {args.log} exists and is not a regular file "
+                              "(a link, a device or a folder); choose another path")
+        os.remove(log)
+    folder = os.path.dirname(log)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"memtide observe: cannot write the timeline {log}: its folder "
+                          f"{'does not exist' if not os.path.isdir(folder) else 'is not writable'}")
+    if args.timeline:
+        from .. import timeline
+
+        try:
+            timeline.check_report_target(args.timeline)  # before the program runs, not after
+        except timeline.TraceError as e:
+            raise UsageError(f"memtide observe: {e}") from None
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = lib + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+    env["MEMTIDE_PRELOAD_LOG"] = log
+    print(f"memtide observe: running {' '.join(command)} with {os.path.basename(lib)}; timeline -> {log}",
+          file=sys.stderr, flush=True)
+    try:
+        rc = subprocess.run(command, env=env).returncode
+    except FileNotFoundError:
+        raise UsageError(f"memtide observe: program {command[0]!r} not found") from None
+    except OSError as e:  # not executable, a directory, a bad interpreter line
+        raise UsageError(f"memtide observe: cannot run {command[0]!r}: {e.strerror or e}") from None
+    if not os.path.exists(log):
+        summary = {"log": log, "processes": [], "events": 0, "peak_bytes": 0, "peak_at_s": None,
+                   "current_bytes": 0, "unknown_frees": 0, "complete": True, "problems": []}
+    else:
+        summary = _read_timeline(log)
+    summary["exit_code"] = rc
+    if args.timeline and os.path.exists(log):
+        from .. import timeline
+
+        files = timeline.companions(args.timeline)
+        trace = files["trace"]
+        timeline.trace_from_observer(log, trace, source="memtide observe", program=" ".join(command))
+        report = timeline.render(trace, args.timeline, chrome=files["chrome"], memory_viz=files["pickle"])
+        summary["timeline"] = {"html": args.timeline, "trace": trace, "events": report["events"]}
+        print(f"memtide observe: timeline report {args.timeline} ({report['events']:,} events)", file=sys.stderr)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        print()
+    elif summary["events"] == 0:
+        print("memtide observe: no cudaMalloc/cudaFree(Async) call was seen. The program allocated no GPU "
+              "memory, or it reached the CUDA runtime without the dynamic symbol table (cudart_static, "
+              "nvcc's default; link with -cudart shared).")
+    else:
+        at = f" at {summary['peak_at_s']:.3f} s" if summary["peak_at_s"] is not None else ""
+        print(f"observed  {summary['events']} segment events in {len(summary['processes'])} process(es)")
+        print(f"peak      {format_bytes(summary['peak_bytes'])}{at} (per process)")
+        print(f"at exit   {format_bytes(summary['current_bytes'])} still allocated"
+              + (f", {summary['unknown_frees']} frees of unseen pointers" if summary["unknown_frees"] else ""))
+        print(f"timeline  {log}")
+    if summary["problems"]:
+        # On stderr in both modes: the figures above cover only what reached the log.
+        for problem in summary["problems"]:
+            print(f"memtide observe: incomplete timeline: {problem}", file=sys.stderr)
+    return rc
+
+
+
+def add_parser(sub) -> None:
+    observe = sub.add_parser(
+        "observe",
+        help="run any CUDA program with the LD_PRELOAD observer and summarize its GPU memory timeline",
+        description="Runs PROGRAM with libmemtide_preload.so preloaded: every cudaMalloc/cudaFree(Async) it "
+        "makes through the shared CUDA runtime is forwarded unchanged and written, with current and peak "
+        "bytes, as JSON Lines to --log; then prints the peak and what was left allocated. Exits with "
+        "PROGRAM's exit code.",
+    )
+    observe.add_argument("--log", default="memtide_observe.jsonl", metavar="FILE",
+                         help="timeline file (default: memtide_observe.jsonl; replaced if it exists)")
+    observe.add_argument("--timeline", metavar="REPORT.html",
+                         help="also write the timeline report (REPORT.html), its trace, a Chrome trace and a "
+                         "memory_viz pickle of the program's cudaMalloc/cudaFree calls")
+    observe.add_argument("--json", action="store_true", help="print the summary as JSON")
+    observe.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- PROGRAM [ARGS]")
+    observe.set_defaults(func=_cmd_observe)

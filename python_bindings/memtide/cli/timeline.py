@@ -1,0 +1,59 @@
+"""``memtide timeline``: render a memtide trace (memtide.timeline) as an HTML report, a Chrome trace, a PNG
+and a memory_viz pickle."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from memtide._memtide import format_bytes
+
+from ._common import UsageError
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from .. import timeline
+
+    # Four outputs by default, beside the report: the Chrome trace, the PNG, the memory_viz pickle.
+    files = timeline.companions(args.output)
+    chrome = args.chrome or files["chrome"]
+    png = args.png or files["png"]
+    viz = args.memory_viz or files["pickle"]
+    try:
+        timeline.check_report_target(args.output)
+        report = timeline.render(args.trace, args.output, chrome=chrome, png=png, progress=not args.json,
+                                 memory_viz=viz)
+    except timeline.TraceError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"wrote {report['html']} ({report['events']:,} events)")
+    print(f"wrote {report['chrome']} ({report['chrome_events']:,} Chrome trace events)")
+    print(f"wrote {report['png']}" if report.get("png") else "no PNG: matplotlib is not installed")
+    print(f"wrote {report['memory_viz']} ({report['memory_viz_entries']:,} allocations and frees for memory_viz)")
+    for r in report["summary"]:
+        print(f"  {r['phase']:<9} {r['duration_s']:.4g} s, peak {format_bytes(int(r['peak_allocated']))}, "
+              f"H2D {format_bytes(int(r['h2d_bytes']))} at {r['h2d_gbs']:.1f} GB/s, "
+              f"D2H {format_bytes(int(r['d2h_bytes']))} at {r['d2h_gbs']:.1f} GB/s")
+    return 0
+
+
+def add_parser(sub) -> None:
+    tl = sub.add_parser(
+        "timeline", help="render a memtide trace: an HTML report that opens offline, a Chrome trace, a PNG, a "
+        "memory_viz pickle",
+        description="Reads a memtide trace (JSON Lines; see memtide/timeline.py for the format) and writes four "
+        "outputs: a single-file HTML report (memory over time per phase, the PCIe lanes, the engines as a Gantt "
+        "chart, the update-phase schedule, a summary per phase) that opens offline, a Chrome/Perfetto trace, a PNG "
+        "(with matplotlib) and the allocations as a snapshot pickle for torch's memory_viz.")
+    tl.add_argument("trace", help="the trace file (e.g. from memtide simulate --timeline)")
+    tl.add_argument("-o", "--output", default="memtide_timeline.html", metavar="REPORT.html",
+                    help="the HTML report (default: memtide_timeline.html)")
+    tl.add_argument("--chrome", metavar="FILE.json",
+                    help="the Chrome trace (chrome://tracing, Perfetto; default: REPORT.chrome.json)")
+    tl.add_argument("--png", metavar="FILE.png", help="the PNG (needs matplotlib; default: REPORT.png)")
+    tl.add_argument("--memory-viz", metavar="FILE.pickle",
+                    help="the allocations as a snapshot pickle for torch's memory_viz (default: REPORT.pickle)")
+    tl.add_argument("--json", action="store_true", help="print what was written as JSON")
+    tl.set_defaults(func=_cmd_timeline)
+
