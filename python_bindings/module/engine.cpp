@@ -138,6 +138,20 @@ class PyUpdateEngine {
     engine_->set_sync_after_step(on);
   }
 
+  // nvme_info() is a report for people and JSON: its last step's transfers as a dict too.
+  static nb::dict nvme_use_dict(const tiering::NvmeUse& u) {
+    nb::dict d;
+    d["read_bytes"] = u.read_bytes;
+    d["write_bytes"] = u.write_bytes;
+    d["read_busy_ns"] = u.read_busy_ns;
+    d["write_busy_ns"] = u.write_busy_ns;
+    d["stall_ns"] = u.stall_ns;
+    d["stall_wall_ns"] = u.stall_wall_ns;
+    d["reads"] = u.reads;
+    d["writes"] = u.writes;
+    return d;
+  }
+
   nb::dict nvme_info() const {
     const tiering::NvmeTierInfo i = engine_->nvme_info();
     nb::dict d;
@@ -150,7 +164,7 @@ class PyUpdateEngine {
     d["read_bytes_per_s"] = i.read_bytes_per_s;
     d["write_bytes_per_s"] = i.write_bytes_per_s;
     d["held"] = i.held;
-    d["last"] = nb::cast(i.last);
+    d["last"] = nvme_use_dict(i.last);
     return d;
   }
 

@@ -52,7 +52,7 @@ def test_updates_during_backward_give_the_sequential_result(policy):
         results.append((everything(model, opt), opt))
     (ref, _), (got, opt) = results
     assert same(ref, got)
-    marks = opt.plan.engine_plan["placement"] if opt.plan.engine_plan else "c" * 12
+    marks = opt.plan.engine_plan.marks
     if any(c in "cgd" for c in marks):
         assert opt._eager.stats["speculated"] > 0 and opt._eager.stats["kept"] == opt._eager.stats["speculated"]
     if policy == "interleaved":
@@ -90,7 +90,7 @@ def test_at_most_the_given_number_of_subgroups_take_part_the_first_backward_comp
 
 
 def test_the_worker_takes_what_it_can_finish_before_backward_ends():
-    from memtide.backward_updates import fit_before_end
+    from memtide.optim.backward_updates import fit_before_end
 
     ready = {0: 20.0, 1: 10.0, 2: 0.0}  # backward completes subgroup 2 first
     assert fit_before_end(ready, {0: 5.0, 1: 5.0, 2: 5.0}, 30.0, 8) == [2, 1, 0]

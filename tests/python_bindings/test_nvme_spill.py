@@ -85,10 +85,10 @@ def test_training_with_spill_equals_training_without(spill_dir, policy):
             info = opt.nvme_info()
             assert 4 <= info["spilled"] <= 8, info
             # Each spilled subgroup is read and written once, but GPU residents (state stays there).
-            placement = opt.plan.engine_plan["placement"]
+            placement = opt.plan.engine_plan.marks
             moved = sum(1 for p, s in zip(placement, info["on_nvme"]) if s and p != "s")
             assert info["last"]["reads"] == moved and info["last"]["writes"] == moved, (placement, info["last"])
-            assert opt.engine.native.host_bytes < 16 * numel(model)
+            assert opt.engine.host_bytes < 16 * numel(model)
         results.append((everything(model, opt), opt.loss_scale))
     assert results[0][1] == results[1][1]
     assert same(results[0][0], results[1][0]), "spilling changed the training"
@@ -98,7 +98,7 @@ def test_interleaved_streams_spilled_subgroups_through_the_gpu(spill_dir):
     model = make_model()
     opt = make_opt(model, "interleaved", spill_dir)
     train(model, opt, DATA[:2])
-    placement = opt.plan.engine_plan["placement"]
+    placement = opt.plan.engine_plan.marks
     on_nvme = opt.nvme_info()["on_nvme"]
     assert any(p == "g" and s for p, s in zip(placement, on_nvme)), (placement, on_nvme)
 
@@ -139,7 +139,7 @@ def test_a_failed_write_back_is_named_and_loses_nothing(spill_dir, fault, words)
     model = make_model()
     opt = make_opt(model, "cpu", spill_dir)
     train(model, opt, DATA[:2])
-    opt.engine.native.inject_nvme_faults(**fault)
+    opt.engine.inject_nvme_faults(**fault)
     x, y = DATA[2]
     opt.zero_grad()
     lm_loss(model(x), y).backward()

@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 
 import memtide  # noqa: E402
 from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
-from memtide.optim import POLICIES, LossScaler, SchedulerEngine, SubgroupEngine, TieredAdamW  # noqa: E402
+from memtide._memtide import UpdateEngine  # noqa: E402
+from memtide.optim import POLICIES, LossScaler, TieredAdamW, engine_unavailable  # noqa: E402
 from memtide_testing import one_torch_thread  # noqa: E402,F401
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
@@ -130,10 +131,10 @@ def test_plan_says_what_ran():
     opt = TieredAdamW(model.parameters(), policy="interleaved", k=2, subgroup_size=SUBGROUP)
     plan = opt.plan
     assert plan.requested == ("cpu", "gpu") * 6  # stride 2: every other subgroup on the GPU
-    if isinstance(opt.engine, SchedulerEngine):
+    if isinstance(opt.engine, UpdateEngine):
         # The scheduler runs GPU placements (on a data-mode SimDevice without a GPU).
         assert plan.placement == plan.requested and plan.reason == ""
-        assert plan.engine_plan["placement"] == "cg" * 6
+        assert plan.engine_plan.marks == "cg" * 6
     elif not torch.cuda.is_available():
         assert plan.placement == ("cpu",) * 12
         assert "no GPU" in plan.reason and "all on CPU" in plan.summary()
@@ -144,21 +145,22 @@ def test_plan_says_what_ran():
 
 
 class CpuEngineAdamW(TieredAdamW):
-    """TieredAdamW on the pure-CPU engine: the reference the scheduler must match bit for bit."""
+    """TieredAdamW with every subgroup on the CPU (the fused CPU kernel): the reference every other
+    placement must match bit for bit."""
 
-    engine_class = SubgroupEngine
+    def __init__(self, params, *, policy, k=None, gpu_static_fraction=0.0, **kw):
+        super().__init__(params, policy="cpu", **kw)
 
 
 def test_default_engine_is_the_scheduler():
-    if SchedulerEngine.available(1):
-        pytest.skip(f"the runtime's device cannot run the scheduler: {SchedulerEngine.available(1)}")
+    if engine_unavailable(1):
+        pytest.skip(f"the runtime's device cannot run the scheduler: {engine_unavailable(1)}")
     opt = TieredAdamW(make_model().parameters(), subgroup_size=SUBGROUP)
-    assert isinstance(opt.engine, SchedulerEngine)
-    assert opt.engine.name == "scheduler"
+    assert isinstance(opt.engine, UpdateEngine)
 
 
 def subgroup_sizes(opt, letter):
-    return sum(e - s for (s, e), c in zip(opt.plan.subgroups, opt.plan.engine_plan["placement"]) if c == letter)
+    return sum(e - s for (s, e), c in zip(opt.plan.subgroups, opt.plan.engine_plan.marks) if c == letter)
 
 
 @pytest.mark.parametrize("policy,kw,letters", [
@@ -169,49 +171,49 @@ def subgroup_sizes(opt, letter):
     ("interleaved", dict(k=1.5), "cgg" * 4),
 ])
 def test_scheduler_places_subgroups_and_matches_the_cpu_engine(policy, kw, letters):
-    if SchedulerEngine.available(1):
-        pytest.skip(SchedulerEngine.available(1))
+    if engine_unavailable(1):
+        pytest.skip(engine_unavailable(1))
     model, ref_model = make_model(), make_model()
     opt = TieredAdamW(model.parameters(), policy=policy, subgroup_size=SUBGROUP, **HYPER, **kw)
     ref = CpuEngineAdamW(ref_model.parameters(), policy=policy, subgroup_size=SUBGROUP, **HYPER, **kw)
-    assert isinstance(opt.engine, SchedulerEngine)
-    assert opt.plan.engine_plan["placement"] == letters
+    assert isinstance(opt.engine, UpdateEngine)
+    assert opt.plan.engine_plan.marks == letters
     losses, ref_losses = train(model, opt, DATA[:6]), train(ref_model, ref, DATA[:6])
-    report = opt.engine.last_report
-    assert report["params_cpu"] == subgroup_sizes(opt, "c")
-    assert report["params_gpu"] == subgroup_sizes(opt, "g")
-    assert report["params_gpu_static"] == subgroup_sizes(opt, "s")
-    gpu = report["params_gpu"] + report["params_gpu_static"]
+    report = opt.last_report
+    assert report.params_cpu == subgroup_sizes(opt, "c")
+    assert report.params_gpu == subgroup_sizes(opt, "g")
+    assert report.params_gpu_static == subgroup_sizes(opt, "s")
+    gpu = report.params_gpu + report.params_gpu_static
     assert (gpu > 0) == (policy != "cpu")
-    assert report["params_cpu"] + gpu == opt.buffers.params.numel()
-    assert report["gpu"]["params"] == gpu  # the device really stepped them
-    assert report["loop_allocations"] == 0 and report["loop_device_allocs"] == 0
-    assert report["measured_ns"] > 0 and report["predicted_ns"] > 0
+    assert report.params_cpu + gpu == opt.buffers.params.numel()
+    assert report.gpu.params == gpu  # the device really stepped them
+    assert report.loop_allocations == 0 and report.loop_device_allocs == 0
+    assert report.measured_ns > 0 and report.predicted_ns > 0
     assert losses == ref_losses
     assert all(torch.equal(a, b) for a, b in zip(flat_state(opt), flat_state(ref)))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
 
 
 def test_auto_plans_with_the_perf_model():
-    if SchedulerEngine.available(1):
-        pytest.skip(SchedulerEngine.available(1))
+    if engine_unavailable(1):
+        pytest.skip(engine_unavailable(1))
     model = make_model()
     opt = TieredAdamW(model.parameters(), policy="auto", subgroup_size=SUBGROUP, **HYPER)
     ep = opt.plan.engine_plan
-    assert len(ep["placement"]) == len(opt.plan.subgroups) == 12
-    assert set(ep["placement"]) <= set("cgs")
-    assert opt.engine.predict_seconds(opt.plan) == ep["prediction"]["total_ns"] * 1e-9 > 0
+    assert len(ep.marks) == len(opt.plan.subgroups) == 12
+    assert set(ep.marks) <= set("cgs")
+    assert ep.prediction.total_ns > 0
     train(model, opt, DATA[:4])
     # Every step was measured and fed to the calibration, which compares it with the prediction.
-    assert len(opt.engine.measured_ns) == 4 and all(ns > 0 for ns in opt.engine.measured_ns)
-    assert opt.engine.native.prediction_errors()["count"] == 4
-    assert opt.engine.clock == ("simulated" if memtide.backend() == "sim" else "wall")
-    assert len(opt.plan.engine_plan["placement"]) == 12  # re-planned every step
+    assert len(opt.measured_ns) == 4 and all(ns > 0 for ns in opt.measured_ns)
+    assert opt.engine.prediction_errors()["count"] == 4
+    assert opt.clock == ("simulated" if memtide.backend() == "sim" else "wall")
+    assert len(opt.plan.engine_plan.marks) == 12  # re-planned every step
 
 
 def test_scheduler_with_param_groups_and_low_precision():
-    if SchedulerEngine.available(1):
-        pytest.skip(SchedulerEngine.available(1))
+    if engine_unavailable(1):
+        pytest.skip(engine_unavailable(1))
     results = []
     for cls in (TieredAdamW, CpuEngineAdamW):
         model = make_model(dtype=torch.bfloat16)
@@ -222,9 +224,9 @@ def test_scheduler_with_param_groups_and_low_precision():
         train(model, opt, DATA[:4])
         results.append((flat_state(opt), [p.detach().clone() for p in params]))
         if cls is TieredAdamW:
-            assert isinstance(opt.engine, SchedulerEngine)
-            assert opt.engine.last_report["runs"] == 2  # one scheduler run per hyperparameter set
-            assert opt.engine.last_report["params_gpu"] > 0
+            assert isinstance(opt.engine, UpdateEngine)
+            assert opt.last_report.runs == 2  # one scheduler run per hyperparameter set
+            assert opt.last_report.params_gpu > 0
     (state, params), (ref_state, ref_params) = results
     assert all(torch.equal(a, b) for a, b in zip(state, ref_state))
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
@@ -243,31 +245,31 @@ def test_one_placement_function_and_one_meaning_of_k(policy, kw):
     ref = memtide.plan_update(sizes, policy=policy, static_fraction=kw.get("gpu_static_fraction", 0.0),
                               k=kw.get("k"), gpu_slot_limit=len(sizes), gpu_static_limit=len(sizes))
     assert opt.plan.requested == tuple("cpu" if c == "c" else "gpu" for c in ref["placement"])
-    if isinstance(opt.engine, SchedulerEngine):
-        assert opt.plan.engine_plan["placement"] == ref["placement"]  # the memory fits it here
+    if isinstance(opt.engine, UpdateEngine):
+        assert opt.plan.engine_plan.marks == ref["placement"]  # the memory fits it here
 
 
 def test_a_step_moves_the_plans_bytes_and_writes_the_models_params():
     """The bf16 params are views of the engine's device buffer, written inside the update phase:
     the bytes the step moves are the bytes its plan counts, with no write-back after it."""
-    if SchedulerEngine.available(1):
-        pytest.skip(SchedulerEngine.available(1))
+    if engine_unavailable(1):
+        pytest.skip(engine_unavailable(1))
     model = make_model(dtype=torch.bfloat16)
     opt = TieredAdamW(model.parameters(), policy="interleaved", k=2, gpu_static_fraction=0.25,
                       subgroup_size=SUBGROUP, loss_scale="dynamic", **HYPER)
-    assert opt.engine.model_attached and not opt.engine.sync_every_step
+    assert opt.model_attached and not opt.sync_after_step
     buffer = opt.buffers.lowp
     for p in model.parameters():  # every param lives in the engine's buffer
         assert buffer.data_ptr() <= p.data_ptr() < buffer.data_ptr() + buffer.numel() * 2
-    placement = opt.plan.engine_plan["placement"]
+    placement = opt.plan.engine_plan.marks
     assert set(placement) == set("cgs")
     for step, (x, y) in enumerate(DATA[:3]):
         backward(model, opt, x, y)
         opt.step()
-        report, pred = opt.engine.last_report, opt.plan.engine_plan["prediction"]
+        report, pred = opt.last_report, opt.plan.engine_plan.prediction
         if step > 0:  # the first step moves the residents in, once
-            assert report["h2d"]["bytes"] == pred["h2d_bytes"]
-            assert report["d2h"]["bytes"] == pred["d2h_bytes"]
+            assert report.h2d.bytes == pred.h2d_bytes
+            assert report.d2h.bytes == pred.d2h_bytes
     opt.sync_state()
     for p, (lo, hi) in zip(model.parameters(), opt._layout.ranges):
         assert torch.equal(p.detach().reshape(-1), opt.buffers.params[lo:hi].to(torch.bfloat16))
@@ -278,8 +280,8 @@ def test_an_optimizer_that_is_gone_gives_its_memory_back(dtype):
     """The engine's host arrays and its device buffer live exactly as long as something uses them."""
     import gc
 
-    if SchedulerEngine.available(1):
-        pytest.skip(SchedulerEngine.available(1))
+    if engine_unavailable(1):
+        pytest.skip(engine_unavailable(1))
     host0, dev0 = memtide.host.stats()["allocated_bytes"], memtide.stats()["allocated_bytes.all.current"]
 
     def train_a_little():
@@ -757,8 +759,8 @@ def test_bad_params_and_state():
 def test_scheduler_sees_model_changes_between_steps():
     """GPU-static residents stay on the device between steps; a model checkpoint loaded into the
     (CPU, aliased) params between steps must still win over those device copies."""
-    if SchedulerEngine.available(1):
-        pytest.skip(SchedulerEngine.available(1))
+    if engine_unavailable(1):
+        pytest.skip(engine_unavailable(1))
     checkpoint = make_model(seed=3).state_dict()
     finals = []
     for cls in (TieredAdamW, CpuEngineAdamW):
@@ -769,7 +771,7 @@ def test_scheduler_sees_model_changes_between_steps():
         train(model, opt, DATA[3:6])
         finals.append((flat_state(opt), [p.detach().clone() for p in model.parameters()]))
         if cls is TieredAdamW:
-            assert opt.engine.last_report["params_gpu_static"] > 0
+            assert opt.last_report.params_gpu_static > 0
     (state, params), (ref_state, ref_params) = finals
     assert all(torch.equal(a, b) for a, b in zip(state, ref_state))
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))

@@ -222,7 +222,7 @@ def test_the_engine_plans_around_pcie_traffic_others_cause():
     from memtide.optim import TieredAdamW
 
     opt = TieredAdamW(torch.nn.Linear(64, 64).parameters(), subgroup_size=1024)
-    engine = opt.engine.native
+    engine = opt.engine
     assert engine.foreign_pcie_share() == (0.0, 0.0)
     engine.observe_pcie(1e6, 5e5, 1e5, own_h2d_busy_ns=1e5, own_d2h_busy_ns=1e5)
     assert engine.foreign_pcie_share() == pytest.approx((0.4, 0.0))

@@ -219,6 +219,83 @@ TYPED_TEST(UpdateEngineTest, DoneSubgroupsAreLeftAsTheyAre) {
   EXPECT_EQ(std::memcmp(e->exp_avg_sq(), ref->exp_avg_sq(), kN * 4), 0);
 }
 
+// The optimizer's step through the engine's own planning: from a layout of params in two
+// groups, under each policy, the same bits as the CPU kernel run directly over the segments the
+// layout gives; subgroups marked done stay as they are, and a skipped step counts no step.
+TYPED_TEST(UpdateEngineTest, TheEnginesOwnStepPlansRunsAndCounts) {
+  if (!device_ops_available(this->device())) GTEST_SKIP() << "no device kernels in this build";
+  // Params of 7,000 elements (the last shorter), alternating between two groups.
+  std::vector<ParamSlot> slots;
+  for (std::size_t s = 0; s < kN; s += 7'000) slots.push_back({s, std::min(kN, s + 7'000), slots.size() % 2, false});
+  StepParams g0, g1;
+  g0.lr = 1e-3;
+  g1.lr = 3e-4;
+  g1.weight_decay = 0;
+  StepRequest request;
+  request.groups = {g0, g1};
+  request.has_grad.assign(slots.size(), 1);
+  request.has_grad[2] = 0;  // no gradient: neither stepped nor counted
+  for (const PolicyChoice& choice : {PolicyChoice{Policy::cpu, 0, {}}, PolicyChoice{Policy::interleaved, 0.3, 2.0},
+                                     PolicyChoice{Policy::automatic, 0, {}}}) {
+    auto ref = this->make();
+    this->fill(*ref, 5);
+    auto e = this->make();
+    this->fill(*e, 5);
+    e->set_layout(ParamLayout(slots, e->subgroups()));
+    e->set_policy(choice);
+    e->set_sync_after_step(true);
+    ParamLayout counted(slots, ref->subgroups());
+    for (int step = 1; step <= 2; ++step) {
+      request.done.assign(e->subgroups().size(), false);
+      // Updated during backward (here: by the reference below). Not under auto, which may keep
+      // every subgroup resident on the device (updates during backward take host-held ones only).
+      if (step == 2 && choice.policy != Policy::automatic) request.done[1] = true;
+      for (const Segment& s : counted.segments(request.groups, request.has_grad)) {
+        reference_step(s, ref->param(), ref->exp_avg(), ref->exp_avg_sq(), ref->grad());
+        if (request.done[s.subgroup]) reference_step(s, e->param(), e->exp_avg(), e->exp_avg_sq(), e->grad());
+      }
+      counted.advance(request.has_grad);
+      const EngineStep r = e->step(request);
+      ASSERT_FALSE(r.skipped);
+      EXPECT_EQ(r.runs, 2U);  // one scheduler run per group
+      EXPECT_EQ(r.predicted_ns, e->current_plan().plan.prediction.total_ns);
+      EXPECT_EQ(r.placement[1], request.done[1] ? Placement::done : e->current_plan().plan.placement[1]);
+    }
+    EXPECT_EQ(std::memcmp(e->param(), ref->param(), kN * 4), 0) << "policy " << static_cast<int>(choice.policy);
+    EXPECT_EQ(std::memcmp(e->exp_avg(), ref->exp_avg(), kN * 4), 0);
+    EXPECT_EQ(std::memcmp(e->exp_avg_sq(), ref->exp_avg_sq(), kN * 4), 0);
+    EXPECT_EQ(e->layout().steps()[0], 2.0F);
+    EXPECT_EQ(e->layout().steps()[2], 0.0F);
+    EXPECT_EQ(e->prediction_errors().count, 2U);  // each step measured against its own plan
+
+    // A non-finite gradient under skip_if_nonfinite changes nothing and counts no step.
+    const std::vector<float> before(e->param(), e->param() + kN);
+    e->grad()[0] = std::numeric_limits<float>::quiet_NaN();
+    StepRequest skipped = request;
+    skipped.done.clear();
+    skipped.skip_if_nonfinite = true;
+    EXPECT_TRUE(e->step(skipped).skipped);
+    EXPECT_EQ(std::memcmp(before.data(), e->param(), kN * 4), 0);
+    EXPECT_EQ(e->layout().steps()[0], 2.0F);
+  }
+}
+
+TYPED_TEST(UpdateEngineTest, TheEnginesOwnStepNamesBadRequests) {
+  auto e = this->make();
+  EXPECT_THROW(e->set_layout(ParamLayout({{0, 10, 0, false}}, {{0, 10}})), InvalidArgument);  // not kN
+  e->set_layout(ParamLayout({{0, kN, 0, false}}, e->subgroups()));
+  EXPECT_THROW(e->set_policy(PolicyChoice{Policy::interleaved, 1.5, 2.0}), InvalidArgument);
+  EXPECT_THROW(e->set_policy(PolicyChoice{Policy::interleaved, 0, 0.5}), InvalidArgument);
+  StepRequest r;
+  r.groups = {StepParams{}};
+  r.has_grad = {1};
+  r.done = {true};  // one flag, seven subgroups
+  EXPECT_THROW((void)e->step(r), InvalidArgument);
+  r.done.clear();
+  r.has_grad = {1, 1};
+  EXPECT_THROW((void)e->step(r), InvalidArgument);
+}
+
 TYPED_TEST(UpdateEngineTest, NonFiniteGradientSkipsEverythingWhenAsked) {
   auto e = this->make();
   this->fill(*e, 3);
