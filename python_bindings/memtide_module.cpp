@@ -52,6 +52,5 @@ NB_MODULE(_memtide, m) {
   memtide::bindings::bind_host(m);
   memtide::bindings::bind_kernels(m);
   memtide::bindings::bind_tiering(m);
-  memtide::bindings::bind_simulator(m);
   memtide::bindings::bind_tracing(m);
 }
