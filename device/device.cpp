@@ -1,6 +1,7 @@
 #include "memtide/device/device.hpp"
 
 #include <chrono>
+#include <cmath>
 #include <string>
 
 #include "memtide/core/error.hpp"
@@ -140,6 +141,20 @@ double Device::do_run_host_work(const HostWork& /*work*/, const std::function<vo
   const double t0 = do_host_now_ns();
   if (body) body();
   return do_host_now_ns() - t0;
+}
+
+bool Device::times_storage() const { return do_times_storage(); }
+
+void Device::enqueue_storage(Stream stream, double bytes, double bytes_per_s) {
+  if (!(bytes >= 0) || !(bytes_per_s > 0) || !std::isfinite(bytes) || !std::isfinite(bytes_per_s)) {
+    throw InvalidArgument("Device::enqueue_storage: bytes must be >= 0 and bytes_per_s > 0, got " +
+                          std::to_string(bytes) + " and " + std::to_string(bytes_per_s));
+  }
+  do_enqueue_storage(stream, bytes, bytes_per_s);
+}
+
+void Device::do_enqueue_storage(Stream /*stream*/, double /*bytes*/, double /*bytes_per_s*/) {
+  throw Error("Device::enqueue_storage: device \"" + props_.name + "\" has no storage clock to time transfers on");
 }
 
 Backend parse_backend(const std::string& name) {

@@ -53,6 +53,5 @@ NB_MODULE(_memtide, m) {
   memtide::bindings::bind_kernels(m);
   memtide::bindings::bind_tiering(m);
   memtide::bindings::bind_engine(m);
-  memtide::bindings::bind_simulator(m);
   memtide::bindings::bind_tracing(m);
 }

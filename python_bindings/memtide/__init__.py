@@ -61,14 +61,27 @@ from ._memtide import (
     replay_transformer,
     reset_peak_stats,
     resolve_backend,
-    simulate_iteration,
-    simulation_defaults,
     stats,
     topology,
     version,
 )
 
 __version__ = version()
+
+# The iteration simulator is an extension of its own (memtide._sim, over libmemtide_sim.so), so
+# that importing memtide does not load it: it is imported the first time one of these is asked for.
+_SIMULATOR = ("simulate_iteration", "simulation_defaults")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SIMULATOR:
+        from . import _sim
+
+        value = getattr(_sim, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ConfigError",

@@ -1,6 +1,6 @@
 #pragma once
-// What the binding files of memtide._memtide share: argument helpers and the bind functions each
-// file defines. The bindings convert between Python and memtide's C++ API; they hold no logic.
+// What the binding files of memtide._memtide (and memtide._sim, the simulator's extension) share:
+// argument helpers and the bind functions each file defines. The bindings convert between Python and memtide's C++ API; they hold no logic.
 
 #include <cstdint>
 #include <string>
@@ -63,21 +63,23 @@ void bind_kernels(nb::module_& m);
 void bind_tiering(nb::module_& m);
 /// The UpdateEngine and the typed results it hands over (Plan, StepReport, Segment).
 void bind_engine(nb::module_& m);
-/// The iteration simulator.
-void bind_simulator(nb::module_& m);
 /// CUPTI activity tracing.
 void bind_tracing(nb::module_& m);
 /// What the process's CUPTI tracer saw on the PCIe links in [from_ns, to_ns) of the steady clock
 /// (the host clock of a CUDA device); nullopt when it is not tracing.
 std::optional<cupti::PcieUse> traced_pcie(double from_ns, double to_ns);
 
-// Shared by the tiering, engine and simulator bindings (tiering.cpp).
+// Shared by the tiering, engine and simulator bindings (conversions.cpp, compiled into both extensions;
+// count_arg and policy_arg in tiering.cpp).
 std::size_t count_arg(const char* name, std::int64_t value);
-const char* policy_key(tiering::Policy p);
 tiering::Policy policy_arg(const std::string& name);
-/// One letter per subgroup: c (CPU), g (streamed through the GPU), s (GPU-static), d (done).
-std::string placement_string(const std::vector<tiering::Placement>& placement);
 nb::dict rates_dict(const tiering::Rates& r);
+/// Starts from the C++ defaults; `overrides` may set any subset of the fields.
+tiering::Rates rates_arg(const std::optional<nb::dict>& overrides);
+/// "cpu", "static", "interleaved" or "auto".
+const char* policy_key(tiering::Policy p);
+/// One letter per subgroup: c (CPU), g (streamed), s (GPU-static), d (done before the phase).
+std::string placement_string(const std::vector<tiering::Placement>& placement);
 nb::dict prediction_dict(const tiering::Prediction& p);
 nb::dict plan_dict(const tiering::Plan& p);
 

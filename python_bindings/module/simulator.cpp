@@ -1,9 +1,11 @@
-// memtide._memtide: the iteration simulator (whole ZeRO-3 iterations on a phantom SimDevice).
+// memtide._sim: the iteration simulator (whole ZeRO-3 iterations on a phantom SimDevice), an
+// extension of its own over libmemtide_sim.so so that libmemtide.so and memtide._memtide do not
+// carry it; `memtide simulate` and memtide.simulate_iteration load it when first asked.
 
 #include <optional>
 #include <string>
 
-#include "memtide/tiering/iteration_sim.hpp"
+#include "memtide/simulator/iteration_sim.hpp"
 #include "common.hpp"
 
 namespace memtide::bindings {
@@ -194,7 +196,15 @@ nb::dict simulation_defaults() {
 
 }  // namespace
 
-void bind_simulator(nb::module_& m) {
+}  // namespace memtide::bindings
+
+NB_MODULE(_sim, m) {
+  using namespace memtide::bindings;
+  m.doc() = "memtide's iteration simulator: whole ZeRO-3 training iterations on a phantom SimDevice.";
+  // memtide._memtide registers how memtide's C++ errors become Python ones (ValueError,
+  // MemoryError, ...); nanobind shares those translators between extensions built alike.
+  nb::module_::import_("memtide._memtide");
+
   m.def("simulate_iteration", &simulate, "model"_a = nb::none(), "shape"_a = nb::none(), "contender"_a = "memtide",
         "node"_a = nb::none(), "checkpointing"_a = true, "iterations"_a = 3, "record_ops"_a = false,
         "window"_a = nb::none(),
@@ -209,5 +219,3 @@ void bind_simulator(nb::module_& m) {
   m.def("simulation_defaults", &simulation_defaults,
         "The node the simulator assumes unless told otherwise (the paper's 4 x H100), and the Table 2 models.");
 }
-
-}  // namespace memtide::bindings

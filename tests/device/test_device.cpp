@@ -170,6 +170,22 @@ TYPED_TEST(DeviceContract, HostWorkRunsOnTheHostClock) {
   EXPECT_THROW(d.run_host_work(HostWork{-1, 0}, [] {}), InvalidArgument);
 }
 
+// Storage transfers are timed where the device keeps a clock for the drive (a simulated one); a
+// GPU leaves the drive to the transfers themselves and refuses to time them.
+TYPED_TEST(DeviceContract, StorageTransfersAreTimedOnlyWhereTheDeviceHasAStorageClock) {
+  Device& d = this->device();
+  const Stream s = d.create_stream();
+  EXPECT_EQ(d.times_storage(), this->sim() != nullptr);
+  if (d.times_storage()) {
+    d.enqueue_storage(s, 1e6, 1e9);
+    d.stream_synchronize(s);
+  } else {
+    EXPECT_THROW(d.enqueue_storage(s, 1e6, 1e9), Error);
+  }
+  EXPECT_THROW(d.enqueue_storage(s, 1e6, -1), InvalidArgument);
+  d.destroy_stream(s);
+}
+
 TYPED_TEST(DeviceContract, VirtualMemoryMapsGranulesIntoAReservation) {
   Device& d = this->device();
   const std::size_t g = d.vmm_granularity();

@@ -51,6 +51,19 @@ TEST(SimDevice, RejectsForeignPointers) {
   d.deallocate(p, 4096);
 }
 
+TEST(SimDevice, StorageTransfersRunOnTheirOwnEngineThroughTheDeviceInterface) {
+  SimDevice sim(phantom_config());
+  Device& d = sim;  // the NVMe tier asks the interface, never which device it has
+  ASSERT_TRUE(d.times_storage());
+  const Stream s = d.create_stream();
+  d.enqueue_storage(s, 2 * kGB, 4 * kGB);
+  EXPECT_NEAR(sim.stream_ready_ns(s), 0.5e9, 1.0);
+  EXPECT_GT(sim.storage_stats().busy_ns, 0.0);
+  EXPECT_THROW(d.enqueue_storage(s, -1, kGB), InvalidArgument);
+  EXPECT_THROW(d.enqueue_storage(s, kGB, 0), InvalidArgument);
+  d.destroy_stream(s);
+}
+
 TEST(SimDevice, PinnedCopyRunsAtLinkRate) {
   SimDevice d(phantom_config());
   const std::size_t bytes = 11ULL << 30;

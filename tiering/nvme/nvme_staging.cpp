@@ -7,7 +7,6 @@
 
 #include "memtide/core/error.hpp"
 #include "memtide/core/log.hpp"
-#include "memtide/device/sim_device.hpp"
 
 namespace memtide::tiering {
 namespace {
@@ -43,7 +42,7 @@ NvmeStaging::NvmeStaging(Device& device, NvmeStore* store, const std::vector<std
                          double phantom_read_bytes_per_s, double phantom_write_bytes_per_s)
     : device_(device), store_(store), slabs_(slabs), phantom_(is_phantom(device)),
       timed_read_rate_(phantom_read_bytes_per_s), timed_write_rate_(phantom_write_bytes_per_s), sizes_(sizes),
-      sim_(dynamic_cast<SimDevice*>(&device)) {
+      timed_storage_(device.times_storage()) {
   if (spilled.size() != sizes.size()) {
     throw InvalidArgument("NvmeStaging: " + std::to_string(spilled.size()) + " spill flags for " +
                           std::to_string(sizes.size()) + " subgroups");
@@ -61,7 +60,9 @@ NvmeStaging::NvmeStaging(Device& device, NvmeStore* store, const std::vector<std
       throw InvalidArgument("NvmeStaging: a phantom device times the NVMe tier at stated rates; read and write "
                             "rates must be > 0");
     }
-    if (sim_ == nullptr) throw InvalidArgument("NvmeStaging: a phantom device must be a SimDevice");
+    if (!timed_storage_) {
+      throw InvalidArgument("NvmeStaging: a phantom device must time storage transfers (Device::times_storage)");
+    }
   } else {
     if (store_ == nullptr) throw InvalidArgument("NvmeStaging: no NvmeStore on a device that stores data");
     if (store_extents(*store_) != extents) {
@@ -178,7 +179,7 @@ void NvmeStaging::begin(const std::vector<std::size_t>& order, std::size_t buffe
   for (Buffer& b : buffers_) b.owner = kNone;
   use_ = NvmeUse{};
   phase_start_ns_ = device_.host_now_ns();
-  if (sim_ != nullptr) {
+  if (timed_storage_) {
     read_done_.resize(sizes_.size());
     for (Event& e : read_done_) {
       if (!e.valid()) e = device_.create_event(false);
@@ -206,14 +207,14 @@ void NvmeStaging::set_rates(double read_bytes_per_s, double write_bytes_per_s) {
 
 void NvmeStaging::queue(Job job) {
   const double bytes = 3.0 * sizeof(float) * static_cast<double>(sizes_[job.subgroup]);
-  if (sim_ != nullptr && timed_read_rate_ > 0 && timed_write_rate_ > 0) {
+  if (timed_storage_ && timed_read_rate_ > 0 && timed_write_rate_ > 0) {
     // On a SimDevice the transfers also take their time on its storage engine, in queue order
     // as one drive serves them, so the virtual clock shows the drive (in data mode the
     // real transfers below move the bytes).
     if (job.after.valid()) device_.stream_wait_event(storage_, job.after);
     const bool read = job.kind == Kind::read;
     const double rate = read ? timed_read_rate_ : timed_write_rate_;
-    sim_->enqueue_storage(storage_, bytes, rate);
+    device_.enqueue_storage(storage_, bytes, rate);
     if (read) device_.record_event(read_done_[job.subgroup], storage_);
     if (phantom_) {
       (read ? use_.read_busy_ns : use_.write_busy_ns) += bytes / rate * 1e9;
@@ -252,7 +253,7 @@ NvmeStaging::Staged NvmeStaging::acquire(std::size_t i) {
     changed_.wait(lock, [&] { return ready_[i] != 0 || error_ != nullptr; });
     if (ready_[i] == 0) std::rethrow_exception(error_);
   }
-  if (sim_ != nullptr && read_done_[i].valid()) device_.event_synchronize(read_done_[i]);
+  if (timed_storage_ && read_done_[i].valid()) device_.event_synchronize(read_done_[i]);
   // The wait on the device's host clock (virtual on a SimDevice) and, for real transfers, on the
   // wall clock.
   use_.stall_ns += device_.host_now_ns() - t0;
@@ -279,7 +280,7 @@ void NvmeStaging::wait_idle(std::unique_lock<std::mutex>& lock) {
 }
 
 NvmeUse NvmeStaging::finish() {
-  if (sim_ != nullptr) device_.stream_synchronize(storage_);
+  if (timed_storage_) device_.stream_synchronize(storage_);
   if (phantom_) {
     for (Buffer& b : buffers_) b.owner = kNone;
     return use_;

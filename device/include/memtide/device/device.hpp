@@ -145,6 +145,19 @@ class Device {
   /// (and runs `body` only when it stores data); a real one runs and times `body`.
   double run_host_work(const HostWork& work, const std::function<void()>& body);
 
+  /// @name Storage transfers
+  /// A device with a clock of its own for the storage drive (a simulated one) times the NVMe
+  /// tier's transfers there, so its host clock shows the drive; on a real device the drive is
+  /// timed by the transfers themselves and there is nothing to enqueue.
+  /// @{
+  /// True when enqueue_storage is available on this device.
+  [[nodiscard]] bool times_storage() const;
+  /// A transfer between host memory and a storage drive on `stream`: `bytes` at `bytes_per_s`,
+  /// one drive serving reads and writes in turn. Throws InvalidArgument for bytes < 0 or a rate
+  /// <= 0 (or not finite), Error where times_storage() is false.
+  void enqueue_storage(Stream stream, double bytes, double bytes_per_s);
+  /// @}
+
   [[nodiscard]] const DeviceProperties& properties() const noexcept { return props_; }
   [[nodiscard]] MemInfo mem_info();
 
@@ -182,6 +195,9 @@ class Device {
   virtual double do_host_now_ns();
   /// Runs and times `body` on the wall clock unless overridden.
   virtual double do_run_host_work(const HostWork& work, const std::function<void()>& body);
+  /// No storage clock unless overridden (enqueue_storage then throws).
+  [[nodiscard]] virtual bool do_times_storage() const { return false; }
+  virtual void do_enqueue_storage(Stream stream, double bytes, double bytes_per_s);
 };
 
 /// Which backend `open_device` picks.

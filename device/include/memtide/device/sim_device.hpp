@@ -92,10 +92,6 @@ class SimDevice final : public Device {
   /// at `bytes_per_s` over the GPU links, an engine of its own (NVLink: it overlaps compute and
   /// PCIe). Returns the virtual end time.
   double enqueue_collective(Stream stream, double bytes, double bytes_per_s);
-  /// A transfer between host memory and a storage drive (the NVMe spill tier) on `stream`:
-  /// `bytes` at `bytes_per_s`, on an engine of its own (one drive serves reads and writes in
-  /// turn). Returns the virtual end time.
-  double enqueue_storage(Stream stream, double bytes, double bytes_per_s);
 
   /// Starts (or stops) recording every operation; take_ops() hands over what was recorded.
   void record_ops(bool on);
@@ -173,6 +169,9 @@ class SimDevice final : public Device {
   /// Charges the work to the virtual host clock (DRAM shared with DMA; a CPU step is also bound
   /// by cpu_update_params_per_s) and runs `body` in data mode.
   double do_run_host_work(const HostWork& work, const std::function<void()>& body) override;
+  /// Storage transfers (the NVMe spill tier) run on an engine of their own.
+  [[nodiscard]] bool do_times_storage() const override { return true; }
+  void do_enqueue_storage(Stream stream, double bytes, double bytes_per_s) override;
 
   SimStream& stream_locked(Stream stream);
   SimEvent& event_locked(Event event);

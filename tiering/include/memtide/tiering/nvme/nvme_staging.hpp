@@ -36,10 +36,6 @@
 #include "memtide/tiering/nvme/nvme_store.hpp"
 #include "memtide/tiering/engine/optimizer_state.hpp"
 
-namespace memtide {
-class SimDevice;
-}
-
 namespace memtide::tiering {
 
 /// What the NVMe tier did in one phase (host clock: wall on a GPU, virtual on a SimDevice).
@@ -156,9 +152,9 @@ class NvmeStaging {
   std::vector<std::size_t> buffer_of_;  // subgroup -> buffer while staged
   std::vector<char> ready_;             // subgroup -> its read completed (this phase)
   std::vector<std::size_t> uses_;       // subgroup -> acquisitions left this phase
-  std::vector<Event> read_done_;        // SimDevice: subgroup -> the read's event (virtual clock)
-  SimDevice* sim_ = nullptr;            // the device when it is a SimDevice (virtual timing)
-  Stream storage_{};                    // a SimDevice's storage engine stream
+  std::vector<Event> read_done_;        // timed storage: subgroup -> the read's event (device clock)
+  bool timed_storage_ = false;          // the device times storage transfers (a SimDevice: virtual clock)
+  Stream storage_{};                    // the storage transfers' stream
   double phase_start_ns_ = 0;
   NvmeUse use_;
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "memtide/core/error.hpp"
-#include "memtide/tiering/iteration_sim.hpp"
+#include "memtide/simulator/iteration_sim.hpp"
 
 using namespace memtide;
 using namespace memtide::tiering;

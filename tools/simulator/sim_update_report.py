@@ -1,7 +1,7 @@
 """Turns memtide_sim_update's CSV into the Markdown kept in bench/results/ and, when matplotlib
 is importable, a plot of update time against the stride k.
 
-Usage: python bench/sim_update_report.py CSV OUT.md [--png OUT.png] [--command CMD]
+Usage: python tools/simulator/sim_update_report.py CSV OUT.md [--png OUT.png] [--command CMD]
        [--extra-csv CSV --extra-label TEXT]
 """
 import argparse

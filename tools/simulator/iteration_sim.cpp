@@ -1,4 +1,4 @@
-#include "memtide/tiering/iteration_sim.hpp"
+#include "memtide/simulator/iteration_sim.hpp"
 
 #include <algorithm>
 #include <cmath>
