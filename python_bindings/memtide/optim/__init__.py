@@ -1,8 +1,9 @@
 """memtide's optimizer for torch: TieredAdamW, a thin adapter over the C++ engine that owns the
 step (memtide._memtide.UpdateEngine), and what it shows of it."""
 
+from .arguments import engine_unavailable
 from .loss_scale import LossScaler
 from .plan import POLICIES, UpdatePlan
-from .tiered_adamw import TieredAdamW, UpdateStats, engine_unavailable
+from .tiered_adamw import TieredAdamW, UpdateStats
 
 __all__ = ["POLICIES", "LossScaler", "TieredAdamW", "UpdatePlan", "UpdateStats", "engine_unavailable"]

@@ -12,6 +12,61 @@ import torch
 
 from .. import _memtide
 from .loss_scale import LossScaler
+from .plan import POLICIES
+
+
+def check_options(policy: Any, subgroup_size: Any, gpu_static_fraction: Any, k: Any, max_grad_norm: Any,
+                  update_during_backward: Any) -> None:
+    """TieredAdamW's own arguments (torch.optim's are checked per group by check_group)."""
+    if policy not in POLICIES:
+        raise ValueError(f"TieredAdamW: policy {policy!r} is not accepted; accepted: "
+                         f"{', '.join(repr(p) for p in POLICIES)}")
+    if not (isinstance(subgroup_size, int) and not isinstance(subgroup_size, bool) and subgroup_size > 0):
+        raise ValueError(f"TieredAdamW: subgroup_size must be an integer > 0, got {subgroup_size!r}")
+    if not (isinstance(gpu_static_fraction, (int, float)) and not isinstance(gpu_static_fraction, bool)
+            and 0.0 <= gpu_static_fraction <= 1.0):
+        raise ValueError(f"TieredAdamW: gpu_static_fraction must be in [0, 1], got {gpu_static_fraction!r}")
+    if k is not None and not (isinstance(k, (int, float)) and not isinstance(k, bool) and math.isfinite(k)
+                              and k >= 1):
+        raise ValueError(f"TieredAdamW: k must be None or a stride >= 1 (one in every k subgroups on the GPU), "
+                         f"got {k!r}")
+    if policy == "cpu" and (gpu_static_fraction or k is not None):
+        raise ValueError("TieredAdamW: policy 'cpu' updates everything on the CPU; "
+                         f"gpu_static_fraction={gpu_static_fraction!r} and k={k!r} would be ignored")
+    if policy == "static" and k is not None:
+        raise ValueError(f"TieredAdamW: k={k!r} applies to policies 'interleaved' and 'auto', not 'static'")
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                          and not isinstance(max_grad_norm, bool)
+                                          and math.isfinite(max_grad_norm) and max_grad_norm > 0):
+        raise ValueError(f"TieredAdamW: max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+    if not (isinstance(update_during_backward, bool) or (isinstance(update_during_backward, int)
+                                                          and update_during_backward >= 1)):
+        raise ValueError("TieredAdamW: update_during_backward must be True, False or a number of subgroups >= 1, "
+                         f"got {update_during_backward!r}")
+
+
+def engine_unavailable(numel: int) -> str:
+    """Why memtide's engine cannot run on the runtime's device here ("" if it can)."""
+    if numel == 0:
+        return "no params to update"
+    try:
+        backend = _memtide.backend()
+        if backend == "sim" and _memtide.options().get("sim_phantom") == "true":
+            return "the runtime's SimDevice is in phantom mode (MEMTIDE_SIM_PHANTOM=true): it stores no data"
+        if _memtide.device_count() < 1:
+            return f"the memtide backend {backend} has no device"
+    except Exception as e:  # a bad MEMTIDE_* setting must not pass silently
+        return f"memtide runtime unavailable: {e}"
+    return ""
+
+
+def device_of(params: List[torch.Tensor]) -> int:
+    """The CUDA device the params live on (0 when all are on the CPU); one per optimizer."""
+    devices = sorted({p.device.index or 0 for p in params if p.is_cuda})
+    if len(devices) > 1:
+        raise ValueError(f"TieredAdamW: params live on cuda:{devices[0]} and cuda:{devices[1]}; one device per "
+                         "optimizer is supported (make one TieredAdamW per device)")
+    return devices[0] if devices else 0
 
 
 @dataclass(frozen=True)

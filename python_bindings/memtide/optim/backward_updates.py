@@ -192,7 +192,7 @@ class BackwardUpdates:
         spec = _Speculation(sg, segments, opt._grad_scale())
         self._spec[sg] = spec
         self.stats["speculated"] += 1
-        native = opt.engine if opt._device_path else None
+        native = opt.engine if opt._grads.device_path else None
         spec.future = self._pool.submit(self._run, opt.buffers, spec, native)
 
     def _run(self, b, spec: _Speculation, native) -> bool:

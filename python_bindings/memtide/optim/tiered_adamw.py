@@ -18,54 +18,23 @@ Algorithm 1, one in every k subgroups updated on the GPU (k = 1 all, k = 2 every
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
 from .. import _memtide
-from .arguments import NvmeTier, check_group, check_state_dict, nvme_tier
+from . import checkpoint
+from .arguments import NvmeTier, check_group, check_options, device_of, engine_unavailable, nvme_tier
 from .backward_updates import BackwardUpdates
+from .gradients import SUPPORTED_DTYPES, GradientPath
 from .loss_scale import LossScaler, make_scaler
-from .plan import POLICIES, UpdatePlan, requested
+from .plan import UpdatePlan, requested
 
 _LOWP = (torch.float16, torch.bfloat16)
-_SUPPORTED_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def engine_unavailable(numel: int) -> str:
-    """Why memtide's engine cannot run on the runtime's device here ("" if it can)."""
-    if numel == 0:
-        return "no params to update"
-    try:
-        backend = _memtide.backend()
-        if backend == "sim" and _memtide.options().get("sim_phantom") == "true":
-            return "the runtime's SimDevice is in phantom mode (MEMTIDE_SIM_PHANTOM=true): it stores no data"
-        if _memtide.device_count() < 1:
-            return f"the memtide backend {backend} has no device"
-    except Exception as e:  # a bad MEMTIDE_* setting must not pass silently
-        return f"memtide runtime unavailable: {e}"
-    return ""
-
-
-def _grad_hook(optimizer: "weakref.ref[TieredAdamW]", i: int, p: torch.Tensor) -> None:
-    opt = optimizer()
-    if opt is not None:
-        opt._grad_ready(i, p)
-
-
-def _device_of(params: List[torch.Tensor]) -> int:
-    """The CUDA device the params live on (0 when all are on the CPU); one per optimizer."""
-    devices = sorted({p.device.index or 0 for p in params if p.is_cuda})
-    if len(devices) > 1:
-        raise ValueError(f"TieredAdamW: params live on cuda:{devices[0]} and cuda:{devices[1]}; one device per "
-                         "optimizer is supported (make one TieredAdamW per device)")
-    return devices[0] if devices else 0
 
 
 @dataclass
@@ -95,16 +64,6 @@ class _Layout:
     pieces: List[List[Tuple[int, int, int]]]  # per subgroup: (param index, start, end)
     subgroups: Tuple[Tuple[int, int], ...]
     numel: int
-
-
-@dataclass
-class _Flushed:
-    """A gradient the hook sent on its way: which tensor, at which in-place version, its norm."""
-
-    address: int
-    version: int
-    norm: Optional[torch.Tensor]
-    on_device: bool  # through the engine's gradient path (with its NaN/Inf verdict)
 
 
 @dataclass
@@ -170,31 +129,7 @@ class TieredAdamW(torch.optim.Optimizer):
                  max_grad_norm: Optional[float] = None, host_budget: Union[None, int, str] = None,
                  nvme_dir: Any = None, nvme_read_ahead: int = 2,
                  update_during_backward: Union[bool, int] = False) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"TieredAdamW: policy {policy!r} is not accepted; accepted: "
-                             f"{', '.join(repr(p) for p in POLICIES)}")
-        if not (isinstance(subgroup_size, int) and not isinstance(subgroup_size, bool) and subgroup_size > 0):
-            raise ValueError(f"TieredAdamW: subgroup_size must be an integer > 0, got {subgroup_size!r}")
-        if not (isinstance(gpu_static_fraction, (int, float)) and not isinstance(gpu_static_fraction, bool)
-                and 0.0 <= gpu_static_fraction <= 1.0):
-            raise ValueError(f"TieredAdamW: gpu_static_fraction must be in [0, 1], got {gpu_static_fraction!r}")
-        if k is not None and not (isinstance(k, (int, float)) and not isinstance(k, bool) and math.isfinite(k)
-                                  and k >= 1):
-            raise ValueError(f"TieredAdamW: k must be None or a stride >= 1 (one in every k subgroups on the GPU), "
-                             f"got {k!r}")
-        if policy == "cpu" and (gpu_static_fraction or k is not None):
-            raise ValueError("TieredAdamW: policy 'cpu' updates everything on the CPU; "
-                             f"gpu_static_fraction={gpu_static_fraction!r} and k={k!r} would be ignored")
-        if policy == "static" and k is not None:
-            raise ValueError(f"TieredAdamW: k={k!r} applies to policies 'interleaved' and 'auto', not 'static'")
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
-                                              and not isinstance(max_grad_norm, bool)
-                                              and math.isfinite(max_grad_norm) and max_grad_norm > 0):
-            raise ValueError(f"TieredAdamW: max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
-        if not (isinstance(update_during_backward, bool) or (isinstance(update_during_backward, int)
-                                                              and update_during_backward >= 1)):
-            raise ValueError("TieredAdamW: update_during_backward must be True, False or a number of subgroups >= 1, "
-                             f"got {update_during_backward!r}")
+        check_options(policy, subgroup_size, gpu_static_fraction, k, max_grad_norm, update_during_backward)
         self.nvme: Optional[NvmeTier] = nvme_tier(nvme_dir, host_budget, nvme_read_ahead)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
         self._ready = False
@@ -218,7 +153,7 @@ class TieredAdamW(torch.optim.Optimizer):
         #: the micro-batches before the last). Updates during backward happen only in the last.
         self.last_micro_batch = True
         self._eager: Optional[BackwardUpdates] = None
-        self._stale: set = set()
+        self._grads: Optional[GradientPath] = None
         super().__init__(params, defaults)
         self._ready = True
         self._build()
@@ -246,7 +181,7 @@ class TieredAdamW(torch.optim.Optimizer):
         lowp_dtype: Optional[torch.dtype] = None
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
-                if p.dtype not in _SUPPORTED_PARAM_DTYPES:
+                if p.dtype not in SUPPORTED_DTYPES:
                     raise ValueError(f"TieredAdamW: param of dtype {p.dtype} is not supported; "
                                      "accepted: torch.float32, torch.float16, torch.bfloat16")
                 if p.is_sparse:
@@ -337,15 +272,9 @@ class TieredAdamW(torch.optim.Optimizer):
                 pieces[sg].append((i, max(lo, s), min(hi, e)))
         self._layout = _Layout(params, ranges, lowp_of, aliased, pieces, bounds, numel)
         # The gradient path: each gradient leaves for the host the moment backward finishes it.
-        for handle in getattr(self, "_grad_hooks", ()):
-            handle.remove()
-        # A weak reference: the params outlive the optimizer and must not keep it (and its pinned
-        # memory) alive through their hooks. Frozen params get none (step() gathers them later).
-        me = weakref.ref(self)
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, me, i))
-                            for i, p in enumerate(params) if p.requires_grad and p.is_leaf]
-        self._flushed: List[Optional[_Flushed]] = [None] * len(params)
-        self._device_path = engine is not None and not engine.simulated
+        if self._grads is not None:
+            self._grads.remove()
+        self._grads = GradientPath(self)
         self._host_versions = None
         self._requested = requested(self.policy, bounds, self.k, self.gpu_static_fraction)
         if engine is not None:
@@ -361,7 +290,7 @@ class TieredAdamW(torch.optim.Optimizer):
         tier = {} if self.nvme is None else dict(nvme_dir=self.nvme.dir, host_budget=self.nvme.host_budget,
                                                  nvme_read_ahead=self.nvme.read_ahead)
         engine = _memtide.UpdateEngine(numel, list(bounds), low_precision_bytes=lowp_bytes,
-                                       device=_device_of(params), **tier)
+                                       device=device_of(params), **tier)
         #: Subgroups whose params and moments live on NVMe (0: no NVMe tier in use).
         self.spilled_subgroups = int(engine.nvme_info()["spilled"])
         arrays = [torch.from_dlpack(a) for a in engine.arrays()]
@@ -447,18 +376,15 @@ class TieredAdamW(torch.optim.Optimizer):
             return loss
         t0 = time.perf_counter()
         self._wait_for_copies()
-        groups = []
         for group in self.param_groups:
             check_group(group)
-            beta1, beta2 = group["betas"]
-            groups.append(_memtide.StepParams(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                                              float(group["weight_decay"])))
+        groups = self._step_groups()
 
         speculated = self._eager.settle() if self._eager is not None else {}
-        has_grad, path_verdict = self._gather_grads()
+        has_grad, path_verdict = self._grads.gather()
         self.last_step_skipped = False
         if not any(has_grad):
-            self._flushed = [None] * len(self._layout.params)
+            self._grads.reset()
             if self._eager is not None:
                 self._eager.rollback()
             return loss
@@ -467,13 +393,13 @@ class TieredAdamW(torch.optim.Optimizer):
         clip = 1.0
         nonfinite = False
         if self.max_grad_norm is not None:
-            norm = math.sqrt(self._grad_norm_squares(has_grad)) * grad_scale
+            norm = math.sqrt(self._grads.norm_squares(has_grad)) * grad_scale
             self.last_grad_norm = norm
             if math.isfinite(norm):
                 clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
             else:
                 nonfinite = True
-        self._flushed = [None] * len(self._layout.params)  # the next backward sends its own
+        self._grads.reset()  # the next backward sends its own
 
         flags = bytes(has_grad)
         engine_seconds = 0.0
@@ -488,7 +414,7 @@ class TieredAdamW(torch.optim.Optimizer):
         if speculated:
             # Updates made during backward stand where they used exactly the step's inputs; the
             # others are put back and run below (backward_updates.py).
-            done = self._eager.accept(self.engine.segments(groups, flags), grad_scale, clip, self._stale,
+            done = self._eager.accept(self.engine.segments(groups, flags), grad_scale, clip, self._grads.stale,
                                       self.scaler is not None)
             if nonfinite or (self.scaler is not None and self._eager.nonfinite()):
                 self._eager.rollback()  # the whole step is skipped
@@ -555,87 +481,6 @@ class TieredAdamW(torch.optim.Optimizer):
             if has_grad[i] and layout.lowp_of[i]:
                 b.lowp[lo:hi].copy_(b.params[lo:hi])
 
-    @torch.no_grad()
-    def _grad_ready(self, i: int, p: torch.Tensor) -> None:
-        """Backward has finished param i's gradient (a post-accumulate-grad hook): send it to the
-        host gradient buffer now, overlapping the rest of backward, and take its norm where it is.
-
-        CUDA gradients go through the engine's gradient path (upcast on the GPU, D2H on its own
-        streams, checked for NaN/Inf on the way); CPU gradients are copied (upcast) at once. With
-        gradient accumulation every micro-batch sends the accumulated gradient again: the last,
-        complete one is what step() finds.
-        """
-        g = p.grad
-        lo, hi = self._layout.ranges[i]
-        if g is None or g.is_sparse or hi == lo:
-            return
-        if g.is_cuda:
-            if not (self._device_path and g.device.index == self.engine.device and g.is_contiguous()
-                    and g.dtype in _SUPPORTED_PARAM_DTYPES):
-                return  # gathered by step()
-            self.engine.push_grad(lo, g.data_ptr(), str(g.dtype).replace("torch.", ""), hi - lo,
-                                  torch.cuda.current_stream(g.device).cuda_stream)
-            norm = None if self.max_grad_norm is None else torch.linalg.vector_norm(g, dtype=torch.float32)
-            self._flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=True)
-        else:
-            grads = self.buffers.grads
-            grads[lo:hi].copy_(g.reshape(-1))
-            norm = None if self.max_grad_norm is None else torch.linalg.vector_norm(grads[lo:hi])
-            self._flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=False)
-        if self._eager is not None:
-            self._eager.grad_ready(i)
-
-    def _gather_grads(self) -> Tuple[List[bool], Optional[bool]]:
-        """Makes the flat fp32 gradient buffer hold every gradient: waits for the gradient path,
-        then copies (upcast) those it did not carry or that changed since (an in-place edit
-        between backward and step). Returns which params have a gradient, and the gradient path's
-        NaN/Inf verdict when it carried all of them (else None: the engine scans the host)."""
-        layout, grads = self._layout, self.buffers.grads
-        has_grad = [False] * len(layout.params)
-        verdict = self.engine.finish_grads() if self._device_path else True
-        all_on_device = True
-        stale = []
-        for i, p in enumerate(layout.params):
-            g = p.grad
-            if g is None:
-                continue
-            if g.is_sparse:
-                raise RuntimeError("TieredAdamW does not support sparse gradients")
-            has_grad[i] = True
-            f = self._flushed[i]
-            if f is not None and f.address == g.data_ptr() and f.version == g._version:
-                all_on_device &= f.on_device
-                continue
-            if f is not None and getattr(g, "_memtide_copy_of", None) == (f.address, f.version, g._version):
-                # An unchanged copy of the gradient the hook took (the layer window sent it home).
-                all_on_device &= f.on_device
-                continue
-            self._flushed[i] = None
-            stale.append(i)
-        self._stale = set(stale)
-        if stale and self._device_path:
-            # Gradients the path kept on the GPU go to the host first, so the copies below win.
-            self.engine.grads_to_host()
-        any_cuda = False
-        for i in stale:
-            g, (lo, hi) = layout.params[i].grad, layout.ranges[i]
-            any_cuda |= g.is_cuda
-            all_on_device = False
-            grads[lo:hi].copy_(g.reshape(-1), non_blocking=g.is_cuda)
-        if any_cuda:
-            torch.cuda.synchronize()
-        return has_grad, (verdict if all_on_device and any(has_grad) else None)
-
-    def _grad_norm_squares(self, has_grad: List[bool]) -> float:
-        """Sum of the squared gradient norms, each taken where its gradient is (in the hook)."""
-        b, sq = self.buffers, 0.0
-        for i, (lo, hi) in enumerate(self._layout.ranges):
-            if has_grad[i] and hi > lo:
-                f = self._flushed[i]
-                norm = f.norm if f is not None and f.norm is not None else torch.linalg.vector_norm(b.grads[lo:hi])
-                sq += float(norm) ** 2
-        return sq
-
     def _grad_scale(self) -> float:
         return 1.0 if self.scaler is None else 1.0 / self.scaler.scale
 
@@ -696,22 +541,7 @@ class TieredAdamW(torch.optim.Optimizer):
         Like torch's, the tensors are references to the live state (views of the flat buffers):
         copy or save the dict before the next step if it must not change.
         """
-        self.sync_state()
-        packed = super().state_dict()
-        layout = self._layout
-        index = {id(p): i for i, p in enumerate(layout.params)}
-        state = {}
-        order = [p for g in self.param_groups for p in g["params"]]
-        for idx, entry in packed["state"].items():
-            entry = dict(entry)
-            i = index[id(order[idx])]
-            if layout.lowp_of[i]:
-                lo, hi = layout.ranges[i]
-                entry["master_param"] = self.buffers.params[lo:hi].view(layout.params[i].shape)
-            state[idx] = entry
-        packed["state"] = state
-        packed["memtide"] = {"format": 1, "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
-        return packed
+        return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state dict of TieredAdamW or torch.optim.AdamW (same param order and sizes).
@@ -719,48 +549,7 @@ class TieredAdamW(torch.optim.Optimizer):
         The whole dict is checked before anything changes: a bad one raises ValueError naming
         what is wrong and leaves the optimizer exactly as it was.
         """
-        entries, groups, scaler_state = check_state_dict(state_dict, self.param_groups, "TieredAdamW.load_state_dict")
-        if self._eager is not None:
-            self._eager.rollback()
-        layout = self._layout
-        index = {id(p): i for i, p in enumerate(layout.params)}
-        if self.engine is not None:
-            # Everything is known good from here on.
-            self._wait_for_copies()
-            if self.spilled_subgroups:
-                self.sync_state()  # spilled ranges in host memory, so that what is written here counts
-            self._host_changed()
-            # The model is the truth for fp32 params and the fallback for fp16/bf16 ones (a state
-            # dict of torch.optim.AdamW has no master params); saved masters replace it below.
-            self.sync_master_from_model()
-            b = self.buffers
-            steps = torch.from_dlpack(self.engine.steps())
-            with torch.no_grad():
-                b.exp_avg.zero_()
-                b.exp_avg_sq.zero_()
-                steps.zero_()
-                for p, exp_avg, exp_avg_sq, step, master in entries:
-                    i = index[id(p)]
-                    lo, hi = layout.ranges[i]
-                    b.exp_avg[lo:hi].copy_(exp_avg.reshape(-1))
-                    b.exp_avg_sq[lo:hi].copy_(exp_avg_sq.reshape(-1))
-                    steps[i] = float(step)
-                    if master is not None:
-                        b.params[lo:hi].copy_(master.reshape(-1))
-                        if layout.lowp_of[i]:
-                            b.lowp[lo:hi].copy_(b.params[lo:hi])
-                            if not layout.aliased[i]:
-                                p.data.copy_(b.lowp[lo:hi].view(p.shape))
-        for values, group in zip(groups, self.param_groups):
-            group.update(values)
-        if scaler_state is not None:
-            if self.scaler is None:
-                self.scaler = LossScaler()
-            self.scaler.load_state_dict(scaler_state)
-        self.state.clear()
-        self._expose_state()
-        if self.spilled_subgroups:
-            self.engine.spill_host(layout.numel)  # back within the host budget now
+        checkpoint.load_state_dict(self, state_dict)
 
     spilled_subgroups = 0  #: subgroups whose params and moments live on NVMe (0 without an NVMe tier)
     engine = None  #: memtide._memtide.UpdateEngine (None while there is nothing to update)
@@ -782,21 +571,7 @@ class TieredAdamW(torch.optim.Optimizer):
         (``model.load_state_dict``, ``torch.nn.init``) are noticed at the next step; a write
         through ``p.data`` is not, so call this after one.
         """
-        if self.engine is None:
-            return
-        self._wait_for_copies()
-        if self.spilled_subgroups:
-            self.sync_state()  # the moments of spilled subgroups must be there beside the new params
-        self._host_changed()
-        layout, b = self._layout, self.buffers
-        for i, p in enumerate(layout.params):
-            lo, hi = layout.ranges[i]
-            if layout.lowp_of[i]:
-                if not layout.aliased[i]:
-                    b.lowp[lo:hi].copy_(p.detach().reshape(-1))
-                b.params[lo:hi].copy_(b.lowp[lo:hi])
-            elif not layout.aliased[i]:
-                b.params[lo:hi].copy_(p.detach().reshape(-1))
+        checkpoint.sync_master_from_model(self)
 
     def __repr__(self) -> str:
         plan = self.plan.summary() if self.engine is not None else "nothing to update"

@@ -1,0 +1,144 @@
+"""TieredAdamW's gradient path: a hook per param sends each gradient on its way the moment
+backward finishes it (CUDA gradients through the engine's own path: upcast on the GPU, D2H on its
+streams, checked for NaN/Inf on the way; CPU gradients copied into the flat buffer at once), and
+step() gathers what the hooks did not carry or what changed since."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Any, List, Optional, Set, Tuple
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _Flushed:
+    """A gradient the hook sent on its way: which tensor, at which in-place version, its norm."""
+
+    address: int
+    version: int
+    norm: Optional[torch.Tensor]
+    on_device: bool  # through the engine's gradient path (with its NaN/Inf verdict)
+
+
+def _hook(path: "weakref.ref[GradientPath]", i: int, p: torch.Tensor) -> None:
+    me = path()
+    if me is not None:
+        me.ready(i, p)
+
+
+class GradientPath:
+    """The hooks of one TieredAdamW over its current layout (made anew with it)."""
+
+    def __init__(self, opt: Any) -> None:
+        # A weak reference: the params outlive the optimizer and must not keep it (and its pinned
+        # memory) alive through their hooks.
+        self._opt = weakref.ref(opt)
+        params = opt._layout.params
+        #: The CUDA gradients travel the engine's own path (a real GPU); else they are copied here.
+        self.device_path = opt.engine is not None and not opt.engine.simulated
+        self.flushed: List[Optional[_Flushed]] = [None] * len(params)
+        #: Params whose gradient step() had to copy itself (changed after its hook ran).
+        self.stale: Set[int] = set()
+        me = weakref.ref(self)
+        # Frozen params get none (step() gathers whatever gradient they have later).
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, me, i))
+                       for i, p in enumerate(params) if p.requires_grad and p.is_leaf]
+
+    @property
+    def opt(self) -> Any:
+        return self._opt()
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def reset(self) -> None:
+        """The next backward sends its own gradients."""
+        self.flushed = [None] * len(self.flushed)
+
+    @torch.no_grad()
+    def ready(self, i: int, p: torch.Tensor) -> None:
+        """Backward has finished param i's gradient (a post-accumulate-grad hook): send it to the
+        host gradient buffer now, overlapping the rest of backward, and take its norm where it is.
+
+        CUDA gradients go through the engine's gradient path (upcast on the GPU, D2H on its own
+        streams, checked for NaN/Inf on the way); CPU gradients are copied (upcast) at once. With
+        gradient accumulation every micro-batch sends the accumulated gradient again: the last,
+        complete one is what step() finds.
+        """
+        g = p.grad
+        lo, hi = self.opt._layout.ranges[i]
+        if g is None or g.is_sparse or hi == lo:
+            return
+        if g.is_cuda:
+            if not (self.device_path and g.device.index == self.opt.engine.device and g.is_contiguous()
+                    and g.dtype in SUPPORTED_DTYPES):
+                return  # gathered by step()
+            self.opt.engine.push_grad(lo, g.data_ptr(), str(g.dtype).replace("torch.", ""), hi - lo,
+                                  torch.cuda.current_stream(g.device).cuda_stream)
+            norm = None if self.opt.max_grad_norm is None else torch.linalg.vector_norm(g, dtype=torch.float32)
+            self.flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=True)
+        else:
+            grads = self.opt.buffers.grads
+            grads[lo:hi].copy_(g.reshape(-1))
+            norm = None if self.opt.max_grad_norm is None else torch.linalg.vector_norm(grads[lo:hi])
+            self.flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=False)
+        if self.opt._eager is not None:
+            self.opt._eager.grad_ready(i)
+
+    def gather(self) -> Tuple[List[bool], Optional[bool]]:
+        """Makes the flat fp32 gradient buffer hold every gradient: waits for the gradient path,
+        then copies (upcast) those it did not carry or that changed since (an in-place edit
+        between backward and step). Returns which params have a gradient, and the gradient path's
+        NaN/Inf verdict when it carried all of them (else None: the engine scans the host)."""
+        layout, grads = self.opt._layout, self.opt.buffers.grads
+        has_grad = [False] * len(layout.params)
+        verdict = self.opt.engine.finish_grads() if self.device_path else True
+        all_on_device = True
+        stale = []
+        for i, p in enumerate(layout.params):
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError("TieredAdamW does not support sparse gradients")
+            has_grad[i] = True
+            f = self.flushed[i]
+            if f is not None and f.address == g.data_ptr() and f.version == g._version:
+                all_on_device &= f.on_device
+                continue
+            if f is not None and getattr(g, "_memtide_copy_of", None) == (f.address, f.version, g._version):
+                # An unchanged copy of the gradient the hook took (the layer window sent it home).
+                all_on_device &= f.on_device
+                continue
+            self.flushed[i] = None
+            stale.append(i)
+        self.stale = set(stale)
+        if stale and self.device_path:
+            # Gradients the path kept on the GPU go to the host first, so the copies below win.
+            self.opt.engine.grads_to_host()
+        any_cuda = False
+        for i in stale:
+            g, (lo, hi) = layout.params[i].grad, layout.ranges[i]
+            any_cuda |= g.is_cuda
+            all_on_device = False
+            grads[lo:hi].copy_(g.reshape(-1), non_blocking=g.is_cuda)
+        if any_cuda:
+            torch.cuda.synchronize()
+        return has_grad, (verdict if all_on_device and any(has_grad) else None)
+
+    def norm_squares(self, has_grad: List[bool]) -> float:
+        """Sum of the squared gradient norms, each taken where its gradient is (in the hook)."""
+        b, sq = self.opt.buffers, 0.0
+        for i, (lo, hi) in enumerate(self.opt._layout.ranges):
+            if has_grad[i] and hi > lo:
+                f = self.flushed[i]
+                norm = f.norm if f is not None and f.norm is not None else torch.linalg.vector_norm(b.grads[lo:hi])
+                sq += float(norm) ** 2
+        return sq
