@@ -78,6 +78,8 @@ SimDevice::SimDevice(SimConfig config) : config_(config), dram_(config.host_dram
   props_.total_memory = config.capacity;
   props_.copy_engines = 2;
   props_.stores_data = !config.phantom;
+  props_.virtual_clock = true;
+  props_.host_addressable = !config.phantom;
   next_phantom_ = kPhantomBase;
 }
 

@@ -51,6 +51,12 @@ class PyUpdateEngine {
     HostArena& arena = rt.host_arena(device);
     nb::gil_scoped_release nogil;  // the arena may map, touch and register a slab: milliseconds
     engine_ = std::make_unique<tiering::UpdateEngine>(a, arena, count, std::move(ranges), &default_pool(), config);
+    // The process's CUPTI tracer (when it runs) tells the engine what others do on the links.
+    engine_->set_traffic_source([](double from_ns, double to_ns) -> std::optional<tiering::LinkTraffic> {
+      const auto use = traced_pcie(from_ns, to_ns);
+      if (!use) return std::nullopt;
+      return tiering::LinkTraffic{use->h2d.busy_ns, use->d2h.busy_ns};
+    });
     device_ = device;
   }
 
@@ -115,9 +121,7 @@ class PyUpdateEngine {
         request(std::move(groups), has_grad, grad_scale, clip, skip_if_nonfinite, grads_finite, std::move(done));
     nb::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mutex_);
-    tiering::EngineStep out = engine_->step(r);
-    if (!out.placement.empty()) observe_traced_pcie(out.total);  // the engine ran (skipped or not)
-    return out;
+    return engine_->step(r);
   }
 
   std::vector<tiering::Segment> segments(std::vector<tiering::StepParams> groups, const nb::bytes& has_grad,
@@ -255,9 +259,9 @@ class PyUpdateEngine {
     const auto code = static_cast<std::uint8_t>(dt == tiering::DType::bf16 ? nb::dlpack::dtype_code::Bfloat
                                                                             : nb::dlpack::dtype_code::Float);
     const nb::dlpack::dtype d{code, 16, 1};
-    const bool sim = simulated();
-    return nb::ndarray<>(p, 1, shape, self, nullptr, d, sim ? nb::device::cpu::value : nb::device::cuda::value,
-                         sim ? 0 : device_);
+    const bool host = host_memory();
+    return nb::ndarray<>(p, 1, shape, self, nullptr, d, host ? nb::device::cpu::value : nb::device::cuda::value,
+                         host ? 0 : device_);
   }
 
   nb::dict rates() const { return rates_dict(engine_->rates()); }
@@ -274,31 +278,16 @@ class PyUpdateEngine {
   std::uint64_t host_bytes() const { return engine_->host_bytes(); }
   tiering::UpdateEngine& native() { return *engine_; }
 
-  // On a GPU with CUPTI tracing on, the PCIe links during the previous update phase (its records
-  // have arrived by now) less this engine's own copies tell the plan what others take.
-  void observe_traced_pcie(const tiering::StepReport& r) {
-    if (engine_->device().properties().backend != "cuda") return;
-    if (last_window_[1] > last_window_[0]) {
-      if (const auto use = traced_pcie(last_window_[0], last_window_[1])) {
-        engine_->observe_pcie(tiering::PcieObservation{last_window_[1] - last_window_[0], use->h2d.busy_ns,
-                                                       use->d2h.busy_ns, last_own_[0], last_own_[1]});
-      }
-    }
-    last_window_[0] = r.phase_start_ns;
-    last_window_[1] = r.phase_start_ns + r.phase_ns;
-    last_own_[0] = r.h2d.busy_ns;
-    last_own_[1] = r.d2h.busy_ns;
-  }
   std::uint64_t resident_bytes() const { return engine_->resident_bytes(); }
   std::string device_name() const { return engine_->device().properties().name; }
   int device() const { return device_; }
   // For reports: which clock the measurements are on.
-  bool simulated() const { return engine_->device().properties().backend != "cuda"; }
+  bool simulated() const { return engine_->device().properties().virtual_clock; }
+  // Where its device memory is: host memory (a SimDevice) or a GPU's.
+  bool host_memory() const { return engine_->device().properties().host_addressable; }
 
  private:
   std::unique_ptr<tiering::UpdateEngine> engine_;
-  double last_window_[2] = {0, 0};  // the last update phase, host clock ns
-  double last_own_[2] = {0, 0};     // its H2D and D2H busy time from this engine's copies
   std::mutex mutex_;
   int device_ = 0;
 };
@@ -549,7 +538,9 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("resident_bytes", &PyUpdateEngine::resident_bytes, "Device bytes the engine holds between steps.")
       .def_prop_ro("device", &PyUpdateEngine::device)
       .def_prop_ro("device_name", &PyUpdateEngine::device_name)
-      .def_prop_ro("simulated", &PyUpdateEngine::simulated);
+      .def_prop_ro("simulated", &PyUpdateEngine::simulated, "Its times are on a virtual clock (a SimDevice).")
+      .def_prop_ro("host_memory", &PyUpdateEngine::host_memory,
+                   "Its device memory is host memory (a SimDevice in data mode): CPU tensors reach it.");
 }
 
 }  // namespace memtide::bindings

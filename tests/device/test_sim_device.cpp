@@ -189,3 +189,16 @@ TEST(SimDevicePhantom, StoresNoDataAndRunsNoBodies) {
   d.destroy_stream(s);
   EXPECT_TRUE(SimDevice(SimConfig{}).properties().stores_data);
 }
+
+// What layers above ask of a device, instead of which device it is: a SimDevice keeps time on a
+// virtual clock, and in data mode (only) its memory is host memory.
+TEST(SimDevice, SaysWhatItIsNotWhichItIs) {
+  const DeviceProperties data = SimDevice(SimConfig{}).properties();
+  EXPECT_TRUE(data.virtual_clock);
+  EXPECT_TRUE(data.host_addressable);
+  const DeviceProperties phantom = SimDevice(phantom_config()).properties();
+  EXPECT_TRUE(phantom.virtual_clock);
+  EXPECT_FALSE(phantom.host_addressable);
+  EXPECT_FALSE(DeviceProperties{}.virtual_clock);  // a real device's defaults
+  EXPECT_FALSE(DeviceProperties{}.host_addressable);
+}

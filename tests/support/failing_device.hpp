@@ -18,8 +18,12 @@ class FailingDevice final : public Device {
   }
   /// The `n`th failable call from now (1 = the next) throws Error; 0 = never.
   void fail_at(int n) { countdown_ = n; }
-  /// Reports another backend (e.g. "cuda", for code that acts only where clocks are wall clocks).
-  void pretend_backend(const std::string& backend) { props_.backend = backend; }
+  /// Reports another backend with that backend's clock ("cuda": the host's wall clock, for code
+  /// that acts only where clocks are wall clocks).
+  void pretend_backend(const std::string& backend) {
+    props_.backend = backend;
+    props_.virtual_clock = backend != "cuda";
+  }
   /// Failable calls made since the last fail_at().
   [[nodiscard]] int calls() const { return calls_; }
   [[nodiscard]] SimDevice& inner() { return *inner_; }

@@ -912,10 +912,27 @@ EngineStep UpdateEngine::step(const StepRequest& request) {
   }
   EngineStep out = step(placement, planned.plan.gpu_slots, all, request.grad_scale, request.clip, /*l2=*/false,
                         request.skip_if_nonfinite, planned.plan.prediction.total_ns, request.path_verdict);
+  observe_traffic(out.total);
   if (out.skipped) return out;
   if (sync_after_step_) sync_host();
   layout_.advance(request.has_grad);
   return out;
+}
+
+// The previous phase's records have arrived by now: the links' busy time less the engine's own
+// copies tells the next plans what others take.
+void UpdateEngine::observe_traffic(const StepReport& r) {
+  if (!traffic_ || device_.properties().virtual_clock) return;  // a tracer watches the host's clock
+  if (last_phase_[1] > last_phase_[0]) {
+    if (const std::optional<LinkTraffic> seen = traffic_(last_phase_[0], last_phase_[1])) {
+      calibration_.observe_pcie(PcieObservation{last_phase_[1] - last_phase_[0], seen->h2d_busy_ns,
+                                                seen->d2h_busy_ns, last_own_[0], last_own_[1]});
+    }
+  }
+  last_phase_[0] = r.phase_start_ns;
+  last_phase_[1] = r.phase_start_ns + r.phase_ns;
+  last_own_[0] = r.h2d.busy_ns;
+  last_own_[1] = r.d2h.busy_ns;
 }
 
 void UpdateEngine::push_grad(std::size_t offset, const void* source, DType dtype, std::size_t n, Stream producer) {
@@ -1110,7 +1127,7 @@ void UpdateEngine::observe(const StepReport& r, double predicted_ns) {
 // planned (PerfModel::predict_iteration), measured as this iteration's passes and its update.
 // (On a SimDevice the scheduler's clock is virtual; the iteration simulator observes it there.)
 void UpdateEngine::observe_iteration_of_this_step(double update_predicted_ns, double update_measured_ns) {
-  if (device_.properties().backend != "cuda") return;
+  if (device_.properties().virtual_clock) return;
   const PhaseReport report = allocator_.phase_report();
   if (report.history.empty()) return;
   const auto& last = report.history.back().phases;

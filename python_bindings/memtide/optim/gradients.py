@@ -40,7 +40,7 @@ class GradientPath:
         self._opt = weakref.ref(opt)
         params = opt._layout.params
         #: The CUDA gradients travel the engine's own path (a real GPU); else they are copied here.
-        self.device_path = opt.engine is not None and not opt.engine.simulated
+        self.device_path = opt.engine is not None and not opt.engine.host_memory
         self.flushed: List[Optional[_Flushed]] = [None] * len(params)
         #: Params whose gradient step() had to copy itself (changed after its hook ran).
         self.stale: Set[int] = set()

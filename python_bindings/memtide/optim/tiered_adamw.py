@@ -294,14 +294,14 @@ class TieredAdamW(torch.optim.Optimizer):
         #: Subgroups whose params and moments live on NVMe (0: no NVMe tier in use).
         self.spilled_subgroups = int(engine.nvme_info()["spilled"])
         arrays = [torch.from_dlpack(a) for a in engine.arrays()]
-        pinned = torch.cuda.is_available() and not engine.simulated
+        pinned = torch.cuda.is_available() and not engine.host_memory
         self.buffers = FlatBuffers(*arrays, lowp=None, pinned=pinned)
         #: The model's low-precision params are views of the engine's device buffer, which every
         #: step writes inside the update phase (no copy pass, no write-back).
         self.model_attached = False
         lowp_params = [p for p in params if p.dtype in _LOWP]
         if lowp_dtype is not None:
-            if all(p.is_cuda != engine.simulated for p in lowp_params):
+            if all(p.is_cuda != engine.host_memory for p in lowp_params):
                 self.buffers.lowp = torch.from_dlpack(
                     engine.model_params("bf16" if lowp_dtype == torch.bfloat16 else "fp16"))
                 self.model_attached = True

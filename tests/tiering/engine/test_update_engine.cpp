@@ -744,5 +744,37 @@ TEST(UpdateEngineIterations, OthersTrafficOnThePcieLinksIsPlannedAround) {
   EXPECT_GE(best_after.plan.prediction.total_ns, best_before.plan.prediction.total_ns * (1 - 1e-9));
 }
 
+// The engine asks its traffic source (the process's CUPTI tracer) about its previous update phase
+// after each of its own steps, and plans around what others took; on a virtual clock it never asks.
+TEST(UpdateEngineIterations, TheTrafficSourceIsAskedAboutThePreviousPhase) {
+  for (const char* backend : {"sim", "cuda"}) {
+    test::FailingDevice dev;
+    dev.pretend_backend(backend);
+    CachingAllocator alloc(dev, small_margin());
+    HostArena arena(arena_for(dev));
+    UpdateEngine e(alloc, arena, 4096, cut(4096, 1024), nullptr);
+    e.set_layout(ParamLayout({{0, 4096, 0, false}}, e.subgroups()));
+    e.set_policy(PolicyChoice{Policy::interleaved, 0, 1.0});
+    std::vector<std::pair<double, double>> asked;
+    e.set_traffic_source([&](double from, double to) -> std::optional<LinkTraffic> {
+      asked.emplace_back(from, to);
+      return LinkTraffic{0.9 * (to - from), 0.9 * (to - from)};  // others kept both links 90% busy
+    });
+    StepRequest r;
+    r.groups = {StepParams{}};
+    r.has_grad = {1};
+    for (int step = 0; step < 3; ++step) (void)e.step(r);
+    if (std::string(backend) == "sim") {
+      EXPECT_TRUE(asked.empty());
+      EXPECT_EQ(e.foreign_pcie_share().first, 0.0);
+      continue;
+    }
+    ASSERT_EQ(asked.size(), 2U);  // the first step had no phase before it
+    EXPECT_LT(asked[0].first, asked[0].second);
+    EXPECT_LE(asked[0].second, asked[1].first);  // each about the phase just before
+    EXPECT_GT(e.foreign_pcie_share().first, 0.0);
+  }
+}
+
 }  // namespace
 }  // namespace memtide::tiering

@@ -43,6 +43,11 @@ struct DeviceProperties {
   /// False for a device whose memory holds no bytes (a phantom SimDevice: timing only). Nothing
   /// in its memory, nor in host memory registered as phantom, may be dereferenced.
   bool stores_data = true;
+  /// Its streams and events keep time on a virtual clock (a SimDevice): their durations are
+  /// modelled, and what watches the host's clock (CUPTI, the phase tracker's wall times) sees none.
+  bool virtual_clock = false;
+  /// Its memory is host memory the CPU may address (a SimDevice in data mode).
+  bool host_addressable = false;
 };
 
 /// One kernel in the two forms the device layer can run: the CUDA launch, and the same

@@ -37,6 +37,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -264,6 +265,12 @@ class UpdateEngine {
   /// What CUPTI saw on the PCIe links during the last update phase (see Calibration::observe_pcie):
   /// the next plans count only on what others leave.
   void observe_pcie(const PcieObservation& o) { calibration_.observe_pcie(o); }
+  /// What the PCIe links did in [from_ns, to_ns) of the host clock; nullopt when nobody watches.
+  using TrafficSource = std::function<std::optional<LinkTraffic>(double from_ns, double to_ns)>;
+  /// After each step(const StepRequest&) on a device with the host's clock, the engine asks
+  /// `source` what the links did during its previous update phase and observes it (observe_pcie)
+  /// beside its own copies. Null: nothing is asked.
+  void set_traffic_source(TrafficSource source) { traffic_ = std::move(source); }
   /// Bytes others copy host -> device at the start of each update phase (the layer window's
   /// first blocks of the next forward): the plans count them on the H2D link
   /// (Workload::phase_h2d_bytes). Throws InvalidArgument for a negative or non-finite value.
@@ -380,6 +387,10 @@ class UpdateEngine {
   PolicyChoice policy_;
   std::optional<EnginePlan> plan_;
   bool sync_after_step_ = false;
+  TrafficSource traffic_;
+  double last_phase_[2] = {0, 0};  // the last update phase, host clock ns
+  double last_own_[2] = {0, 0};    // its H2D and D2H busy time from the engine's own copies
+  void observe_traffic(const StepReport& r);
 };
 
 }  // namespace memtide::tiering

@@ -41,6 +41,13 @@ struct PcieObservation {
   double own_d2h_busy_ns = 0;
 };
 
+/// Busy time of each PCIe direction over an interval of the host clock, as a tracer (CUPTI) saw
+/// it: every process's and library's copies.
+struct LinkTraffic {
+  double h2d_busy_ns = 0;
+  double d2h_busy_ns = 0;
+};
+
 /// Rates measured in this process, smoothed with an exponential moving average
 /// (rate = (1 - alpha) * rate + alpha * measured). The first measurement of a kind replaces the
 /// default outright: a default is a guess, not a measurement. Thread-safe.
