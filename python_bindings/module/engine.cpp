@@ -378,6 +378,7 @@ void bind_results(nb::module_& m) {
                    "(phase, lowest free bytes or None where the phase was not seen) in phase order");
 
   nb::class_<tiering::EnginePlan>(m, "Plan", "The engine's plan of one update phase.")
+      .def(nb::init<>(), "An empty plan: no subgroups (an optimizer with nothing to update).")
       .def_prop_ro("policy", [](const tiering::EnginePlan& p) { return std::string(policy_key(p.plan.policy)); })
       .def_prop_ro("placement", [](const tiering::EnginePlan& p) { return p.plan.placement; },
                    "one Placement per subgroup")
@@ -488,7 +489,8 @@ void bind_engine(nb::module_& m) {
       .def("segments", &PyUpdateEngine::segments, "groups"_a, "has_grad"_a, "only"_a = nb::none(),
            "The Segments step() would run with these arguments (only subgroup `only` when given).")
       .def("steps", [](nb::handle self) { return nb::cast<PyUpdateEngine&>(self).steps(self); },
-           "Every param's step count: a float32 array over the engine's own (writable; keeps it alive).")
+           "Every param's step count: a float32 DLPack array over the engine's own (torch.from_dlpack makes\n"
+           "a tensor of it; writable; it keeps the engine alive).")
       .def("set_sync_after_step", &PyUpdateEngine::set_sync_after_step, "on"_a,
            "Copy GPU-static residents' newest state into the host arrays after every step.")
       .def("push_grad", &PyUpdateEngine::push_grad, "offset"_a, "address"_a, "dtype"_a, "n"_a, "stream"_a = 0,

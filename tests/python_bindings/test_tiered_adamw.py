@@ -775,3 +775,14 @@ def test_scheduler_sees_model_changes_between_steps():
     (state, params), (ref_state, ref_params) = finals
     assert all(torch.equal(a, b) for a, b in zip(state, ref_state))
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
+def test_an_optimizer_of_empty_params_steps_and_plans_nothing():
+    """Params of no elements leave the engine out; the optimizer still steps, plans and saves."""
+    p = torch.nn.Parameter(torch.zeros(0))
+    opt = TieredAdamW([p])
+    p.grad = torch.zeros(0)
+    opt.step()
+    assert opt.engine is None and opt.plan.placement == () and "0 subgroups" in opt.plan.summary()
+    opt.load_state_dict(opt.state_dict())
+    assert "nothing to update" in repr(opt)

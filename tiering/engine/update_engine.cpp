@@ -897,6 +897,9 @@ EngineStep UpdateEngine::step(const StepRequest& request) {
     throw InvalidArgument("UpdateEngine::step: " + std::to_string(request.done.size()) + " done flags, there are " +
                           std::to_string(subgroups_.size()) + " subgroups");
   }
+  if (layout_.size() == 0) {
+    throw InvalidArgument("UpdateEngine::step: no params laid out; call set_layout before the first step");
+  }
   std::vector<Segment> all = layout_.segments(request.groups, request.has_grad);
   if (all.empty()) return EngineStep{};
   // Under auto without a stride the memory and the rates decide, and both move: plan anew.

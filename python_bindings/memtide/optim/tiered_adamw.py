@@ -313,7 +313,7 @@ class TieredAdamW(torch.optim.Optimizer):
     def plan(self) -> UpdatePlan:
         """The plan the next step runs (after a step under auto: the plan that step ran)."""
         return UpdatePlan(self.policy, self.k, self.gpu_static_fraction, self._layout.subgroups, self._requested,
-                          self.engine.plan)
+                          _memtide.Plan() if self.engine is None else self.engine.plan)
 
     @property
     def clock(self) -> str:

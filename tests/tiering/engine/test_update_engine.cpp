@@ -282,6 +282,10 @@ TYPED_TEST(UpdateEngineTest, TheEnginesOwnStepPlansRunsAndCounts) {
 
 TYPED_TEST(UpdateEngineTest, TheEnginesOwnStepNamesBadRequests) {
   auto e = this->make();
+  StepRequest early;
+  early.groups = {StepParams{}};
+  early.has_grad = {1};
+  EXPECT_THROW((void)e->step(early), InvalidArgument);  // no layout yet
   EXPECT_THROW(e->set_layout(ParamLayout({{0, 10, 0, false}}, {{0, 10}})), InvalidArgument);  // not kN
   e->set_layout(ParamLayout({{0, kN, 0, false}}, e->subgroups()));
   EXPECT_THROW(e->set_policy(PolicyChoice{Policy::interleaved, 1.5, 2.0}), InvalidArgument);
