@@ -34,6 +34,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import grad_copies
+
 _ALIGN = 256  # bytes: every parameter of a block starts on this boundary in its buffer
 
 
@@ -512,9 +514,9 @@ class LayerWindow:
                 else:
                     home.copy_(g)
                 self._host_grad[id(p)] = home
-                # Says which gradient this is a copy of, so that an optimizer whose hook took
-                # the original (TieredAdamW) knows it already has it (optim._gather_grads).
-                home._memtide_copy_of = (g.data_ptr(), g._version, home._version)
+                # An optimizer whose hook took the original (TieredAdamW) then knows it already
+                # has this gradient (memtide.grad_copies).
+                grad_copies.note_copy(home, g)
             else:
                 # Accumulating into a gradient at home (an earlier micro-batch's, complete
                 # since that backward ended): this one comes over first, synchronously.
