@@ -16,7 +16,7 @@ import time
 from datetime import date
 
 import memtide
-from memtide import timeline
+import memtide_timeline as timeline
 
 
 def main() -> int:

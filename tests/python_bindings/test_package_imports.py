@@ -1,5 +1,6 @@
-"""The memtide package has no import loop: no module imports, at load or lazily inside a function,
-one that imports it back. Imports under TYPE_CHECKING never run and are left out."""
+"""The memtide package and the Python tools installed beside it (memtide_timeline) have no import
+loop: no module imports, at load or lazily inside a function, one that imports it back. Imports
+under TYPE_CHECKING never run and are left out."""
 
 from __future__ import annotations
 
@@ -7,18 +8,20 @@ import ast
 import os
 
 import memtide
+import memtide_timeline
 
 
 def _modules():
-    root = os.path.dirname(os.path.dirname(memtide.__file__))
     mods = {}
-    for folder, _, files in os.walk(os.path.dirname(memtide.__file__)):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(folder, f)
-                name = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
-                is_pkg = name.endswith(".__init__")
-                mods[name[: -len(".__init__")] if is_pkg else name] = (path, is_pkg)
+    for package in (memtide, memtide_timeline):
+        root = os.path.dirname(os.path.dirname(package.__file__))
+        for folder, _, files in os.walk(os.path.dirname(package.__file__)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    name = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                    is_pkg = name.endswith(".__init__")
+                    mods[name[: -len(".__init__")] if is_pkg else name] = (path, is_pkg)
     return mods
 
 
@@ -71,5 +74,5 @@ def test_no_module_imports_one_that_imports_it_back():
         return False
 
     loops = sorted(f"{a} -> {b} -> ... -> {a}" for a in edges for b in edges[a] if reaches(b, a))
-    assert "memtide.cli" in mods and "memtide.planning" in mods
+    assert "memtide.cli" in mods and "memtide.planning" in mods and "memtide_timeline.trace" in mods
     assert not loops, loops

@@ -83,7 +83,7 @@ def _cmd_observe(args: argparse.Namespace) -> int:
         raise UsageError(f"memtide observe: cannot write the timeline {log}: its folder "
                           f"{'does not exist' if not os.path.isdir(folder) else 'is not writable'}")
     if args.timeline:
-        from .. import timeline
+        import memtide_timeline as timeline
 
         try:
             timeline.check_report_target(args.timeline)  # before the program runs, not after
@@ -107,7 +107,7 @@ def _cmd_observe(args: argparse.Namespace) -> int:
         summary = _read_timeline(log)
     summary["exit_code"] = rc
     if args.timeline and os.path.exists(log):
-        from .. import timeline
+        import memtide_timeline as timeline
 
         files = timeline.companions(args.timeline)
         trace = files["trace"]

@@ -102,7 +102,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
              f"seq {shape['seq']}, batch {shape['batch']}, vocab {shape['vocab']}) for {shape['iterations']} steps "
              f"with memtide.optim.TieredAdamW(policy={args.policy}) on {where} ...")
     if args.timeline:
-        from .. import timeline
+        import memtide_timeline as timeline
 
         try:
             timeline.check_report_target(args.timeline)  # refused before training, not after

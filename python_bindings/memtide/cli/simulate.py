@@ -133,7 +133,7 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
 
 def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, Any]:
     """Writes the memtide contender's last simulated iteration (recorded) as a trace, then its report."""
-    from .. import timeline
+    import memtide_timeline as timeline
 
     html_path = args.timeline
     files = timeline.companions(html_path)
@@ -154,7 +154,7 @@ def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.timeline:
-        from .. import timeline
+        import memtide_timeline as timeline
 
         try:
             timeline.check_report_target(args.timeline)  # before the simulation, not after

@@ -1,5 +1,5 @@
-"""``memtide timeline``: render a memtide trace (memtide.timeline) as an HTML report, a Chrome trace, a PNG
-and a memory_viz pickle."""
+"""``memtide timeline``: render a memtide trace (the memtide_timeline package, tools/timeline/) as an
+HTML report, a Chrome trace, a PNG and a memory_viz pickle."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from memtide._memtide import format_bytes
 from ._common import UsageError
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    from .. import timeline
+    import memtide_timeline as timeline
 
     # Four outputs by default, beside the report: the Chrome trace, the PNG, the memory_viz pickle.
     files = timeline.companions(args.output)
@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     tl = sub.add_parser(
         "timeline", help="render a memtide trace: an HTML report that opens offline, a Chrome trace, a PNG, a "
         "memory_viz pickle",
-        description="Reads a memtide trace (JSON Lines; see memtide/timeline.py for the format) and writes four "
+        description="Reads a memtide trace (JSON Lines; see the memtide_timeline package for the format) and writes four "
         "outputs: a single-file HTML report (memory over time per phase, the PCIe lanes, the engines as a Gantt "
         "chart, the update-phase schedule, a summary per phase) that opens offline, a Chrome/Perfetto trace, a PNG "
         "(with matplotlib) and the allocations as a snapshot pickle for torch's memory_viz.")

@@ -12,6 +12,8 @@ from typing import Any, List, Optional, Set, Tuple
 
 import torch
 
+from ..grad_copies import copy_of
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -113,7 +115,7 @@ class GradientPath:
             if f is not None and f.address == g.data_ptr() and f.version == g._version:
                 all_on_device &= f.on_device
                 continue
-            if f is not None and getattr(g, "_memtide_copy_of", None) == (f.address, f.version, g._version):
+            if f is not None and copy_of(g) == (f.address, f.version):
                 # An unchanged copy of the gradient the hook took (the layer window sent it home).
                 all_on_device &= f.on_device
                 continue

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from memtide import timeline
+import memtide_timeline as timeline
 from memtide_testing import clean_env
 
 

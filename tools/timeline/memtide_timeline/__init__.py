@@ -1,0 +1,42 @@
+"""memtide's trace format and the memory timeline report (``memtide timeline``).
+
+A trace is JSON Lines, written one event at a time (bounded memory however long the run):
+
+    {"memtide_trace": 1, "source": "simulate", "clock": "virtual", "capacity_bytes": 85899345920, ...}
+    {"type": "phase", "t": 0.0, "phase": "forward"}
+    {"type": "memory", "t": 0.01, "allocated": 15795, "reserved": 20971520}
+    {"type": "op", "engine": "d2h", "start": 1.2, "end": 1.21, "bytes": 16777216}
+
+The first line is the header (`memtide_trace` is the format's version; readers refuse a newer
+one). Times are seconds on the trace's clock. Event types:
+
+- ``phase``: a training phase begins (forward, backward, update, other);
+- ``memory``: device memory allocated and reserved at time t;
+- ``op``: work on one engine from start to end: ``h2d``, ``d2h`` (PCIe), ``compute``, ``link``
+  (collectives between GPUs), ``host`` (CPU work), ``nvme``; ``bytes`` moved;
+- ``alloc`` / ``free``: one allocation (``bytes``, ``addr``, ``stream``), as the observer logs them;
+- ``tiering``: one operation of the update phase for one optimizer subgroup (``what``: prefetch,
+  gpu update, flush, cpu update, param upload, grad upload, grad to host; ``subgroup``; ``start``,
+  ``end``, ``bytes``).
+
+Unknown event types are skipped by readers, so a newer writer's extra events do not break an
+older report. ``memtide timeline TRACE -o report.html`` renders a single HTML file that opens
+offline (inline SVG, no script from anywhere), a Chrome trace (chrome://tracing, Perfetto) and,
+when matplotlib is importable, a PNG.
+
+The modules: ``trace`` (the format, writer and reader), ``record`` (traces from the allocator's
+events and the observer's log), ``model`` (the Timeline a report draws), ``html_report`` (the
+HTML), ``export`` (Chrome trace, memory_viz pickle, PNG, and render() for all of them), ``files``
+(the report's files, written atomically).
+"""
+
+from .export import render, write_chrome, write_memory_viz, write_png
+from .files import TraceError, check_report_target, companions
+from .html_report import write_html
+from .model import ENGINES, PHASES, Timeline
+from .record import trace_from_allocator, trace_from_observer
+from .trace import VERSION, TraceWriter, read_trace
+
+__all__ = ["ENGINES", "PHASES", "VERSION", "Timeline", "TraceError", "TraceWriter", "check_report_target",
+           "companions", "read_trace", "render", "trace_from_allocator", "trace_from_observer", "write_chrome",
+           "write_html", "write_memory_viz", "write_png"]

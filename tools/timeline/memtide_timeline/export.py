@@ -1,0 +1,127 @@
+"""The other views of a trace (a Chrome trace, a memory_viz pickle, a PNG) and render(), which writes
+the report and whichever of them are asked for."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Iterable, Optional
+
+from .files import AtomicFile
+from .html_report import write_html
+from .model import COLORS, ENGINES, Timeline
+from .trace import VERSION, read_trace
+
+
+def write_chrome(tl_header: Dict[str, Any], events: Iterable[Dict[str, Any]], path: str) -> int:
+    """A Chrome trace (chrome://tracing, Perfetto): engines as threads, memory as a counter, phases
+    as instant markers. Streams the events; returns how many were written."""
+    tids = {e: i + 1 for i, e in enumerate(ENGINES)}
+    n = 0
+    with AtomicFile(path) as f:
+        f.write('{"displayTimeUnit":"ms","otherData":' + json.dumps({"memtide_trace": VERSION,
+                                                                      "source": tl_header.get("source")}))
+        f.write(',"traceEvents":[')
+        first = True
+
+        def put(obj: Dict[str, Any]) -> None:
+            nonlocal first, n
+            f.write(("" if first else ",\n") + json.dumps(obj, separators=(",", ":")))
+            first = False
+            n += 1
+
+        for engine, tid in tids.items():
+            put({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": engine}})
+        for ev in events:
+            kind = ev.get("type")
+            if kind == "op" and ev.get("engine") in tids:
+                put({"ph": "X", "pid": 1, "tid": tids[ev["engine"]], "name": ev["engine"],
+                     "ts": ev["start"] * 1e6, "dur": (ev["end"] - ev["start"]) * 1e6, "args": {"bytes": ev.get("bytes")}})
+            elif kind == "memory":
+                put({"ph": "C", "pid": 1, "name": "device memory", "ts": ev["t"] * 1e6,
+                     "args": {"allocated": ev["allocated"], "reserved": ev["reserved"]}})
+            elif kind == "phase":
+                put({"ph": "i", "pid": 1, "tid": 0, "s": "g", "name": ev["phase"], "ts": ev["t"] * 1e6})
+        f.write("]}\n")
+    return n
+
+
+def write_memory_viz(events: Iterable[Dict[str, Any]], path: str) -> int:
+    """The trace's allocations and frees as a snapshot pickle in the shape torch.cuda.memory.
+    _snapshot() returns (device_traces; no segments: a trace does not keep them), for torch's
+    _memory_viz and pytorch.org/memory_viz. Returns how many trace entries it holds."""
+    import pickle
+
+    def number(v: Any) -> int:
+        if isinstance(v, str):
+            try:
+                return int(v, 0)
+            except ValueError:
+                return 0
+        return int(v or 0)
+
+    entries = []
+    for ev in events:
+        kind = ev.get("type")
+        if kind in ("alloc", "free"):
+            entries.append({"action": "alloc" if kind == "alloc" else "free_completed", "addr": number(ev.get("addr")),
+                            "size": number(ev.get("bytes")), "stream": number(ev.get("stream")),
+                            "time_us": int(float(ev["t"]) * 1e6), "frames": []})
+        elif kind == "oom":
+            entries.append({"action": "oom", "addr": 0, "size": number(ev.get("bytes")),
+                            "stream": number(ev.get("stream")), "time_us": int(float(ev["t"]) * 1e6), "frames": []})
+    with AtomicFile(path, "wb") as f:
+        pickle.dump({"segments": [], "device_traces": [entries]}, f, protocol=4)
+    return len(entries)
+
+
+def write_png(tl: Timeline, path: str) -> bool:
+    """Memory over time and the engines' load, with matplotlib; False when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    for a, b, name in tl.spans:
+        for ax in (ax1, ax2):
+            ax.axvspan(a - tl.t0, b - tl.t0, color=COLORS.get(name, "#eee"), lw=0)
+    if tl.memory:
+        ts = [m[0] - tl.t0 for m in tl.memory]
+        ax1.plot(ts, [m[1] / 2**30 for m in tl.memory], label="allocated")
+        ax1.plot(ts, [m[2] / 2**30 for m in tl.memory], label="reserved", color="#999")
+    ax1.set_ylabel("GiB")
+    ax1.legend(loc="upper right")
+    span = (tl.t1 - tl.t0) / tl.bins
+    engines = [e for e in ENGINES if any(tl.busy[e])]
+    for r, e in enumerate(engines):
+        xs = [tl.t0 + (k + 0.5) * span - tl.t0 for k in range(tl.bins)]
+        ax2.fill_between(xs, r, [r + min(v / span, 1) * 0.8 for v in tl.busy[e]], color=COLORS[e], step="mid")
+    ax2.set_yticks([r + 0.4 for r in range(len(engines))], engines)
+    ax2.set_xlabel("s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def render(trace: str, html_path: str, chrome: Optional[str] = None, png: Optional[str] = None,
+           progress: bool = False, memory_viz: Optional[str] = None) -> Dict[str, Any]:
+    """The report (and the Chrome trace, the PNG and the memory_viz pickle when asked) of a trace."""
+    header, events = read_trace(trace, progress=progress)
+    tl = Timeline(header, events)
+    write_html(tl, html_path, title=f"memtide timeline: {os.path.basename(trace)}")
+    out: Dict[str, Any] = {"html": html_path, "events": sum(tl.counts.values()), "summary": tl.summary()}
+    if chrome:
+        header2, events2 = read_trace(trace)
+        out["chrome"] = chrome
+        out["chrome_events"] = write_chrome(header2, events2, chrome)
+    if png:
+        out["png"] = png if write_png(tl, png) else None
+    if memory_viz:
+        _, events3 = read_trace(trace)
+        out["memory_viz"] = memory_viz
+        out["memory_viz_entries"] = write_memory_viz(events3, memory_viz)
+    return out
