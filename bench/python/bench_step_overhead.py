@@ -103,6 +103,16 @@ def child(model: str, policy: str, steps: int) -> dict:
     return {"params": params, "tensors": len(list(net.parameters())), "rows": rows}
 
 
+def _shown(argv):
+    """The command line as the page shows it: interpreters by name only (their paths are this
+    machine's), named in a line of their own."""
+    out = []
+    for arg in argv:
+        name, sep, path = arg.partition("=")
+        out.append(f"{name}=INTERPRETER" if sep and os.path.sep in path else arg)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--python", action="append", default=[], metavar="NAME=INTERPRETER",
@@ -146,7 +156,7 @@ def main() -> None:
     lines = [
         "# TieredAdamW.step(): the Python side",
         "",
-        f"`python bench/python/bench_step_overhead.py {' '.join(sys.argv[1:])}`",
+        "`python bench/python/bench_step_overhead.py " + " ".join(_shown(sys.argv[1:])) + "`",
         "",
         f"- {time.strftime('%Y-%m-%d')}: {os.cpu_count()} cores, "
         f"{platform.system()} {platform.release()}, Python {platform.python_version()}",

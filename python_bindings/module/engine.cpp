@@ -10,10 +10,12 @@
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/thread_pool.hpp"
+#include "memtide/tiering/engine/backward_updates.hpp"
 #include "memtide/tiering/engine/update_engine.hpp"
 #include "common.hpp"
 
 #include <nanobind/operators.h>
+#include <nanobind/stl/set.h>
 
 namespace memtide::bindings {
 namespace {
@@ -543,6 +545,82 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("simulated", &PyUpdateEngine::simulated, "Its times are on a virtual clock (a SimDevice).")
       .def_prop_ro("host_memory", &PyUpdateEngine::host_memory,
                    "Its device memory is host memory (a SimDevice in data mode): CPU tensors reach it.");
+
+  nb::class_<tiering::BackwardStats>(m, "BackwardStats", "What the updates during backward have done so far.")
+      .def_ro("speculated", &tiering::BackwardStats::speculated)
+      .def_ro("kept", &tiering::BackwardStats::kept)
+      .def_ro("redone", &tiering::BackwardStats::redone)
+      .def_ro("rolled_back", &tiering::BackwardStats::rolled_back);
+  nb::class_<tiering::BackwardChoice>(m, "BackwardChoice", "How the subgroups for the next backward were chosen.")
+      .def_ro("rule", &tiering::BackwardChoice::rule, "count (untimed) or time")
+      .def_ro("subgroups", &tiering::BackwardChoice::subgroups)
+      .def_ro("candidates", &tiering::BackwardChoice::candidates)
+      .def_ro("ns_per_param", &tiering::BackwardChoice::ns_per_param)
+      .def_ro("backward_tail_s", &tiering::BackwardChoice::backward_tail_s);
+
+  using BU = tiering::BackwardUpdates;
+  nb::class_<BU>(m, "BackwardUpdates",
+                 "Updates during backward (tiering::BackwardUpdates): speculative, bit-exact CPU updates of the\n"
+                 "subgroups whose gradients are complete, on memtide's own worker, while backward goes on.")
+      .def("__init__",
+           [](BU* self, PyUpdateEngine& engine, std::size_t max_subgroups) {
+             new (self) BU(engine.native(), max_subgroups);
+           },
+           "engine"_a, "max_subgroups"_a, nb::keep_alive<1, 2>())
+      .def("rebuild", &BU::rebuild, "takes_part"_a, nb::call_guard<nb::gil_scoped_release>(),
+           "The layout changed: per param, whether its gradient arrives by the hook. Rolls back, chooses.")
+      .def("set_model_copy",
+           [](BU& self, std::uintptr_t address, const std::string& dtype) {
+             tiering::DType dt = tiering::DType::none;
+             if (dtype == "bfloat16") dt = tiering::DType::bf16;
+             else if (dtype == "float16") dt = tiering::DType::fp16;
+             else if (address != 0) value_error("BackwardUpdates.set_model_copy: dtype must be float16 or bfloat16");
+             self.set_model_copy(reinterpret_cast<void*>(address), dt);
+           },
+           "address"_a, "dtype"_a = "",
+           "The model's fp16/bf16 params in host memory when they are not the engine's buffer (0: none).")
+      .def("choose", &BU::choose, "ns_per_param"_a = nb::none(), nb::call_guard<nb::gil_scoped_release>(),
+           "Chooses the subgroups of the next backward (ns_per_param: the worker's cost per param to assume).")
+      .def_prop_rw("max_subgroups", &BU::max_subgroups, &BU::set_max_subgroups)
+      .def_prop_ro("ready_ns", &BU::ready_ns, "When each subgroup's gradients were complete in the last backward.")
+      .def("backward_started", &BU::backward_started)
+      .def("backward_ended", &BU::backward_ended)
+      .def("grad_ready", &BU::grad_ready, "param"_a,
+           "Param i's gradient is in place; returns the chosen subgroups it completed (submit them).")
+      .def(
+          "submit",
+          [](BU& self, std::size_t g, std::vector<tiering::StepParams> groups, const nb::bytes& has_grad,
+             double grad_scale) {
+            tiering::StepRequest r = PyUpdateEngine::request(std::move(groups), has_grad, grad_scale, 1.0, false,
+                                                             std::nullopt, {});
+            self.submit(g, r);
+          },
+          "subgroup"_a, "groups"_a, "has_grad"_a, "grad_scale"_a,
+          "Starts the subgroup's update on the worker with the step's inputs of this moment.")
+      .def("settle", &BU::settle, nb::call_guard<nb::gil_scoped_release>(),
+           "Waits for every update begun; when one failed, puts every one back and raises.")
+      .def(
+          "accept",
+          [](BU& self, std::vector<tiering::StepParams> groups, const nb::bytes& has_grad, double grad_scale, double clip,
+             const std::vector<bool>& stale, bool scaler) {
+            const tiering::StepRequest r =
+                PyUpdateEngine::request(std::move(groups), has_grad, grad_scale, clip, false, std::nullopt, {});
+            nb::gil_scoped_release nogil;
+            return self.accept(r, stale, scaler);
+          },
+          "groups"_a, "has_grad"_a, "grad_scale"_a, "clip"_a, "stale"_a, "scaler"_a,
+          "Per subgroup: the step takes its update as done; the others are put back now.")
+      .def_prop_ro("nonfinite", &BU::nonfinite)
+      .def("publish", &BU::publish, nb::call_guard<nb::gil_scoped_release>(),
+           "The step stands: the kept updates' new params take their place.")
+      .def("finish", &BU::finish, nb::call_guard<nb::gil_scoped_release>(),
+           "The step is over: the next backward starts afresh, the choice is made anew.")
+      .def("rollback", &BU::rollback, nb::call_guard<nb::gil_scoped_release>(),
+           "Puts back every update begun since the last step.")
+      .def_prop_ro("pending", &BU::pending)
+      .def_prop_ro("stats", &BU::stats)
+      .def_prop_ro("last_choice", &BU::last_choice)
+      .def_prop_ro("chosen", &BU::chosen);
 }
 
 }  // namespace memtide::bindings

@@ -380,7 +380,7 @@ class TieredAdamW(torch.optim.Optimizer):
             check_group(group)
         groups = self._step_groups()
 
-        speculated = self._eager.settle() if self._eager is not None else {}
+        speculated = self._eager.settle() if self._eager is not None else False
         has_grad, path_verdict = self._grads.gather()
         self.last_step_skipped = False
         if not any(has_grad):
@@ -414,7 +414,7 @@ class TieredAdamW(torch.optim.Optimizer):
         if speculated:
             # Updates made during backward stand where they used exactly the step's inputs; the
             # others are put back and run below (backward_updates.py).
-            done = self._eager.accept(self.engine.segments(groups, flags), grad_scale, clip, self._grads.stale,
+            done = self._eager.accept(groups, flags, grad_scale, clip, self._grads.stale,
                                       self.scaler is not None)
             if nonfinite or (self.scaler is not None and self._eager.nonfinite()):
                 self._eager.rollback()  # the whole step is skipped
@@ -488,14 +488,6 @@ class TieredAdamW(torch.optim.Optimizer):
         """Each param group's hyper-parameters as the engine takes them."""
         return [_memtide.StepParams(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
                                     float(g["weight_decay"])) for g in self.param_groups]
-
-    def _subgroup_segments(self, sg: int) -> List[Any]:
-        """Subgroup sg's segments as step() would make them now (for an update during backward)."""
-        params = self._layout.params
-        flags = bytearray(len(params))
-        for i, _, _ in self._layout.pieces[sg]:
-            flags[i] = params[i].grad is not None
-        return self.engine.segments(self._step_groups(), bytes(flags), only=sg)
 
     def _write_back(self, has_grad: List[bool]) -> None:
         """Copies the new values into model params that are not views of the flat buffers."""

@@ -248,6 +248,8 @@ class UpdateEngine {
   /// model's params views of it. Throws InvalidArgument for another dtype, or a second dtype.
   void* model_params(DType dtype);
   [[nodiscard]] DType model_dtype() const noexcept { return model_dtype_; }
+  /// The CPU step's threads (null: the caller only).
+  [[nodiscard]] ThreadPool* pool() const noexcept { return pool_; }
 
   /// The host arrays were changed outside step(): device copies of residents are stale.
   void host_changed();
