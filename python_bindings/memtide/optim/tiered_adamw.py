@@ -64,6 +64,10 @@ class _Layout:
     pieces: List[List[Tuple[int, int, int]]]  # per subgroup: (param index, start, end)
     subgroups: Tuple[Tuple[int, int], ...]
     numel: int
+    copied: List[int] = field(init=False)  # the params that are not views: step() copies them back
+
+    def __post_init__(self) -> None:
+        self.copied = [i for i, a in enumerate(self.aliased) if not a]
 
 
 @dataclass
@@ -461,7 +465,8 @@ class TieredAdamW(torch.optim.Optimizer):
         self._expose_state()  # the engine counted the step of every param with a gradient
         self._write_back(has_grad)
         step_seconds = time.perf_counter() - t0
-        params_in_step = sum(hi - lo for (lo, hi), g in zip(self._layout.ranges, has_grad) if g)
+        params_in_step = (self._layout.numel if all(has_grad) else
+                          sum(hi - lo for (lo, hi), g in zip(self._layout.ranges, has_grad) if g))
         s = self.stats
         s.steps += 1
         s.params_updated += params_in_step
@@ -493,10 +498,10 @@ class TieredAdamW(torch.optim.Optimizer):
         """Copies the new values into model params that are not views of the flat buffers."""
         layout, b = self._layout, self.buffers
         any_cuda = False
-        for i, p in enumerate(layout.params):
-            if not has_grad[i] or layout.aliased[i]:
+        for i in layout.copied:
+            if not has_grad[i]:
                 continue
-            lo, hi = layout.ranges[i]
+            p, (lo, hi) = layout.params[i], layout.ranges[i]
             source = b.lowp if layout.lowp_of[i] else b.params
             p.data.copy_(source[lo:hi].view(p.shape), non_blocking=b.pinned and p.is_cuda)
             any_cuda |= p.is_cuda
