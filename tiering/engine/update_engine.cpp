@@ -8,11 +8,9 @@
 #include <string>
 #include <tuple>
 
-#include "memtide/core/os.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"
-#include "memtide/core/options.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
 #include "memtide/tiering/engine/optimizer_state.hpp"
 #include "plan_budget.hpp"
