@@ -184,12 +184,14 @@ class PyUpdateEngine {
   double nvme_round_trip() {
     nb::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mutex_);
-    return engine_->nvme_round_trip();
+    tiering::SpillTier* tier = engine_->nvme_tier();
+    return tier != nullptr ? tier->round_trip() : 0;
   }
 
   void inject_nvme_faults(int write_errno, bool short_write, int read_errno) {
     std::lock_guard<std::mutex> lock(mutex_);
-    engine_->inject_nvme_faults(tiering::NvmeFaults{write_errno, short_write, read_errno});
+    tiering::SpillTier* tier = engine_->nvme_tier();
+    if (tier != nullptr) tier->inject_faults(tiering::NvmeFaults{write_errno, short_write, read_errno});
   }
 
   void host_changed() {

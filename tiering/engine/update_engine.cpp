@@ -8,13 +8,12 @@
 #include <string>
 #include <tuple>
 
-#include "memtide/core/os.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"
-#include "memtide/core/options.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
 #include "memtide/tiering/engine/optimizer_state.hpp"
+#include "plan_budget.hpp"
 
 namespace memtide::tiering {
 namespace {
@@ -33,65 +32,32 @@ void add_use(ResourceUse& into, const ResourceUse& from) {
   into.ops += from.ops;
 }
 
-std::uint64_t sat_sub(std::uint64_t a, std::uint64_t b) { return a > b ? a - b : 0; }
-
-std::string count_words(std::size_t n, const char* what) {
-  return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
-}
-
-std::size_t page_round_up(std::size_t n) { return (n + os::page_bytes() - 1) / os::page_bytes() * os::page_bytes(); }
-std::size_t page_round_down(std::size_t n) { return n / os::page_bytes() * os::page_bytes(); }
 
 }  // namespace
 
-NvmeConfig NvmeTierConfig::io_from_options() {
-  NvmeConfig c;
-  c.queue_depth = static_cast<std::size_t>(options().nvme_queue_depth);
-  c.block_bytes = static_cast<std::size_t>(options().nvme_block_size);
-  return c;
-}
+struct UpdateEngine::Entry {
+  Ranges ranges;
+  std::unique_ptr<OptimizerState> state;
+  std::unique_ptr<UpdateScheduler> scheduler;
+};
 
-/// The NVMe tier's parts. Destroyed in order: the staging (its I/O thread finishes), the store
-/// (the spill file goes), the directory, then the mappings of the param and moment arrays.
-struct UpdateEngine::NvmeTier {
-  explicit NvmeTier(Device& d) : device(d) {}
-  ~NvmeTier() {
-    staging.reset();
-    store.reset();
-    dir.reset();
-    for (std::size_t k = 0; k < 3; ++k) {
-      if (maps[k] == nullptr) continue;
-      for (std::size_t r = 0; k < registered_maps && r < registered.size(); ++r) {
-        try {
-          device.host_unregister(reinterpret_cast<unsigned char*>(maps[k]) + registered[r].first);
-        } catch (const Error& e) {
-          MEMTIDE_LOG(warn, std::string("UpdateEngine: ") + e.what());
-        }
-      }
-      os::unmap(maps[k], map_bytes);
-    }
+// Every public call holds one: the allocator's lender gives back only when no call is running.
+struct UpdateEngine::Busy {
+  explicit Busy(UpdateEngine& e) : engine(e) {
+    engine.api_mutex_.lock();
+    ++engine.busy_;
   }
-  NvmeTier(const NvmeTier&) = delete;
-  NvmeTier& operator=(const NvmeTier&) = delete;
-
-  Device& device;
-  std::size_t read_ahead = 2;
-  std::unique_ptr<SpillDir> dir;
-  std::unique_ptr<NvmeStore> store;
-  std::unique_ptr<NvmeStaging> staging;
-  std::vector<char> host_truth;    // per subgroup: its host range is newer than NVMe (or NVMe has none)
-  std::vector<char> materialized;  // per subgroup: its host range holds its state
-  float* maps[3] = {};             // param, exp_avg, exp_avg_sq (a device that stores data)
-  std::size_t map_bytes = 0;
-  std::vector<std::pair<std::size_t, std::size_t>> registered;  // byte ranges registered in each map
-  std::size_t registered_maps = 0;  // maps whose every range is registered (the first ones)
-  double read_rate = 0, write_rate = 0;  // planned with; measured once transfers ran
-  bool read_measured = false, write_measured = false;
-  NvmeUse last;
+  ~Busy() {
+    --engine.busy_;
+    engine.api_mutex_.unlock();
+  }
+  Busy(const Busy&) = delete;
+  Busy& operator=(const Busy&) = delete;
+  UpdateEngine& engine;
 };
 
 UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::size_t n,
-                           std::vector<std::pair<std::size_t, std::size_t>> subgroups, ThreadPool* pool,
+                           Ranges subgroups, ThreadPool* pool,
                            EngineConfig config)
     : allocator_(allocator), device_(allocator.device()), arena_(arena), pool_(pool), config_(config), n_(n),
       subgroups_(std::move(subgroups)), calibration_(config.defaults, config.calibration) {
@@ -121,7 +87,7 @@ UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::s
   if (n_ > std::numeric_limits<std::size_t>::max() / sizeof(float)) {
     throw InvalidArgument("UpdateEngine: n = " + std::to_string(n_) + " params do not fit in memory");
   }
-  setup_nvme();
+  nvme_ = SpillTier::make(device_, arena_, n_, subgroups_, config_.nvme, config_.defaults, api_mutex_);
   if (is_phantom(device_)) {
     // Timing only (the iteration simulator): the arrays are phantom addresses registered with
     // the device, never dereferenced, so a 20B-parameter state costs no host memory.
@@ -135,7 +101,7 @@ UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::s
   std::size_t made = 0;
   if (nvme_) {
     // The param and moment arrays are the NVMe tier's mappings.
-    for (; made < 3; ++made) arrays_[made] = nvme_->maps[made];
+    for (; made < 3; ++made) arrays_[made] = nvme_->array(made);
   }
   try {
     for (; made < 4; ++made) {
@@ -203,210 +169,21 @@ std::uint64_t UpdateEngine::host_bytes() const {
   if (phantom_host_ != nullptr) return 0;
   std::uint64_t total = 0;
   for (std::size_t k = nvme_ ? 3 : 0; k < 4; ++k) total += arena_.allocation_size(arrays_[k]);
-  if (nvme_) {
-    for (auto [lo, hi] : nvme_->registered) total += 3 * (hi - lo);
-    total += nvme_->staging->staging_bytes();
-  }
+  if (nvme_) total += nvme_->host_bytes();
   return total;
-}
-
-// ---- the NVMe tier --------------------------------------------------------------------------
-
-void UpdateEngine::setup_nvme() {
-  const NvmeTierConfig& c = config_.nvme;
-  if (c.host_budget_bytes == 0) return;
-  if (c.read_ahead == 0) throw InvalidArgument("UpdateEngine: nvme read_ahead = 0; at least 1 is needed");
-  Workload w;
-  for (auto [s, e] : subgroups_) w.subgroup_params.push_back(e - s);
-  w.nvme_read_ahead = c.read_ahead;
-  const std::size_t spilled = fit_host_budget(w, c.host_budget_bytes);  // throws, naming the budget
-  if (spilled == 0) {
-    MEMTIDE_LOG(info, "UpdateEngine: the optimizer state (" + format_bytes(16 * static_cast<std::uint64_t>(n_)) +
-                          ") fits the host budget of " + format_bytes(c.host_budget_bytes) + ": nothing goes to NVMe");
-    return;
-  }
-  auto tier = std::make_unique<NvmeTier>(device_);
-  tier->read_ahead = c.read_ahead;
-  tier->read_rate = c.read_bytes_per_s > 0 ? c.read_bytes_per_s : config_.defaults.nvme_read_bytes_per_s;
-  tier->write_rate = c.write_bytes_per_s > 0 ? c.write_bytes_per_s : config_.defaults.nvme_write_bytes_per_s;
-  const std::size_t n_sub = subgroups_.size();
-  tier->host_truth.assign(n_sub, 0);
-  tier->materialized.assign(n_sub, 0);
-  std::uint64_t spilled_params = 0;
-  for (std::size_t i = 0; i < n_sub; ++i) spilled_params += w.on_nvme[i] ? w.subgroup_params[i] : 0;
-
-  if (is_phantom(device_)) {
-    if (!(tier->read_rate > 0) || !(tier->write_rate > 0)) {
-      throw InvalidArgument("UpdateEngine: a simulated NVMe tier needs its read and write rates (nvme read_bytes_per_s "
-                            "and write_bytes_per_s)");
-    }
-    tier->staging = std::make_unique<NvmeStaging>(device_, nullptr, w.subgroup_params, w.on_nvme, c.read_ahead, nullptr,
-                                                  tier->read_rate, tier->write_rate);
-  } else {
-#if MEMTIDE_HAVE_NVME
-    if (c.dir.empty()) {
-      throw InvalidArgument("UpdateEngine: the optimizer state (" + format_bytes(16 * static_cast<std::uint64_t>(n_)) +
-                            ") does not fit the host budget of " + format_bytes(c.host_budget_bytes) + ": " +
-                            std::to_string(spilled) + " subgroups must go to NVMe, and no NVMe directory was given");
-    }
-    for (const StaleSpill& st : SpillDir::find_stale(c.dir)) {
-      MEMTIDE_LOG(warn, "UpdateEngine: " + st.path.string() + " (" + format_bytes(st.bytes) + ", " +
-                            std::to_string(static_cast<long long>(st.age_s)) +
-                            " s old) was left by a process that did not exit cleanly; remove it to get the space back");
-    }
-    tier->dir = std::make_unique<SpillDir>(c.dir);
-    std::vector<std::uint64_t> extents;
-    std::vector<std::size_t> names;  // errors name the engine's subgroup, not the extent
-    for (std::size_t i = 0; i < n_sub; ++i) {
-      if (!w.on_nvme[i]) continue;
-      extents.push_back(3 * sizeof(float) * static_cast<std::uint64_t>(w.subgroup_params[i]));
-      names.push_back(i);
-    }
-    tier->store = std::make_unique<NvmeStore>(*tier->dir, extents, c.io, names);  // reserves the space now
-    tier->staging = std::make_unique<NvmeStaging>(device_, tier->store.get(), w.subgroup_params, w.on_nvme,
-                                                  c.read_ahead, &arena_);  // pinned slabs on the GPU's node
-    // The arrays: address space for all n, memory only where the state stays in host memory.
-    // Those ranges are registered (pinned) for the device's copies, each run rounded out to
-    // whole pages; spilled ranges are never registered, so their pages can be dropped.
-    tier->map_bytes = page_round_up(n_ * sizeof(float));
-    for (float*& base : tier->maps) {
-      int err = 0;
-      base = static_cast<float*>(os::map(tier->map_bytes, os::page_bytes(), /*noreserve=*/true, err));
-      if (base == nullptr) {
-        throw OutOfMemory("UpdateEngine: could not map " + format_bytes(tier->map_bytes) +
-                          " of address space for the optimizer state: " + std::strerror(err));
-      }
-    }
-    for (std::size_t i = 0; i < n_sub;) {
-      if (w.on_nvme[i]) {
-        ++i;
-        continue;
-      }
-      std::size_t j = i;
-      while (j < n_sub && !w.on_nvme[j]) ++j;
-      const std::size_t lo = page_round_down(subgroups_[i].first * sizeof(float));
-      const std::size_t hi = std::min(page_round_up(subgroups_[j - 1].second * sizeof(float)), tier->map_bytes);
-      if (!tier->registered.empty() && tier->registered.back().second >= lo) {
-        tier->registered.back().second = hi;  // a page shared with the previous run: one range
-      } else {
-        tier->registered.emplace_back(lo, hi);
-      }
-      i = j;
-    }
-    for (float* base : tier->maps) {
-      std::size_t done = 0;
-      try {
-        for (; done < tier->registered.size(); ++done) {
-          auto [lo, hi] = tier->registered[done];
-          device_.host_register(reinterpret_cast<unsigned char*>(base) + lo, hi - lo);
-        }
-      } catch (...) {
-        // This map's ranges so far; the tier's destructor does the maps before it, and unmaps all.
-        for (std::size_t k = 0; k < done; ++k) {
-          device_.host_unregister(reinterpret_cast<unsigned char*>(base) + tier->registered[k].first);
-        }
-        throw;
-      }
-      ++tier->registered_maps;
-    }
-    // The state starts as zeros in host memory: written to NVMe by spill_host or the first step.
-    for (std::size_t i = 0; i < n_sub; ++i) tier->host_truth[i] = tier->materialized[i] = w.on_nvme[i] ? 1 : 0;
-#else
-    throw Error("UpdateEngine: the optimizer state does not fit the host budget of " + format_bytes(c.host_budget_bytes) +
-                ", and memtide was built without the NVMe tier (it needs liburing-dev and libxxhash-dev)");
-#endif
-  }
-  MEMTIDE_LOG(info, "UpdateEngine: " + std::to_string(spilled) + " of " + std::to_string(n_sub) + " subgroups (" +
-                        format_bytes(12 * spilled_params) + " of params and moments) live on NVMe" +
-                        (tier->store ? " in " + tier->store->file().string() : std::string(" (simulated)")) +
-                        " to keep the host state within " + format_bytes(c.host_budget_bytes));
-  on_nvme_ = std::move(w.on_nvme);
-  nvme_ = std::move(tier);
-}
-
-void UpdateEngine::drop_spilled_pages(std::size_t i) {
-  const std::size_t lo = page_round_up(subgroups_[i].first * sizeof(float));
-  const std::size_t hi = page_round_down(subgroups_[i].second * sizeof(float));
-  if (hi <= lo) return;  // a subgroup smaller than two pages keeps what it shares
-  for (float* base : nvme_->maps) {
-    if (const int err = os::discard(reinterpret_cast<unsigned char*>(base) + lo, hi - lo); err != 0) {
-      MEMTIDE_LOG(warn, "UpdateEngine: could not drop the host pages of spilled subgroup " + std::to_string(i) + ": " +
-                            std::strerror(err));
-    }
-  }
 }
 
 void UpdateEngine::spill_host(std::size_t up_to) {
   Busy busy(*this);
-  if (!nvme_ || nvme_->store == nullptr) return;
-  NvmeTier& t = *nvme_;
-  for (std::size_t i = 0; i < subgroups_.size() && subgroups_[i].second <= up_to; ++i) {
-    if (!on_nvme_[i]) continue;
-    const std::size_t s = subgroups_[i].first;
-    if (t.host_truth[i]) {
-      // Verified on NVMe before the host copy goes: a failed write keeps it (and throws).
-      t.staging->store(i, param() + s, exp_avg() + s, exp_avg_sq() + s);
-      t.host_truth[i] = 0;
-    }
-    if (t.materialized[i]) {
-      drop_spilled_pages(i);
-      t.materialized[i] = 0;
-    }
-  }
-  // Until a step measures the drive, the first spill tells its write rate.
-  if (!t.write_measured) {
-    const NvmeStore::Counters c = t.store->counters();
-    if (c.bytes_written > 0 && c.write_s > 0) t.write_rate = static_cast<double>(c.bytes_written) / c.write_s;
-  }
+  if (nvme_) nvme_->spill(up_to);
 }
 
-double UpdateEngine::nvme_round_trip() {
-  Busy busy(*this);
-  if (!nvme_) return 0;
-  spill_host(n_);
-  std::vector<std::size_t> order;
-  for (std::size_t i = 0; i < on_nvme_.size(); ++i) {
-    if (on_nvme_[i]) order.push_back(i);
-  }
-  const double t0 = device_.host_now_ns();
-  NvmeStaging& staging = *nvme_->staging;
-  staging.begin(order, nvme_->read_ahead);
-  try {
-    for (std::size_t i : order) {
-      (void)staging.acquire(i);
-      staging.release(i);
-    }
-  } catch (...) {
-    staging.abandon();
-    throw;
-  }
-  nvme_->last = staging.finish();
-  return device_.host_now_ns() - t0;
+const std::vector<bool>& UpdateEngine::on_nvme() const noexcept {
+  static const std::vector<bool> none;
+  return nvme_ ? nvme_->on_nvme() : none;
 }
 
-void UpdateEngine::inject_nvme_faults(const NvmeFaults& faults) {
-  if (nvme_ && nvme_->store) nvme_->store->inject(faults);
-}
-
-NvmeTierInfo UpdateEngine::nvme_info() const {
-  NvmeTierInfo info;
-  if (!nvme_) return info;
-  for (std::size_t i = 0; i < on_nvme_.size(); ++i) {
-    if (!on_nvme_[i]) continue;
-    ++info.spilled;
-    info.spilled_params += subgroups_[i].second - subgroups_[i].first;
-  }
-  if (nvme_->store) {
-    info.file = nvme_->store->file();
-    info.file_bytes = nvme_->store->file_bytes();
-  }
-  info.staging_bytes = nvme_->staging->staging_bytes();
-  info.read_bytes_per_s = nvme_->read_rate;
-  info.write_bytes_per_s = nvme_->write_rate;
-  info.held = nvme_->staging->held();
-  info.last = nvme_->last;
-  return info;
-}
+NvmeTierInfo UpdateEngine::nvme_info() const { return nvme_ ? nvme_->info() : NvmeTierInfo{}; }
 
 std::uint64_t UpdateEngine::resident_bytes() const {
   std::uint64_t total = 0;
@@ -435,80 +212,6 @@ void* UpdateEngine::model_params(DType dtype) {
 }
 
 // ---- planning -------------------------------------------------------------------------------
-
-EngineBudget UpdateEngine::measure_budget(const Workload& work) const {
-  EngineBudget b;
-  std::size_t largest = 0;
-  for (std::size_t n : work.subgroup_params) largest = std::max(largest, n);
-  b.slot_bytes = gpu_slot_bytes(largest, true);
-
-  // The engine's own loans were counted as used when the tracker saw them: add them back.
-  const std::uint64_t own_residents = resident_bytes();
-  std::uint64_t own_slots = 0;
-  for (const Entry& e : cache_) own_slots = std::max(own_slots, e.scheduler->last_slot_bytes());
-  const std::uint64_t margin = allocator_.headroom_margin();
-  // Memory outside this allocator (torch's own, when torch does not use memtide) shows only in
-  // the device's free memory; this allocator's cached free blocks are free to it.
-  const AllocatorStats stats = allocator_.stats();
-  const auto allocated_now = static_cast<std::uint64_t>(stats.allocated_bytes[0].current);
-  const auto reserved_now = static_cast<std::uint64_t>(stats.reserved_bytes[0].current);
-  const std::uint64_t free_now = std::min(sat_sub(allocator_.limit(), allocated_now),
-                                          device_.mem_info().free + sat_sub(reserved_now, allocated_now)) +
-                                 own_residents;
-
-  // The remembered iterations and the running one (whose forward and backward have been seen
-  // by the time its update phase plans).
-  const PhaseReport report = allocator_.phase_report();
-  std::vector<const IterationRecord*> iterations;
-  for (const IterationRecord& it : report.history) iterations.push_back(&it);
-  iterations.push_back(&report.running);
-  bool any_seen = false;
-  for (const IterationRecord* itp : iterations) {
-    const IterationRecord& it = *itp;
-    for (int p = 0; p < kPhaseCount; ++p) {
-      const PhaseWatermark& w = it.phases[p];
-      // A phase entered but with no allocation observed keeps min_free at its "none yet" maximum.
-      if (!w.seen || w.min_free == std::numeric_limits<std::uint64_t>::max()) continue;
-      const bool update = p == static_cast<int>(Phase::update);
-      const bool backward = p == static_cast<int>(Phase::backward);
-      const std::uint64_t loans =
-          own_residents + (update ? own_slots : 0) + (update || backward ? last_kept_bytes_ : 0);
-      const std::uint64_t free = w.min_free > std::numeric_limits<std::uint64_t>::max() - loans
-                                     ? std::numeric_limits<std::uint64_t>::max()
-                                     : w.min_free + loans;
-      // Memory held across phases must also fit beside what the allocator reserved at the
-      // phase's peak, not only beside the live bytes: the phase's large blocks need whole
-      // segments, and memory cut into smaller cached blocks cannot hold them (the iteration
-      // simulator ran out of memory in backward with residents sized to the live bytes).
-      const std::uint64_t unreserved = std::min(free, sat_sub(allocator_.limit(), w.peak_reserved) + loans);
-      b.phase_min_free[p] = b.phase_seen[p] ? std::min(b.phase_min_free[p], free) : free;
-      b.phase_min_unreserved[p] = b.phase_seen[p] ? std::min(b.phase_min_unreserved[p], unreserved) : unreserved;
-      b.phase_seen[p] = true;
-      any_seen = any_seen || p != static_cast<int>(Phase::other);
-    }
-  }
-  if (!any_seen) {
-    // No phase marks seen: only the present is known (residents may then not fit the next
-    // forward; attaching the optimizer to the model gives the phase marks that fix this).
-    b.budget.update_bytes = b.budget.resident_bytes = sat_sub(free_now, margin);
-    b.source = "device free memory (no phase marks seen)";
-    return b;
-  }
-  std::uint64_t update_cap = free_now;
-  std::uint64_t iteration_cap = free_now;
-  for (int p = 0; p < kPhaseCount; ++p) {
-    if (!b.phase_seen[p]) continue;
-    iteration_cap = std::min(iteration_cap, b.phase_min_unreserved[p]);
-    // Slots live from the update phase until the next forward begins.
-    if (p == static_cast<int>(Phase::update) || p == static_cast<int>(Phase::other)) {
-      update_cap = std::min(update_cap, b.phase_min_free[p]);
-    }
-  }
-  b.budget.update_bytes = sat_sub(update_cap, margin);
-  b.budget.resident_bytes = sat_sub(iteration_cap, margin);
-  b.source = "phase tracker (" + count_words(report.history.size(), "finished iteration") + " and the running one)";
-  return b;
-}
 
 void UpdateEngine::set_phase_h2d_bytes(double bytes) {
   if (!(bytes >= 0) || !std::isfinite(bytes)) {
@@ -575,7 +278,9 @@ EnginePlan UpdateEngine::plan_subset(Policy policy, double static_fraction, std:
     w.grad_on_device.resize(index.size());
     for (std::size_t j = 0; j < index.size(); ++j) w.grad_on_device[j] = (*grad_state_)[index[j]].device_grad != nullptr;
   }
-  out.budget = measure_budget(w);
+  std::uint64_t own_slots = 0;  // an engine loan, as its residents and kept gradients are
+  for (const Entry& e : cache_) own_slots = std::max(own_slots, e.scheduler->last_slot_bytes());
+  out.budget = plan_budget(allocator_, w, EngineLoans{resident_bytes(), own_slots, last_kept_bytes_});
   fit_gpu_budget(w, out.budget.budget);
   if (!device_ops_available(device_)) {
     // A GPU placement would throw half-way through a step: plan none.
@@ -586,16 +291,7 @@ EnginePlan UpdateEngine::plan_subset(Policy policy, double static_fraction, std:
   // The links as far as memtide can count on them: less what others were seen to take.
   Rates rates = calibration_.rates_for_planning();
   const std::size_t n = index.size();
-  if (nvme_) {
-    for (std::size_t g : index) w.on_nvme.push_back(on_nvme_[g]);
-    w.nvme_read_ahead = nvme_->read_ahead;
-    // A spilled subgroup may be a static resident: its state comes from NVMe once, stays on the
-    // GPU, and goes back when it leaves (see move_spilled_residents): no NVMe I/O per step.
-    // Until the tier's transfers are measured: a conservative 1 GB/s, corrected after one step.
-    constexpr double kUnmeasured = 1e9;
-    rates.nvme_read_bytes_per_s = nvme_->read_rate > 0 ? nvme_->read_rate : kUnmeasured;
-    rates.nvme_write_bytes_per_s = nvme_->write_rate > 0 ? nvme_->write_rate : kUnmeasured;
-  }
+  if (nvme_) nvme_->plan_with(w, rates, index);
   out.plan = model_.plan(w, rates, policy, static_fraction, k);
 
   if (out.reason.empty() && policy != Policy::cpu && !(policy == Policy::automatic && !k)) {
@@ -663,7 +359,7 @@ EnginePlan UpdateEngine::plan_subset(Policy policy, double static_fraction, std:
 
 // ---- stepping -------------------------------------------------------------------------------
 
-UpdateScheduler& UpdateEngine::scheduler_for(const std::vector<std::pair<std::size_t, std::size_t>>& ranges) {
+UpdateScheduler& UpdateEngine::scheduler_for(const Ranges& ranges) {
   for (auto it = cache_.begin(); it != cache_.end(); ++it) {
     if (it->ranges == ranges) {
       if (it != cache_.begin()) cache_.splice(cache_.begin(), cache_, it);
@@ -680,17 +376,9 @@ UpdateScheduler& UpdateEngine::scheduler_for(const std::vector<std::pair<std::si
   Entry entry;
   entry.ranges = ranges;
   entry.state = OptimizerState::external(device_, ext, model_dtype_);
-  if (nvme_) {
-    // A range of a spilled subgroup is stepped from its staging buffer, at its offset in it.
-    for (std::size_t j = 0; j < ranges.size(); ++j) {
-      const std::size_t g = subgroup_of(ranges[j].first);
-      if (!on_nvme_[g]) continue;
-      (*entry.state)[j].nvme_subgroup = g;
-      (*entry.state)[j].nvme_offset = ranges[j].first - subgroups_[g].first;
-    }
-  }
+  if (nvme_) nvme_->route(*entry.state, ranges);
   entry.scheduler = std::make_unique<UpdateScheduler>(*entry.state, allocator_, pool_);
-  if (nvme_) entry.scheduler->set_nvme(nvme_->staging.get(), nvme_->read_ahead);
+  if (nvme_) nvme_->attach(*entry.scheduler);
   cache_.push_front(std::move(entry));
   return *cache_.front().scheduler;
 }
@@ -715,11 +403,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   out.placement = placement;
   // What the host holds of spilled subgroups (a checkpoint read or load) goes back to NVMe
   // first: the step reads them from there.
-  if (nvme_) {
-    spill_host(n_);
-    // A SimDevice times the transfers on its virtual clock at the rates the plan counts on.
-    if (nvme_->store) nvme_->staging->set_rates(nvme_->read_rate, nvme_->write_rate);
-  }
+  if (nvme_) nvme_->before_step();
   // One check of every gradient before anything is stepped: the gradient path's verdict, or a
   // scan of the host arrays.
   const bool trust_path = path_verdict.has_value() && grad_scale * clip <= 1.0;
@@ -758,7 +442,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   }
   std::vector<UpdateScheduler*> used;
   for (auto& [key, list] : by_key) {
-    std::vector<std::pair<std::size_t, std::size_t>> ranges;
+    Ranges ranges;
     Plan plan;
     plan.gpu_slots = gpu_slots;
     for (const Segment& s : list) {
@@ -767,7 +451,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
       // Part of a spilled subgroup goes through the CPU: its staging buffer holds the whole
       // subgroup, and a GPU slot would take it for one range only (the result is the same).
       const bool whole = s.start == subgroups_[s.subgroup].first && s.end == subgroups_[s.subgroup].second;
-      if (nvme_ && on_nvme_[s.subgroup] && where != Placement::cpu && !whole) where = Placement::cpu;
+      if (nvme_ && nvme_->spilled(s.subgroup) && where != Placement::cpu && !whole) where = Placement::cpu;
       plan.placement.push_back(where);
     }
     UpdateScheduler& scheduler = scheduler_for(ranges);
@@ -800,11 +484,12 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     params.clip = clip;
     params.l2 = l2;
     params.grads_finite = true;  // checked above, once for the whole step
-    const std::vector<std::size_t> left = move_spilled_residents(scheduler, list, plan.placement);
+    const std::vector<std::size_t> left =
+        nvme_ ? nvme_->move_residents(scheduler, list, plan.placement) : std::vector<std::size_t>{};
     const StepReport r = scheduler.run(plan, params);
     // Residents that left were copied back into their host ranges by the run (as they were before
     // this step): NVMe has their new state, the pages go.
-    for (std::size_t g : left) drop_spilled_pages(g);
+    for (std::size_t g : left) nvme_->drop_pages(g);
     for (std::size_t j = 0; j < list.size(); ++j) scheduler_state(scheduler, j).device_grad = nullptr;
     used.push_back(&scheduler);
     ++out.runs;
@@ -830,21 +515,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     t.loop_device_allocs += r.loop_device_allocs;
     t.nvme += r.nvme;
   }
-  if (nvme_) {
-    // The drive's rates as this step saw them (smoothed), for the next plans.
-    NvmeTier& tier = *nvme_;
-    tier.last = out.total.nvme;
-    auto learn = [](double& rate, bool& measured, double bytes, double busy_ns) {
-      if (bytes <= 0 || busy_ns <= 0) return;
-      const double seen = bytes / busy_ns * 1e9;
-      rate = measured ? 0.7 * rate + 0.3 * seen : seen;
-      measured = true;
-    };
-    if (tier.store) {  // measured; a phantom device's rates are the stated ones
-      learn(tier.read_rate, tier.read_measured, out.total.nvme.read_bytes, out.total.nvme.read_busy_ns);
-      learn(tier.write_rate, tier.write_measured, out.total.nvme.write_bytes, out.total.nvme.write_busy_ns);
-    }
-  }
+  if (nvme_) nvme_->after_step(out.total.nvme);
   if (sink_ && sink_->kept_bytes() > 0) sink_->release();  // read by this step; gone before the next forward
   // The residents of this step's schedulers now hold the newest state of their subgroups; the
   // host arrays get it when someone reads them (sync_host), not on every step.
@@ -891,6 +562,10 @@ const EnginePlan& UpdateEngine::current_plan() {
   return *plan_;
 }
 
+std::vector<Segment> UpdateEngine::segments(const StepRequest& request, std::optional<std::size_t> only) const {
+  return layout_.segments(request.groups, request.has_grad, only);
+}
+
 EngineStep UpdateEngine::step(const StepRequest& request) {
   Busy busy(*this);
   if (!request.done.empty() && request.done.size() != subgroups_.size()) {
@@ -924,6 +599,10 @@ EngineStep UpdateEngine::step(const StepRequest& request) {
 
 // The previous phase's records have arrived by now: the links' busy time less the engine's own
 // copies tells the next plans what others take.
+double UpdateEngine::observe_iteration(double predicted_ns, double measured_ns) {
+  return calibration_.observe_iteration(predicted_ns, measured_ns);
+}
+
 void UpdateEngine::observe_traffic(const StepReport& r) {
   if (!traffic_ || device_.properties().virtual_clock) return;  // a tracer watches the host's clock
   if (last_phase_[1] > last_phase_[0]) {
@@ -1006,22 +685,10 @@ void UpdateEngine::host_changed() {
   for (Entry& e : cache_) {
     // A spilled resident whose host range was never filled has its only copy on the device:
     // kept (to the host range, then NVMe) rather than dropped. The others' ranges are the truth.
-    if (nvme_) {
-      for (std::size_t j = 0; j < e.ranges.size(); ++j) {
-        const std::size_t g = subgroup_of(e.ranges[j].first);
-        if (!on_nvme_[g] || !e.scheduler->is_resident(j) || nvme_->materialized[g]) continue;
-        e.scheduler->sync_to_host(j);
-        nvme_->materialized[g] = 1;
-      }
-    }
+    if (nvme_) nvme_->keep_unfilled_residents(e.ranges, *e.scheduler);
     e.scheduler->discard_residents();
   }
-  if (nvme_) {
-    // What sync_host brought back is what the caller may have changed: it is the truth now.
-    for (std::size_t i = 0; i < on_nvme_.size(); ++i) {
-      if (on_nvme_[i] && nvme_->materialized[i]) nvme_->host_truth[i] = 1;
-    }
-  }
+  if (nvme_) nvme_->host_changed();
 }
 
 void UpdateEngine::sync_host() {
@@ -1029,28 +696,9 @@ void UpdateEngine::sync_host() {
   for (Entry& e : cache_) {
     if (e.scheduler->resident_count() == 0) continue;
     e.scheduler->sync_to_host();
-    // Their host ranges now hold their newest state (NVMe does not): not read from NVMe below.
-    for (std::size_t g : spilled_residents(e)) nvme_->materialized[g] = 1;
+    if (nvme_) nvme_->synced(e.ranges, *e.scheduler);
   }
-  if (nvme_ && nvme_->store) {
-    // Spilled subgroups are read back into their ranges until the next step drops them again.
-    for (std::size_t i = 0; i < on_nvme_.size(); ++i) {
-      if (!on_nvme_[i] || nvme_->materialized[i]) continue;
-      load_spilled(i);
-    }
-  }
-}
-
-void UpdateEngine::load_spilled(std::size_t g) {
-  const std::size_t a = subgroups_[g].first;
-  nvme_->staging->load(g, param() + a, exp_avg() + a, exp_avg_sq() + a);
-  nvme_->materialized[g] = 1;
-}
-
-std::size_t UpdateEngine::subgroup_of(std::size_t element) const {
-  const auto it = std::upper_bound(subgroups_.begin(), subgroups_.end(), element,
-                                   [](std::size_t e, const std::pair<std::size_t, std::size_t>& r) { return e < r.second; });
-  return static_cast<std::size_t>(it - subgroups_.begin());
+  if (nvme_) nvme_->load_all();
 }
 
 Subgroup& UpdateEngine::scheduler_state(UpdateScheduler& scheduler, std::size_t j) {
@@ -1065,45 +713,9 @@ void UpdateEngine::retire(Entry& e) {
   e.scheduler->sync_to_host();
   // A spilled resident's newest state is now in its host range only: on to NVMe before anything
   // reads it from there (the run that retired it may be about to).
-  const std::vector<std::size_t> spilled = spilled_residents(e);
-  for (std::size_t g : spilled) nvme_->materialized[g] = nvme_->host_truth[g] = 1;
+  const std::vector<std::size_t> spilled = nvme_ ? nvme_->residents(e.ranges, *e.scheduler) : std::vector<std::size_t>{};
   e.scheduler->discard_residents();
-  if (!spilled.empty()) spill_host(n_);
-}
-
-std::vector<std::size_t> UpdateEngine::spilled_residents(Entry& e) const {
-  std::vector<std::size_t> out;
-  if (!nvme_) return out;
-  for (std::size_t j = 0; j < e.ranges.size(); ++j) {
-    const std::size_t g = subgroup_of(e.ranges[j].first);
-    if (on_nvme_[g] && e.scheduler->is_resident(j)) out.push_back(g);
-  }
-  return out;
-}
-
-std::vector<std::size_t> UpdateEngine::move_spilled_residents(UpdateScheduler& s, const std::vector<Segment>& list,
-                                                              const std::vector<Placement>& placement) {
-  std::vector<std::size_t> left;
-  if (!nvme_ || nvme_->store == nullptr) return left;
-  NvmeTier& t = *nvme_;
-  // Leaving first: the device holds the newest state; it goes to the host range and on to NVMe
-  // before this phase reads the subgroup from there.
-  for (std::size_t j = 0; j < list.size(); ++j) {
-    const std::size_t g = list[j].subgroup;
-    if (!on_nvme_[g] || placement[j] == Placement::gpu_static || !s.is_resident(j)) continue;
-    s.sync_to_host(j);
-    t.materialized[g] = t.host_truth[g] = 1;
-    left.push_back(g);
-  }
-  if (!left.empty()) spill_host(n_);
-  // Entering: the scheduler moves a new resident's state to the device from its host range.
-  for (std::size_t j = 0; j < list.size(); ++j) {
-    const std::size_t g = list[j].subgroup;
-    if (on_nvme_[g] && placement[j] == Placement::gpu_static && !s.is_resident(j) && !t.materialized[g]) {
-      load_spilled(g);
-    }
-  }
-  return left;
+  if (nvme_ && nvme_->copied_to_host(spilled)) spill_host(n_);
 }
 
 void UpdateEngine::observe(const StepReport& r, double predicted_ns) {

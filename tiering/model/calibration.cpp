@@ -9,19 +9,14 @@
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"
 #include "memtide/core/options.hpp"
+#include "model_inputs.hpp"
 
 namespace memtide::tiering {
 namespace {
 
-std::string show(double v) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
-
 void require_duration(const char* where, const char* field, double ns) {
   if (!(ns > 0) || !std::isfinite(ns)) {
-    throw InvalidArgument(std::string("Calibration::") + where + ": " + field + " = " + show(ns) +
+    throw InvalidArgument(std::string("Calibration::") + where + ": " + field + " = " + show_number(ns) +
                           " is not accepted: expected a positive, finite number of nanoseconds");
   }
 }
@@ -38,7 +33,7 @@ CalibrationConfig CalibrationConfig::from_options() {
 
 Calibration::Calibration(const Rates& defaults, CalibrationConfig config) : config_(config), rates_(defaults) {
   if (!(config.alpha > 0 && config.alpha <= 1)) {
-    throw InvalidArgument("Calibration: alpha = " + show(config.alpha) + " is not accepted: expected a number in (0, 1]");
+    throw InvalidArgument("Calibration: alpha = " + show_number(config.alpha) + " is not accepted: expected a number in (0, 1]");
   }
   if (config.history == 0) {
     throw InvalidArgument("Calibration: history = 0 is not accepted: expected at least 1 phase");

@@ -2,15 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <limits>
 #include <string>
 
 #include "memtide/core/assert.hpp"
 #include "memtide/core/error.hpp"
-#include "memtide/core/format.hpp"
 #include "memtide/device/sim_device.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
+#include "model_inputs.hpp"
 
 namespace memtide::tiering {
 namespace {
@@ -25,72 +24,6 @@ constexpr std::size_t kMinEvaluations = 8;
 constexpr std::size_t kExhaustiveStaticCounts = 32;
 // Larger workloads are first planned as this many merged subgroups (see PerfModel::plan).
 constexpr std::size_t kProxySubgroups = 2048;
-
-std::string show(double v) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
-
-void require_rate(const char* field, double v) {
-  if (!(v > 0) || !std::isfinite(v)) {
-    throw InvalidArgument(std::string("PerfModel: rates.") + field + " = " + show(v) +
-                          " is not accepted: expected a positive, finite number");
-  }
-}
-
-void require_non_negative(const char* field, double v) {
-  if (!(v >= 0) || !std::isfinite(v)) {
-    throw InvalidArgument(std::string("PerfModel: rates.") + field + " = " + show(v) +
-                          " is not accepted: expected a finite number >= 0");
-  }
-}
-
-void validate(const Workload& work, const Rates& r) {
-  require_rate("h2d_bytes_per_s", r.h2d_bytes_per_s);
-  require_rate("d2h_bytes_per_s", r.d2h_bytes_per_s);
-  require_rate("cpu_update_params_per_s", r.cpu_update_params_per_s);
-  require_rate("gpu_update_params_per_s", r.gpu_update_params_per_s);
-  require_non_negative("cpu_downscale_params_per_s", r.cpu_downscale_params_per_s);
-  require_rate("host_dram_bytes_per_s", r.host_dram_bytes_per_s);
-  require_non_negative("cpu_dram_bytes_per_param", r.cpu_dram_bytes_per_param);
-  if (work.subgroup_params.empty()) {
-    throw InvalidArgument("PerfModel: workload.subgroup_params is empty: expected at least one subgroup");
-  }
-  if (work.subgroup_params.size() > kMaxSubgroups) {
-    throw InvalidArgument("PerfModel: " + std::to_string(work.subgroup_params.size()) + " subgroups, at most " +
-                          std::to_string(kMaxSubgroups) + " are accepted: make the subgroups larger");
-  }
-  for (std::size_t i = 0; i < work.subgroup_params.size(); ++i) {
-    if (work.subgroup_params[i] == 0) {
-      throw InvalidArgument("PerfModel: workload.subgroup_params[" + std::to_string(i) +
-                            "] = 0 is not accepted: every subgroup needs at least one param");
-    }
-  }
-  if (!work.grad_on_device.empty() && work.grad_on_device.size() != work.subgroup_params.size()) {
-    throw InvalidArgument("PerfModel: workload.grad_on_device has " + std::to_string(work.grad_on_device.size()) +
-                          " entries, there are " + std::to_string(work.subgroup_params.size()) + " subgroups");
-  }
-  require_non_negative("nvme_read_bytes_per_s", r.nvme_read_bytes_per_s);
-  require_non_negative("nvme_write_bytes_per_s", r.nvme_write_bytes_per_s);
-  if (!work.on_nvme.empty()) {
-    if (work.on_nvme.size() != work.subgroup_params.size()) {
-      throw InvalidArgument("PerfModel: workload.on_nvme has " + std::to_string(work.on_nvme.size()) +
-                            " entries, there are " + std::to_string(work.subgroup_params.size()) + " subgroups");
-    }
-    if (std::find(work.on_nvme.begin(), work.on_nvme.end(), true) != work.on_nvme.end()) {
-      require_rate("nvme_read_bytes_per_s", r.nvme_read_bytes_per_s);
-      require_rate("nvme_write_bytes_per_s", r.nvme_write_bytes_per_s);
-      if (work.nvme_read_ahead == 0) {
-        throw InvalidArgument("PerfModel: workload.nvme_read_ahead = 0 is not accepted: expected at least 1");
-      }
-    }
-  }
-  if (work.low_precision_bytes == 0 || work.low_precision_bytes > 4) {
-    throw InvalidArgument("PerfModel: workload.low_precision_bytes = " + std::to_string(work.low_precision_bytes) +
-                          " is not accepted: expected 1 to 4");
-  }
-}
 
 // Per-subgroup costs, shared by the busy-time sums and the walk.
 struct Costs {
@@ -203,31 +136,6 @@ std::vector<std::size_t> nvme_read_order(const std::vector<Placement>& placement
     }
   }
   return order;
-}
-
-std::vector<std::size_t> fit_before_end(std::vector<BackwardCandidate> candidates, double end_ns, std::size_t cap) {
-  std::sort(candidates.begin(), candidates.end(), [](const BackwardCandidate& a, const BackwardCandidate& b) {
-    return a.ready_ns != b.ready_ns ? a.ready_ns < b.ready_ns : a.subgroup < b.subgroup;
-  });
-  std::vector<std::size_t> taken;
-  double free = -INFINITY;  // when the worker is done with those taken so far
-  for (const BackwardCandidate& c : candidates) {
-    if (taken.size() == cap) break;
-    const double finish = std::max(free, c.ready_ns) + c.work_ns;
-    if (finish > end_ns) continue;
-    free = finish;
-    taken.push_back(c.subgroup);
-  }
-  return taken;
-}
-
-std::size_t nvme_staging_buffers(const std::vector<Placement>& placement, const std::vector<bool>& spilled,
-                                 std::size_t slots, std::size_t read_ahead) {
-  std::size_t streamed = 0;
-  for (std::size_t i = 0; i < placement.size() && i < spilled.size(); ++i) {
-    streamed += spilled[i] && placement[i] == Placement::gpu;
-  }
-  return std::max<std::size_t>(read_ahead, 1) + std::min(slots, streamed);
 }
 
 namespace {
@@ -652,7 +560,7 @@ Workload coarsen(const Workload& w, std::size_t grain) {
 }  // namespace
 
 Prediction PerfModel::predict(const Workload& work, const Rates& rates, const std::vector<Placement>& placement) const {
-  validate(work, rates);
+  validate_model_inputs(work, rates);
   if (placement.size() != work.subgroup_params.size()) {
     throw InvalidArgument("PerfModel: placement has " + std::to_string(placement.size()) +
                           " entries: expected one per subgroup (" + std::to_string(work.subgroup_params.size()) + ")");
@@ -668,13 +576,13 @@ Prediction PerfModel::predict(const Workload& work, const Rates& rates, const st
 
 Plan PerfModel::plan(const Workload& work, const Rates& rates, Policy policy, double static_fraction,
                      std::optional<double> k) const {
-  validate(work, rates);
+  validate_model_inputs(work, rates);
   if (!(static_fraction >= 0 && static_fraction <= 1)) {
-    throw InvalidArgument("PerfModel: static_fraction = " + show(static_fraction) +
+    throw InvalidArgument("PerfModel: static_fraction = " + show_number(static_fraction) +
                           " is not accepted: expected a number in [0, 1]");
   }
   if (k && !(*k >= 1 && std::isfinite(*k))) {
-    throw InvalidArgument("PerfModel: k = " + show(*k) +
+    throw InvalidArgument("PerfModel: k = " + show_number(*k) +
                           " is not accepted: expected a finite stride >= 1 (one in every k subgroups on the GPU)");
   }
   const std::size_t n = work.subgroup_params.size();
@@ -829,8 +737,8 @@ IterationPrediction PerfModel::predict_iteration(const PassWork& forward, const 
                                                      {"async_ns", w.async_ns},     {"tail_ns", w.tail_ns}};
     for (const auto& [field, v] : fields) {
       if (!(v >= 0) || !std::isfinite(v)) {
-        throw InvalidArgument(std::string("PerfModel::predict_iteration: ") + name + "." + field + " = " + show(v) +
-                              " is not accepted: expected a finite time >= 0");
+        throw InvalidArgument(std::string("PerfModel::predict_iteration: ") + name + "." + field + " = " +
+                              show_number(v) + " is not accepted: expected a finite time >= 0");
       }
     }
     return w.lead_ns + std::max({w.compute_ns + w.stall_ns + w.tail_ns, w.comm_ns, w.async_ns});
@@ -841,74 +749,6 @@ IterationPrediction PerfModel::predict_iteration(const PassWork& forward, const 
   out.update_ns = update.total_ns;
   out.total_ns = out.forward_ns + out.backward_ns + out.update_ns;
   return out;
-}
-
-std::uint64_t gpu_slot_bytes(std::size_t largest, bool with_grad) {
-  constexpr std::uint64_t kAlign = 512;  // the scheduler's device array alignment
-  const std::uint64_t array = (static_cast<std::uint64_t>(largest) * sizeof(float) + kAlign - 1) / kAlign * kAlign;
-  return (with_grad ? 4 : 3) * array;
-}
-
-void fit_gpu_budget(Workload& work, const GpuBudget& budget) {
-  std::size_t largest = 0;
-  for (std::size_t n : work.subgroup_params) largest = std::max(largest, n);
-  const std::uint64_t n = work.subgroup_params.size();
-  if (largest == 0) {
-    work.gpu_slot_limit = work.gpu_static_limit = 0;
-    return;
-  }
-  const std::uint64_t slot = gpu_slot_bytes(largest, work.grads_on_host);
-  work.gpu_slot_limit = static_cast<std::size_t>(std::min(budget.update_bytes / slot, n));
-  const std::uint64_t slots = std::min<std::uint64_t>(work.gpu_slot_limit, kUsefulSlots) * slot;
-  const std::uint64_t left = budget.update_bytes > slots ? budget.update_bytes - slots : 0;
-  // A resident keeps a gradient array whatever the gradient path (the scheduler allocates it).
-  work.gpu_static_limit =
-      static_cast<std::size_t>(std::min(std::min(left, budget.resident_bytes) / gpu_slot_bytes(largest, true), n));
-}
-
-std::size_t fit_host_budget(Workload& work, std::uint64_t host_budget_bytes) {
-  const std::size_t n = work.subgroup_params.size();
-  work.on_nvme.clear();
-  double total = 0, largest = 0;
-  for (std::size_t p : work.subgroup_params) {
-    total += 16.0 * static_cast<double>(p);
-    largest = std::max(largest, static_cast<double>(p));
-  }
-  const auto budget = static_cast<double>(host_budget_bytes);
-  if (total <= budget) return 0;
-  const std::size_t candidates = n - std::min(work.gpu_static_limit, n);
-  // Host memory with m subgroups spilled: their 12 B/param leave, staging for the read-ahead comes.
-  const double staging = static_cast<double>(std::max<std::size_t>(work.nvme_read_ahead, 1)) * kStateBytesPerParam * largest;
-  auto pick = [&](std::size_t m) {
-    std::vector<bool> out(n, false);
-    for (std::size_t k = 0; k < m; ++k) {
-      out[static_cast<std::size_t>((static_cast<double>(k) + 0.5) * static_cast<double>(candidates) /
-                                   static_cast<double>(m))] = true;
-    }
-    return out;
-  };
-  auto host_bytes = [&](const std::vector<bool>& on) {
-    double moved = 0;
-    for (std::size_t i = 0; i < n; ++i) moved += on[i] ? kStateBytesPerParam * static_cast<double>(work.subgroup_params[i]) : 0;
-    return total - moved + staging;
-  };
-  if (candidates == 0 || host_bytes(pick(candidates)) > budget) {
-    const double floor = candidates == 0 ? total : host_bytes(pick(candidates));
-    throw InvalidArgument("host budget " + format_bytes(host_budget_bytes) + " is too small: the optimizer state (" +
-                          format_bytes(static_cast<std::uint64_t>(total)) + ") needs at least " +
-                          format_bytes(static_cast<std::uint64_t>(floor)) +
-                          " of host memory even with every subgroup's params and moments on NVMe (gradients, "
-                          "GPU residents and the read-ahead staging stay in host memory)");
-  }
-  // The fewest evenly spread subgroups that fit: the host bytes fall as m grows.
-  std::size_t lo = 1, hi = candidates;
-  while (lo < hi) {
-    const std::size_t mid = lo + (hi - lo) / 2;
-    if (host_bytes(pick(mid)) <= budget) hi = mid;
-    else lo = mid + 1;
-  }
-  work.on_nvme = pick(lo);
-  return lo;
 }
 
 Rates sim_rates(const SimConfig& c) {

@@ -357,7 +357,7 @@ TYPED_TEST(NvmeTierTest, AFailedWriteBackLosesNothing) {
                          Fault{NvmeFaults{ENOSPC, false, 0}, "No space left"},
                          Fault{NvmeFaults{0, true, 0}, "short write"}}) {
     auto e = this->filled(5);
-    e->inject_nvme_faults(f.faults);
+    e->nvme_tier()->inject_faults(f.faults);
     const std::size_t g = this->first_spilled(*e);
     try {
       (void)this->step(*e, Policy::cpu, 1);
@@ -415,7 +415,7 @@ TYPED_TEST(NvmeTierTest, ACorruptOrTruncatedExtentIsCaughtNamingTheSubgroup) {
 
 TYPED_TEST(NvmeTierTest, AFailedReadStopsTheStepAndTheNextOneRuns) {
   auto e = this->filled(11);
-  e->inject_nvme_faults(NvmeFaults{0, false, EIO});
+  e->nvme_tier()->inject_faults(NvmeFaults{0, false, EIO});
   EXPECT_THROW((void)this->step(*e, Policy::cpu, 1), IoError);
   EXPECT_TRUE(e->nvme_info().held.empty());
   e->sync_host();  // a checkpoint can be read

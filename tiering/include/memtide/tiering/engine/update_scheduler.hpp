@@ -1,27 +1,11 @@
 #pragma once
 /// @file
-/// UpdateScheduler: one optimizer update phase for a Plan (paper Algorithm 1, section 4.3).
-///
-/// Walking the subgroups in order:
-/// - a CPU subgroup is stepped by the fused CPU kernel on the ThreadPool, which writes the
-///   low-precision params into a pinned staging buffer; that buffer then goes H2D into the
-///   model's parameter storage on the upload stream;
-/// - a streamed GPU subgroup's state (p, m, v, and the gradient when it is on the host) was
-///   prefetched H2D into a GPU slot ahead of use on the prefetch stream; it is stepped on the
-///   compute stream (the kernel writes the model's low-precision params too) and flushed D2H on
-///   the flush stream, while the next prefetch into the freed slot is queued: both PCIe
-///   directions at once. Lookahead is bounded by the plan's slots;
-/// - a static resident lives on the GPU between phases (placed last by the planner, so its
-///   steps cover the tail of the transfers);
-/// - a subgroup whose state lives on NVMe (Subgroup::on_nvme) is stepped from a staging buffer
-///   of the NvmeStaging, which reads it ahead and writes it back behind: on the CPU in place, on
-///   the GPU NVMe -> pinned staging -> slot and back, the write-back queued behind the flush.
-///
-/// Events order everything; the host waits only before overwriting a staging buffer, for the
-/// gradient check, and at the end of the phase. Slots come from the CachingAllocator when the
-/// phase begins and go back when it ends: nothing is allocated inside the loop. The same code
-/// runs on SimDevice (CPU work advances the virtual host clock through host_work; in data mode
-/// the kernels really run) and on CudaDevice (real threads and streams).
+/// UpdateScheduler: one optimizer update phase for a Plan (paper Algorithm 1, section 4.3): CPU
+/// subgroups stepped on the ThreadPool and uploaded, streamed GPU subgroups prefetched into slots,
+/// stepped and flushed while the next prefetch runs, static residents kept on the GPU, spilled
+/// subgroups stepped from NVMe staging. Events order everything and nothing is allocated inside
+/// the loop; the same code runs on SimDevice and CudaDevice (docs/architecture.md, "Optimizer
+/// state, gradient path, update phase").
 
 #include <cstddef>
 #include <cstdint>
@@ -31,6 +15,7 @@
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/tiering/nvme/nvme_staging.hpp"
 #include "memtide/tiering/engine/optimizer_state.hpp"
+#include "memtide/tiering/engine/step_report.hpp"
 #include "memtide/tiering/model/perf_model.hpp"
 
 namespace memtide::tiering {
@@ -57,57 +42,6 @@ struct SchedulerConfig {
   std::size_t staging_buffers = 2;  ///< pinned low-precision staging buffers for CPU subgroups
   Stream main_stream{};             ///< the training stream: phase start orders after it; slots return to it
   CpuIsa isa = CpuIsa::automatic;
-};
-
-/// How long one resource was busy in a phase (the union of its operations' intervals) and what
-/// it moved.
-struct ResourceUse {
-  double busy_ns = 0;
-  double bytes = 0;
-  double params = 0;
-  std::uint64_t ops = 0;
-};
-
-/// Rates measured in one phase, in the units Calibration consumes (0 where nothing ran).
-struct Measurements {
-  double h2d_bytes_per_ns = 0;
-  double d2h_bytes_per_ns = 0;
-  double cpu_update_params_per_ns = 0;
-  double gpu_update_params_per_ns = 0;
-  double phase_ns = 0;
-};
-
-/// One operation of an update phase, for the timeline: what it was ("prefetch", "gpu update",
-/// "flush", "cpu update", "param upload", "grad upload", "grad to host"), the subgroup it served,
-/// when it ran (ns from the phase start) and the bytes it moved (for an update: through memory).
-struct TieringOp {
-  const char* what = "";
-  std::size_t subgroup = 0;
-  double start_ns = 0;
-  double end_ns = 0;
-  double bytes = 0;
-};
-
-struct StepReport {
-  bool skipped = false;  ///< a gradient was not finite: nothing was stepped
-  /// Every operation of the phase (device ops on the device's clock from the phase start event,
-  /// CPU updates on the host clock from the phase start).
-  std::vector<TieringOp> ops;
-  double phase_start_ns = 0;  ///< host clock at the phase start
-  double phase_ns = 0;   ///< from the phase start to the last transfer's end (host clock)
-  ResourceUse cpu, gpu, h2d, d2h;
-  double h2d_d2h_overlap_ns = 0;  ///< time both PCIe directions were busy at once
-  NvmeUse nvme;                   ///< the NVMe tier's reads and write-backs (none without one)
-  std::size_t params_cpu = 0;
-  std::size_t params_gpu = 0;
-  std::size_t params_gpu_static = 0;
-  /// CachingAllocator counts: allocations made while setting up the phase, and inside the loop
-  /// (must be 0), and device segment allocations inside the loop (must be 0).
-  std::int64_t setup_allocations = 0;
-  std::int64_t loop_allocations = 0;
-  std::int64_t loop_device_allocs = 0;
-
-  [[nodiscard]] Measurements measurements() const;
 };
 
 class UpdateScheduler {

@@ -1,30 +1,11 @@
 #pragma once
 /// @file
 /// The update-phase performance model (paper Eq. 1, extended) and the planner built on it.
-///
-/// The paper balances CPU update time against GPU swap time to pick the stride k. memtide's
-/// model also counts (a) the fused downscale (no separate D_c pass), (b) host DRAM shared by CPU
-/// updates and DMA, (c) how many GPU slots fit in the update-phase headroom, and (d) separate H2D
-/// and D2H rates. It predicts the update time of any placement; the planner searches placements.
-/// Its yardstick is the resource bound: the busiest resource's time (CPU, GPU, H2D, D2H, DRAM).
-///
-/// `predict` walks the subgroups as the UpdateScheduler runs them (Algorithm 1, extended) on a
-/// virtual clock, so its total adds what the bound misses (pipeline fill and drain, DRAM
-/// contention, too few GPU slots). The walk assumes this schedule:
-/// - the CPU updates its subgroups one after another in update order; each one's low-precision
-///   params go H2D as soon as it is done;
-/// - GPU inputs (streamed state 12 B/param, plus 4 B/param of fp32 grads when they are on the
-///   host; a static resident's host grads) are issued in update order on one H2D stream; a
-///   streamed input waits for a free GPU slot (a slot is freed when its subgroup's flush ends);
-/// - the scheduler's host loop issues them: the first `slots` prefetches at the start, each later
-///   one when the loop reaches the streamed subgroup whose slot it reuses (after every CPU update
-///   before that subgroup), a static resident's grads when the loop reaches the resident;
-/// - the GPU updates its subgroups (streamed and static) in update order, each once its input
-///   is on the device; streamed ones are flushed D2H (12 B/param) in the same order;
-/// - each copy engine serves copies in the order they became ready (GPU input first on a tie);
-/// - DMA takes the host DRAM bandwidth it needs first; the CPU update runs at
-///   min(U_c, DRAM left / bytes per param) (the paper's model has no contention term).
-/// Cost: O(n) time and memory per `predict`; deterministic (no clocks, no randomness).
+/// `PerfModel::predict` walks the subgroups as the UpdateScheduler runs them on a virtual clock
+/// (the schedule it assumes, and what it counts beyond the paper, are in docs/architecture.md,
+/// "Update-phase PerfModel"); `PerfModel::plan` searches placements. Also here: the fitting
+/// functions (model/fitting.cpp) that turn device memory, a host budget and backward's time into
+/// what a plan may hold.
 
 #include <cstddef>
 #include <cstdint>
@@ -91,10 +72,8 @@ inline constexpr double kGradBytesPerParam = 4;
 /// flushed, so both PCIe directions and the GPU are busy; more buys nothing but memory.
 inline constexpr std::size_t kUsefulSlots = 3;
 
-/// The most subgroups a workload may have (2^20). Each is one scheduled transfer and update per
-/// step: a 20B-parameter model at this count has subgroups of 19k params, whose ~10 us of
-/// per-operation cost already exceeds their transfer time (the paper uses 100M params each).
-/// Planning this many takes well under a second (bench/python/bench_plan.py).
+/// The most subgroups a workload may have (2^20): 20B params at this count make subgroups of 19k,
+/// whose ~10 us of per-operation cost exceeds their transfer time. Plans in well under a second.
 inline constexpr std::size_t kMaxSubgroups = std::size_t{1} << 20;
 
 /// Device memory a plan may use.
@@ -113,12 +92,10 @@ std::uint64_t gpu_slot_bytes(std::size_t largest, bool with_grad = true);
 /// leave of the update budget). Both at most the number of subgroups.
 void fit_gpu_budget(Workload& work, const GpuBudget& budget);
 
-/// The one place that decides which subgroups live on NVMe: the fewest that bring the host
-/// state (16 B/param: fp32 params, exp_avg, exp_avg_sq and gradient) within `host_budget_bytes`,
-/// spread evenly over the update order (so their reads overlap the work on the others) and never
-/// among the last `work.gpu_static_limit` (static residents keep their state on the GPU). Sets
-/// `work.on_nvme`; returns how many. Throws InvalidArgument when even spilling every other
-/// subgroup's state cannot fit the budget (the gradients and staging stay in host memory).
+/// The one place that decides which subgroups live on NVMe: the fewest that bring the host state
+/// (16 B/param) within `host_budget_bytes`, spread evenly over the update order and never among
+/// the last `work.gpu_static_limit` (residents). Sets `work.on_nvme`; returns how many. Throws
+/// InvalidArgument when even spilling every other subgroup's state cannot fit the budget.
 std::size_t fit_host_budget(Workload& work, std::uint64_t host_budget_bytes);
 
 /// The order in which an update phase reads the subgroups whose state is on NVMe (`spilled`,
@@ -142,10 +119,8 @@ struct BackwardCandidate {
 };
 
 /// The one place that decides which subgroups are updated during backward: those one host worker
-/// finishes before backward ends (`end_ns`), taken in the order they become ready (ties by
-/// subgroup), each starting when it and the worker are free. One that would finish later is left
-/// to the update phase (a later, shorter one may still fit). At most `cap`; returned in the order
-/// taken. The simulator feeds it modelled times, TieredAdamW measured ones.
+/// finishes before `end_ns`, taken as they become ready (ties by subgroup), each starting when it
+/// and the worker are free; one that would finish later is skipped. At most `cap`, in the order taken.
 std::vector<std::size_t> fit_before_end(std::vector<BackwardCandidate> candidates, double end_ns, std::size_t cap);
 
 /// Predicted busy time per resource and the resulting update time.
@@ -199,27 +174,15 @@ class PerfModel {
   /// `work.gpu_slot_limit` is 0.
   [[nodiscard]] Prediction predict(const Workload& work, const Rates& rates,
                                    const std::vector<Placement>& placement) const;
-  /// The one place where a policy becomes a placement: the plan `policy` gives for `work`.
-  /// `k` is the stride of Algorithm 1 everywhere: one in every k streamable subgroups goes to the
-  /// GPU (k = 1 all, k = 2 every other one; fractional k allowed, see interleave). The static
-  /// residents, round(static_fraction * n) capped by `work.gpu_static_limit`, come last.
-  ///
-  /// - cpu: every subgroup on the CPU (`k` and `static_fraction` are not used).
-  /// - static_split: the static residents; the rest on the CPU (`k` is not used).
-  /// - interleaved: the static residents, and stride `k` (default 2) among the others; with
-  ///   `work.gpu_slot_limit` 0 nothing can be streamed, so none is.
-  /// - automatic with `k`: as interleaved (the caller fixed the stride).
-  /// - automatic without `k`: the lowest predicted total over every stride that gives a distinct
-  ///   GPU count (k = s / n_gpu for n_gpu = 0..s, s = subgroups not static) and every static count
-  ///   up to `work.gpu_static_limit`, plus the plans the other policies give for the same
-  ///   arguments, so it is never predicted worse than them. Ties go to fewer GPU subgroups. The
-  ///   search ranks placements by their resource bound (O(1) each from prefix sums) and predicts
-  ///   in full only those whose bound can still beat the best total found, best-ranked first,
-  ///   at most max(12, 2^22 / n) of them: exhaustive for small workloads, the valley of the bound
-  ///   and its surroundings for large ones. O(n log n); 2^20 subgroups plan in well under 1 s.
-  /// `gpu_slots` is min(gpu_slot_limit, kUsefulSlots) when anything is streamed, else 0.
-  /// Throws InvalidArgument as `predict` does, and for static_fraction outside [0, 1] or a k
-  /// below 1 or not finite.
+  /// The one place where a policy becomes a placement: the plan `policy` gives for `work`. `k` is
+  /// the stride of Algorithm 1 (one in every k streamable subgroups on the GPU, fractional k
+  /// allowed, see interleave); the round(static_fraction * n) static residents, capped by
+  /// `work.gpu_static_limit`, come last. cpu, static_split and interleaved (default k = 2) are
+  /// placements by rule, as is automatic with `k`; automatic without `k` searches strides and
+  /// static counts for the lowest predicted total, never worse than the other policies (the
+  /// search is described in docs/architecture.md, "Planner"). `gpu_slots` is
+  /// min(gpu_slot_limit, kUsefulSlots) when anything is streamed, else 0. Throws InvalidArgument
+  /// as `predict` does, and for static_fraction outside [0, 1] or a k below 1 or not finite.
   [[nodiscard]] Plan plan(const Workload& work, const Rates& rates, Policy policy, double static_fraction = 0,
                           std::optional<double> k = std::nullopt) const;
 
