@@ -1,4 +1,5 @@
 #include "memtide/core/os.hpp"
+#include "memtide/core/detail/os_testing.hpp"
 
 #include <sys/mman.h>
 #include <unistd.h>

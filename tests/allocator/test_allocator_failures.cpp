@@ -19,6 +19,7 @@
 #include "failing_device.hpp"
 #include "failing_new.hpp"
 #include "memtide/allocator/caching_allocator.hpp"
+#include "memtide/core/detail/os_testing.hpp"
 #include "memtide/core/os.hpp"
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/allocator/mmap_slab_source.hpp"

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "failing_new.hpp"
+#include "memtide/core/detail/os_testing.hpp"
 #include "memtide/core/os.hpp"
 #include "memtide/allocator/mmap_slab_source.hpp"
 #include "memtide/allocator/pinned_heap.hpp"

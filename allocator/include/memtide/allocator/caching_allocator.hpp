@@ -2,34 +2,19 @@
 /// @file
 /// CachingAllocator: stream-ordered caching of device memory, with per-phase watermarks.
 ///
-/// Behaviour follows PyTorch's caching allocator so memtide can replace it: 512-byte rounding;
-/// requests up to 1 MiB come from 2 MiB "small" segments, up to 10 MiB from 20 MiB "large"
-/// segments, bigger ones get a segment rounded to 2 MiB; best fit per stream with splitting and
-/// coalescing; a limit (memory fraction or byte cap); on OOM, cached segments are released and the
-/// allocation retried before failing with a message that says where the memory went.
-///
-/// Stream ordering lives here and nowhere else:
-/// - a block freed on stream S is reused at once by allocations on S;
-/// - a cached segment moves to another stream T only when the allocator is at its limit, and T
-///   first waits on an event recorded on S (so T's work starts after S's last use);
-/// - a block used on extra streams (record_stream) is held at free time until events recorded on
-///   those streams complete.
-///
-/// Thread-safe; one mutex, held briefly. The steady-state fast path does no heap allocation.
+/// PyTorch's policy (512-byte rounding, small and large pools, best fit per stream, split and
+/// coalesce, a limit, release-and-retry on OOM) with stream ordering kept here and nowhere else;
+/// docs/architecture.md ("CachingAllocator") has the rules. Thread-safe: one mutex, held briefly;
+/// the steady-state fast path does no heap allocation.
 
 #include <cstdint>
-#include <deque>
-#include <map>
-#include <memory>
 #include <functional>
-#include <mutex>
-#include <string>
+#include <memory>
 #include <optional>
-#include <set>
-#include <unordered_map>
+#include <string>
+#include <utility>
 #include <vector>
 
-#include "memtide/allocator/detail/address_map.hpp"
 #include "memtide/allocator/memory_resource.hpp"
 #include "memtide/allocator/phase_tracker.hpp"
 #include "memtide/allocator/snapshot.hpp"
@@ -120,9 +105,9 @@ class CachingAllocator final : public DeviceMemoryResource {
   [[nodiscard]] Headroom headroom(Phase until, std::optional<std::uint64_t> margin = std::nullopt) const;
   [[nodiscard]] PhaseReport phase_report() const;
   /// Bytes a headroom answer keeps free (AllocatorConfig::headroom_margin).
-  [[nodiscard]] std::uint64_t headroom_margin() const noexcept { return config_.headroom_margin; }
+  [[nodiscard]] std::uint64_t headroom_margin() const noexcept;
   /// Whether large allocations go to expandable segments (asked for, and the device can).
-  [[nodiscard]] bool expandable_segments() const noexcept { return granule_ != 0; }
+  [[nodiscard]] bool expandable_segments() const noexcept;
 
   /// Segments, blocks and (when recording) the trace, in memory_viz's model.
   [[nodiscard]] Snapshot snapshot() const;
@@ -174,127 +159,13 @@ class CachingAllocator final : public DeviceMemoryResource {
   /// Size of the block holding `ptr` (rounded), or nullopt when `ptr` is not allocated here.
   [[nodiscard]] std::optional<std::size_t> allocation_size(void* ptr) const;
 
-  [[nodiscard]] Device& device() noexcept { return device_; }
+  [[nodiscard]] Device& device() noexcept;
 
  private:
-  struct Block;
-  struct BlockLess {
-    bool operator()(const Block* a, const Block* b) const noexcept;
-  };
-  using FreeSet = std::set<Block*, BlockLess>;
-  /// The default pool or a private one: the free blocks of the segments it owns.
-  struct Pool {
-    PoolId id{0, 0};
-    FreeSet small_free;
-    FreeSet large_free;
-    int use_count = 0;        ///< private pools: creators and captures holding it
-    std::size_t segments = 0; ///< segments it owns
-    FreeSet& free(bool small) { return small ? small_free : large_free; }
-  };
-  struct Block {
-    std::uintptr_t addr = 0;
-    std::size_t size = 0;
-    std::size_t requested = 0;
-    Stream stream{};
-    Pool* pool = nullptr;        ///< the owner of its segment
-    bool small = false;
-    bool expandable = false;     ///< in an expandable segment (never released or stolen whole)
-    bool allocated = false;
-    int pending_events = 0;      ///< outstanding record_stream events after free
-    Block* prev = nullptr;       ///< neighbours within the segment, in address order
-    Block* next = nullptr;
-    std::vector<Stream> uses;    ///< extra streams from record_stream
-    // The free-set node is kept with the block across removals so that reinsertion reuses it
-    // instead of allocating: with the flat AddressMap, this keeps the fast path free of malloc.
-    FreeSet::node_type free_node;
-    FreeSet::iterator free_it;   ///< position in its pool's free set, valid while free and cached
-  };
-  struct Segment {
-    Block* head = nullptr;
-    std::size_t size = 0;
-  };
-  /// One stream's expandable segment: a reservation whose first `mapped` bytes are memory.
-  struct Expandable {
-    std::uintptr_t base = 0;
-    std::size_t reserved = 0;
-    std::size_t mapped = 0;
-    Stream stream{};
-  };
-  struct PendingFree {
-    Block* block;
-    std::vector<Event> events;
-  };
-
+  struct Impl;  // caching_allocator_internal.hpp
   void* do_allocate(std::size_t bytes, Stream stream) override;
   void do_deallocate(void* ptr, Stream stream) override;
-  void deallocate_locked(void* ptr, std::optional<std::size_t> size, std::optional<Stream> stream);
-
-  /// The pool an allocation on `stream` goes to: a routed private pool, else the default one.
-  Pool& pool_for_locked(Stream stream);
-  Pool* find_pool_locked(PoolId id) const;
-  Block* find_free_locked(Pool& pool, bool small, Stream stream, std::size_t size);
-  Block* alloc_segment_locked(Pool& pool, bool small, Stream stream, std::size_t size);
-  Block* steal_segment_locked(Pool& pool, bool small, Stream stream, std::size_t size);
-  /// Returns the fully free segments of the default pool and of released private pools; drops
-  /// released pools left without segments.
-  void release_cached_locked();
-  void release_free_segments_locked(Pool& pool);
-  /// Maps enough at the end of `stream`'s expandable segment for `size` and returns a free block
-  /// of at least that size (its last block grown, or a new one); null at the limit or when the
-  /// device has no room.
-  Block* grow_expandable_locked(Stream stream, std::size_t size);
-  /// Unmaps the free granules at the end of every expandable segment.
-  void trim_expandable_locked();
-  void release_segment_locked(Block* head);
-  Block* split_locked(Block* block, std::size_t size);
-  void free_block_locked(Block* block);
-  void insert_free_locked(Block* block);
-  void remove_free_locked(Block* block);
-  void process_pending_locked(bool wait);
-  Block* new_block_locked();
-  void recycle_block_locked(Block* block);
-  Event take_event_locked();
-  /// Updates "all" and the block's pool; inline because every allocation does it five times.
-  static void update_stat(StatArray& a, bool small, std::int64_t delta) noexcept {
-    a[0].add(delta);
-    a[small ? static_cast<int>(StatType::small_pool) : static_cast<int>(StatType::large_pool)].add(delta);
-  }
-  void observe_locked() noexcept {
-    tracker_.observe(static_cast<std::uint64_t>(stats_.allocated_bytes[0].current),
-                     static_cast<std::uint64_t>(stats_.reserved_bytes[0].current));
-  }
-  void trace_locked(TraceAction action, std::uintptr_t addr, std::size_t size, Stream stream);
-  std::uint64_t compute_limit_locked() const;
-  [[noreturn]] void throw_oom_locked(std::size_t bytes, Stream stream, const std::string& loans);
-  /// Asks every lender to give back (the allocator's lock not held); returns the bytes freed and
-  /// sets `loans` to what they still hold, in words.
-  std::uint64_t reclaim(std::uint64_t needed, std::string& loans);
-
-  Device& device_;
-  AllocatorConfig config_;
-  mutable std::mutex mutex_;
-  std::uint64_t limit_ = 0;
-  std::size_t granule_ = 0;  ///< the device's VMM granule when expandable segments are on, else 0
-  std::vector<Expandable> expandable_;
-  Pool default_pool_;
-  std::map<PoolId, std::unique_ptr<Pool>> private_pools_;
-  /// Allocations being routed into private pools (graph captures), with their stream filters.
-  std::vector<std::pair<Pool*, std::function<bool(Stream)>>> routes_;
-  detail::AddressMap<Block*> allocated_{4096};
-  std::unordered_map<std::uintptr_t, Segment> segments_;
-  std::deque<Block> block_storage_;
-  std::vector<Block*> spare_blocks_;
-  std::vector<PendingFree> pending_;
-  std::vector<Event> spare_events_;
-  AllocatorStats stats_;
-  PhaseTracker tracker_;
-  std::vector<TraceEntry> trace_;  ///< ring buffer when full
-  std::deque<PhaseMark> phase_marks_;
-  std::size_t trace_next_ = 0;
-  bool trace_wrapped_ = false;
-  std::mutex lenders_mutex_;  // never held with mutex_
-  std::vector<std::pair<std::uint64_t, Lender>> lenders_;
-  std::uint64_t next_lender_ = 1;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace memtide

@@ -1,7 +1,8 @@
 #pragma once
 /// @file
 /// The stream-ordered device memory resource interface, in the style of RMM: a small public,
-/// non-virtual surface and a private virtual core. Features are adaptors around an upstream.
+/// non-virtual surface and a private virtual core, so a resource can be wrapped by an adaptor
+/// that forwards to it. CachingAllocator keeps its features inside (docs/architecture.md says why).
 
 #include <cstddef>
 

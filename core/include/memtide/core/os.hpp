@@ -4,9 +4,9 @@
 /// space reservation, huge-page advice, NUMA binding and page-placement queries. None throws: each returns
 /// 0 or an errno value (or null and the errno), and callers turn that into their own errors.
 ///
-/// Every call can be made to fail from a test (os::testing), so each caller's failure path,
-/// and the guarantee that a failed operation leaves its object as it was, is tested rather than
-/// assumed.
+/// Every call can be made to fail from a test (memtide/core/detail/os_testing.hpp), so each
+/// caller's failure path, and the guarantee that a failed operation leaves its object as it was,
+/// is tested rather than assumed.
 
 #include <cstddef>
 
@@ -49,20 +49,4 @@ int bind_to_node(void* p, std::size_t bytes, int node, bool strict) noexcept;
 /// -EFAULT not mapped). Nothing moves. 0 or errno; ENOSYS without libnuma.
 int page_nodes(void* const* pages, std::size_t count, int* nodes) noexcept;
 
-/// Fault injection for tests. Thread-safe; costs one relaxed atomic load per call when unused.
-namespace testing {
-
-enum class Call : int { map, unmap, advise, bind, page_nodes, discard, protect };  ///< reserve() counts as map
-inline constexpr int kCalls = 7;
-
-/// The `nth` call of `call` from now on (0 = the next) fails with `err`, once; the call itself is
-/// not made. One armed failure per kind; arming again replaces it.
-void fail_nth(Call call, std::size_t nth, int err) noexcept;
-/// Disarms every failure, zeroes the counts and starts counting (calls are counted only once a
-/// test has called this or fail_nth).
-void reset() noexcept;
-/// Calls of `call` since the last reset, failed ones included.
-[[nodiscard]] std::size_t count(Call call) noexcept;
-
-}  // namespace testing
 }  // namespace memtide::os

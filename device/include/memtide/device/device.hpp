@@ -1,11 +1,7 @@
 #pragma once
 /// @file
-/// The machine as memtide sees it: device memory, streams, events and asynchronous copies.
-///
-/// `Device` has a small public, non-virtual interface and a private virtual core (`allocate` ->
-/// `do_allocate`), so argument checks and accounting live in one place and the two
-/// implementations (CudaDevice, SimDevice) only do the work. Everything above `device/` is written
-/// against this interface and runs unchanged on both.
+/// The machine as memtide sees it: device memory, streams, events and asynchronous copies, behind
+/// a non-virtual surface over a private virtual core (docs/architecture.md, "Device").
 
 #include <cstddef>
 #include <cstdint>
@@ -16,8 +12,7 @@
 
 namespace memtide {
 
-/// A stream handle. For CudaDevice this is the `cudaStream_t`; null is the default stream.
-/// Streams are compared and hashed by handle, which is how the caching allocator keys its pools.
+/// A stream handle (CudaDevice: the `cudaStream_t`; null is the default stream), keyed by handle.
 struct Stream {
   void* handle = nullptr;
   friend bool operator==(Stream a, Stream b) noexcept { return a.handle == b.handle; }
@@ -40,24 +35,17 @@ struct DeviceProperties {
   std::size_t total_memory = 0;
   int copy_engines = 2;        ///< asynchronous copy engines (2 = full-duplex H2D and D2H)
   std::string pci_bus_id;      ///< "0000:1b:00.0"; empty when unknown
-  /// False for a device whose memory holds no bytes (a phantom SimDevice: timing only). Nothing
-  /// in its memory, nor in host memory registered as phantom, may be dereferenced.
-  bool stores_data = true;
-  /// Its streams and events keep time on a virtual clock (a SimDevice): their durations are
-  /// modelled, and what watches the host's clock (CUPTI, the phase tracker's wall times) sees none.
-  bool virtual_clock = false;
-  /// Its memory is host memory the CPU may address (a SimDevice in data mode).
-  bool host_addressable = false;
+  bool stores_data = true;     ///< false: a phantom SimDevice, whose memory may not be dereferenced
+  bool virtual_clock = false;  ///< times are modelled (a SimDevice): nothing on the host's clock sees them
+  bool host_addressable = false;  ///< its memory is host memory (a SimDevice in data mode)
 };
 
-/// One kernel in the two forms the device layer can run: the CUDA launch, and the same
-/// computation on the host over memory the host can reach (a simulated device's memory). The
-/// device picks the form it runs and charges its cost to the stream.
+/// One kernel in both forms: the CUDA launch and the same computation on the host; the device
+/// runs the form it can and charges the cost to the stream.
 struct DeviceKernel {
-  /// Enqueues the CUDA kernel on the stream; the device is current when it is called. Null where
-  /// the build has no CUDA kernels.
+  /// Enqueues the CUDA kernel (the device is current); null where the build has no CUDA kernels.
   std::function<void(Stream)> launch;
-  /// The same result computed on the calling thread (a simulated device runs it, in data mode).
+  /// The same result computed on the calling thread (a simulated device in data mode runs it).
   std::function<void()> host;
   double hbm_bytes = 0;  ///< bytes the kernel moves through device memory
   double params = 0;     ///< optimizer parameters it steps (0: not an optimizer step)
@@ -83,25 +71,20 @@ class Device {
   Device(const Device&) = delete;
   Device& operator=(const Device&) = delete;
 
-  /// Raw device memory (a whole segment, like cudaMalloc). Throws OutOfMemory when the device
-  /// cannot provide `bytes`; never returns null for bytes > 0.
+  /// Raw device memory (a segment, like cudaMalloc); never null for bytes > 0. Throws OutOfMemory.
   void* allocate(std::size_t bytes);
   /// Returns memory from allocate(). Implicitly synchronizes the device, like cudaFree.
   void deallocate(void* ptr, std::size_t bytes);
 
-  /// @name Virtual memory
-  /// Address ranges whose memory is mapped and unmapped in granules (CUDA's cuMemAddressReserve,
-  /// cuMemCreate, cuMemMap): the caching allocator's expandable segments grow and shrink in place.
+  /// @name Virtual memory (cuMemAddressReserve / cuMemMap; for expandable segments)
   /// @{
   /// The granule in bytes; 0 when this device cannot (a driver without virtual memory management).
   [[nodiscard]] std::size_t vmm_granularity();
-  /// Reserves `bytes` (a multiple of the granule) of address space; no memory yet. Throws Error
-  /// when the device cannot, OutOfMemory when the address space is exhausted.
+  /// Reserves `bytes` (granules) of address space, no memory. Throws Error, or OutOfMemory.
   void* reserve_address(std::size_t bytes);
   /// Releases a reservation; nothing in it may be mapped.
   void release_address(void* base, std::size_t bytes);
-  /// Backs [at, at + bytes) of a reservation (granule-aligned) with device memory, readable and
-  /// writable by this device. Throws OutOfMemory when the device has no room (nothing mapped then).
+  /// Backs [at, at + bytes) of a reservation with device memory. Throws OutOfMemory (nothing mapped).
   void map_memory(void* at, std::size_t bytes);
   /// Returns the memory of a mapped range; synchronizes the device first, like cudaFree.
   void unmap_memory(void* at, std::size_t bytes);
@@ -125,8 +108,7 @@ class Device {
   void stream_synchronize(Stream stream);
   void synchronize();
 
-  /// Asynchronous copy ordered on `stream`. Host memory should be registered (pinned) for full
-  /// bandwidth; unregistered host memory is copied at pageable rates.
+  /// Asynchronous copy ordered on `stream` (unregistered host memory goes at pageable rates).
   void copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream stream);
   /// Asynchronous fill of device memory with a byte value.
   void memset_async(void* ptr, int value, std::size_t bytes, Stream stream);
@@ -135,33 +117,22 @@ class Device {
   void host_register(void* ptr, std::size_t bytes);
   void host_unregister(void* ptr);
 
-  /// Enqueues `kernel` on `stream`, this device current. Throws Error when this device cannot run
-  /// it (see can_run), InvalidArgument for negative costs.
+  /// Enqueues `kernel` on `stream`. Throws Error where !can_run, InvalidArgument for negative costs.
   void enqueue_kernel(Stream stream, const DeviceKernel& kernel);
-  /// True when enqueue_kernel can run `kernel` here: a GPU needs its launch, a simulated device
-  /// its host form.
+  /// True when this device has the form of `kernel` it runs (a GPU its launch, a SimDevice its host).
   [[nodiscard]] bool can_run(const DeviceKernel& kernel) const;
 
-  /// The host's clock in ns, the one the device's events are compared with: wall time on a real
-  /// device, the virtual host clock on a simulated one.
+  /// The host's clock in ns, the one events are compared with (wall time, or the virtual clock).
   double host_now_ns();
-  /// Runs `body` on the calling thread as host work for this device's pipeline and returns its
-  /// duration on host_now_ns()'s clock. A simulated device charges `work` to its virtual clock
-  /// (and runs `body` only when it stores data); a real one runs and times `body`.
+  /// Runs `body` as host work for the device's pipeline; returns its duration on host_now_ns()'s
+  /// clock (a simulated device charges `work` and runs `body` only when it stores data).
   double run_host_work(const HostWork& work, const std::function<void()>& body);
 
-  /// @name Storage transfers
-  /// A device with a clock of its own for the storage drive (a simulated one) times the NVMe
-  /// tier's transfers there, so its host clock shows the drive; on a real device the drive is
-  /// timed by the transfers themselves and there is nothing to enqueue.
-  /// @{
-  /// True when enqueue_storage is available on this device.
+  /// True when the device times storage transfers on a clock of its own (a simulated drive).
   [[nodiscard]] bool times_storage() const;
-  /// A transfer between host memory and a storage drive on `stream`: `bytes` at `bytes_per_s`,
-  /// one drive serving reads and writes in turn. Throws InvalidArgument for bytes < 0 or a rate
-  /// <= 0 (or not finite), Error where times_storage() is false.
+  /// A host <-> drive transfer of `bytes` at `bytes_per_s` on `stream`. Throws InvalidArgument
+  /// for bytes < 0 or a rate not > 0 and finite, Error where times_storage() is false.
   void enqueue_storage(Stream stream, double bytes, double bytes_per_s);
-  /// @}
 
   [[nodiscard]] const DeviceProperties& properties() const noexcept { return props_; }
   [[nodiscard]] MemInfo mem_info();
@@ -172,7 +143,7 @@ class Device {
  private:
   virtual void* do_allocate(std::size_t bytes) = 0;
   virtual void do_deallocate(void* ptr, std::size_t bytes) = 0;
-  /// Virtual memory: unsupported (granule 0, the rest throw) unless overridden.
+  /// Virtual memory, storage clock, host clock: defaults for a device without them.
   virtual std::size_t do_vmm_granularity() { return 0; }
   virtual void* do_reserve_address(std::size_t bytes);
   virtual void do_release_address(void* base, std::size_t bytes);
@@ -196,18 +167,14 @@ class Device {
   virtual MemInfo do_mem_info() = 0;
   virtual void do_enqueue_kernel(Stream stream, const DeviceKernel& kernel) = 0;
   [[nodiscard]] virtual bool do_can_run(const DeviceKernel& kernel) const = 0;
-  /// Wall clock (steady_clock) unless overridden.
   virtual double do_host_now_ns();
-  /// Runs and times `body` on the wall clock unless overridden.
   virtual double do_run_host_work(const HostWork& work, const std::function<void()>& body);
-  /// No storage clock unless overridden (enqueue_storage then throws).
   [[nodiscard]] virtual bool do_times_storage() const { return false; }
   virtual void do_enqueue_storage(Stream stream, double bytes, double bytes_per_s);
 };
 
 /// Which backend `open_device` picks.
 enum class Backend { automatic, cuda, sim };
-
 /// Parses "auto" | "cuda" | "sim". Throws ConfigError.
 Backend parse_backend(const std::string& name);
 
@@ -223,15 +190,11 @@ struct CudaStatus {
 
 /// Probes CUDA once per call. Never throws and never crashes without a driver.
 CudaStatus cuda_status();
-
-/// Opens device `index` on the requested backend. `automatic` picks CUDA when `cuda_status()`
-/// is usable and SimDevice otherwise. Asking for `cuda` where it is not usable throws Error
-/// with the reason. SimDevice settings come from the options table.
+/// Opens device `index`: `automatic` is CUDA when cuda_status() is usable, else SimDevice (set
+/// from the options table). Asking for `cuda` where it is not usable throws Error with the reason.
 std::unique_ptr<Device> open_device(Backend backend, int index = 0);
-
 /// The backend `automatic` resolves to on this machine.
 Backend resolve_backend(Backend backend);
-
 /// Number of devices the backend offers (SimDevice: 1).
 int device_count(Backend backend);
 

@@ -1,20 +1,7 @@
 #pragma once
 /// @file
-/// A simulated GPU on a virtual clock.
-///
-/// Device memory is held in host memory under a capacity cap (data mode) or not held at all
-/// (phantom mode: addresses are handed out, nothing is stored, any size fits a laptop). Every
-/// operation is executed at once, in issue order, which is one valid serialization of the CUDA
-/// program, and is given a start and end time on a virtual clock from a throughput model:
-///
-/// - an H2D and a D2H copy engine that run at the same time (full-duplex PCIe);
-/// - a compute engine for device-side work (D2D copies, memsets, kernels);
-/// - host DRAM bandwidth shared by DMA and CPU work (`host_work`), first come first served;
-/// - stream order and event order as CUDA defines them (the legacy default stream is treated as
-///   an ordinary stream).
-///
-/// The host has its own clock; it advances when the host waits (synchronize) or works
-/// (`host_work`, `advance_host`). An event has completed when the host clock has reached it.
+/// A simulated GPU on a virtual clock: data or phantom memory, operations run at once in issue
+/// order and timed by a throughput model (docs/architecture.md, "Device", has the model).
 
 #include <map>
 #include <vector>
@@ -105,7 +92,7 @@ class SimDevice final : public Device {
 
   /// Bytes of device memory in use.
   [[nodiscard]] std::size_t used_bytes();
-  /// Host ranges registered with host_register: start address -> bytes (for tests of the host tier).
+  /// Host ranges registered with host_register: start address -> bytes.
   [[nodiscard]] std::map<std::uintptr_t, std::size_t> registered_host_ranges();
 
  private:
