@@ -188,13 +188,11 @@ struct CudaStatus {
   std::string reason;      ///< why not usable, in words
 };
 
-/// Probes CUDA once per call. Never throws and never crashes without a driver.
-CudaStatus cuda_status();
+CudaStatus cuda_status();  ///< probes CUDA on each call; never throws nor crashes without a driver
 /// Opens device `index`: `automatic` is CUDA when cuda_status() is usable, else SimDevice (set
 /// from the options table). Asking for `cuda` where it is not usable throws Error with the reason.
 std::unique_ptr<Device> open_device(Backend backend, int index = 0);
-/// The backend `automatic` resolves to on this machine.
-Backend resolve_backend(Backend backend);
+Backend resolve_backend(Backend backend);  ///< the backend `automatic` resolves to on this machine
 /// Number of devices the backend offers (SimDevice: 1).
 int device_count(Backend backend);
 
