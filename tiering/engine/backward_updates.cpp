@@ -199,8 +199,13 @@ void BackwardUpdates::worker_main() {
     if (stop_ && queue_.empty()) return;
     const std::size_t g = queue_.front();
     queue_.pop_front();
+    const auto it = specs_.find(g);  // there: every path that erases specs settles first
+    if (it == specs_.end()) {
+      done_.notify_all();
+      continue;
+    }
     ++running_;
-    Speculation& s = specs_.at(g);  // stays: only settle()d specs are erased, and settle waits
+    Speculation& s = it->second;
     lock.unlock();
     std::exception_ptr error;
     try {
@@ -373,7 +378,8 @@ void BackwardUpdates::finish_locked() {
 }
 
 void BackwardUpdates::finish() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  settle_locked(lock);  // nothing may still run on what finish forgets
   finish_locked();
 }
 

@@ -43,8 +43,8 @@ struct BackwardStats {
 
 class BackwardUpdates {
  public:
-  /// Over `engine`'s layout and arrays, at most `max_subgroups` (>= 1) per backward: each holds
-  /// its copy until the step. Throws InvalidArgument for 0.
+  /// Over `engine`'s layout and arrays (the engine must outlive it), at most `max_subgroups` (>= 1)
+  /// per backward: each holds its copy until the step. Throws InvalidArgument for 0.
   BackwardUpdates(UpdateEngine& engine, std::size_t max_subgroups);
   /// Puts back whatever is still speculative and stops the worker.
   ~BackwardUpdates();
@@ -95,7 +95,8 @@ class BackwardUpdates {
   [[nodiscard]] bool nonfinite() const;
   /// The step stands: the kept updates' new params take their place.
   void publish();
-  /// The step is over (kept updates stay): the next backward starts afresh, the choice is made anew.
+  /// The step is over (kept updates stay; waits for any still running): the next backward starts
+  /// afresh, the choice is made anew.
   void finish();
   /// Puts back every update begun since the last step, then finish().
   void rollback();
