@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import os
 
 import pytest
 
@@ -786,3 +787,17 @@ def test_an_optimizer_of_empty_params_steps_and_plans_nothing():
     assert opt.engine is None and opt.plan.placement == () and "0 subgroups" in opt.plan.summary()
     opt.load_state_dict(opt.state_dict())
     assert "nothing to update" in repr(opt)
+
+
+def test_where_the_engine_cannot_run_the_optimizer_says_why():
+    """A timing-only runtime (a phantom SimDevice) stores no state: TieredAdamW refuses, naming it."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom memtide.optim import TieredAdamW\n"
+            "try:\n    TieredAdamW(torch.nn.Linear(4, 4).parameters())\n"
+            "except ValueError as e:\n    print(e)\n")
+    env = dict(os.environ, MEMTIDE_SIM_PHANTOM="true", MEMTIDE_DEVICE="sim")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "phantom mode (MEMTIDE_SIM_PHANTOM=true)" in out.stdout, out.stdout
