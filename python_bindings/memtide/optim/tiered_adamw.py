@@ -409,11 +409,14 @@ class TieredAdamW(torch.optim.Optimizer):
         engine_seconds = 0.0
         engine_ran = False
         report = None
-        if not nonfinite and self._host_versions is not None and self._host_versions != self._versions():
+        # The engine's own writes leave torch's version counters as they are: one reading serves
+        # before and after the step (a pass over every param, in caches the step has flushed).
+        versions = self._versions()
+        if not nonfinite and self._host_versions is not None and self._host_versions != versions:
             # The model's params or the state were changed in place since the last step
             # (model.load_state_dict, an init): copies the engine keeps on a GPU are stale.
             self._host_changed()
-            self._host_versions = self._versions()
+            self._host_versions = versions
         done: set = set()
         if speculated:
             # Updates made during backward stand where they used exactly the step's inputs; the
@@ -441,9 +444,10 @@ class TieredAdamW(torch.optim.Optimizer):
             if engine_ran:
                 self.last_report = report
                 self.measured_ns.append(float(report.measured_ns))
-                self._round_host_copy(has_grad)
+                if self._round_host_copy(has_grad):
+                    versions = self._versions()  # torch wrote the model's copy
             nonfinite |= nonfinite_done
-            self._host_versions = self._versions()
+            self._host_versions = versions
 
         if self._eager is not None:
             self._eager.finish()
@@ -476,15 +480,18 @@ class TieredAdamW(torch.optim.Optimizer):
         s.history.append((params_in_step, engine_seconds, step_seconds))
         return loss
 
-    def _round_host_copy(self, has_grad: List[bool]) -> None:
+    def _round_host_copy(self, has_grad: List[bool]) -> bool:
         """A model copy in fp16/bf16 that is not the engine's is rounded from the fp32 masters
-        here (round to nearest even, as the fused kernel writes it)."""
+        here (round to nearest even, as the fused kernel writes it). Whether it wrote any."""
         b, layout = self.buffers, self._layout
         if b.lowp is None or self.model_attached:
-            return
+            return False
+        wrote = False
         for i, (lo, hi) in enumerate(layout.ranges):
             if has_grad[i] and layout.lowp_of[i]:
                 b.lowp[lo:hi].copy_(b.params[lo:hi])
+                wrote = True
+        return wrote
 
     def _grad_scale(self) -> float:
         return 1.0 if self.scaler is None else 1.0 / self.scaler.scale
