@@ -268,17 +268,9 @@ class PyUpdateEngine {
                          host ? 0 : device_);
   }
 
-  nb::dict rates() const { return rates_dict(engine_->rates()); }
-  static nb::dict errors_dict(const tiering::PredictionErrors& e) {
-    nb::dict d;
-    d["count"] = e.count;
-    d["last"] = e.last;
-    d["mean_abs"] = e.mean_abs;
-    d["max_abs"] = e.max_abs;
-    return d;
-  }
-  nb::dict errors() const { return errors_dict(engine_->prediction_errors()); }
-  nb::dict iteration_errors() const { return errors_dict(engine_->iteration_errors()); }
+  tiering::Rates rates() const { return engine_->rates(); }
+  tiering::PredictionErrors errors() const { return engine_->prediction_errors(); }
+  tiering::PredictionErrors iteration_errors() const { return engine_->iteration_errors(); }
   std::uint64_t host_bytes() const { return engine_->host_bytes(); }
   tiering::UpdateEngine& native() { return *engine_; }
 
@@ -402,6 +394,25 @@ void bind_results(nb::module_& m) {
              return d;
            },
            "For JSON output.");
+
+  nb::class_<tiering::PredictionErrors>(m, "PredictionErrors",
+                                        "(measured - predicted) / predicted over the remembered phases.")
+      .def_ro("count", &tiering::PredictionErrors::count)
+      .def_ro("last", &tiering::PredictionErrors::last)
+      .def_ro("mean_abs", &tiering::PredictionErrors::mean_abs)
+      .def_ro("max_abs", &tiering::PredictionErrors::max_abs);
+
+  nb::class_<tiering::Rates>(m, "Rates", "The rates the PerfModel plans with (bytes/s, params/s).")
+      .def_ro("h2d_bytes_per_s", &tiering::Rates::h2d_bytes_per_s)
+      .def_ro("d2h_bytes_per_s", &tiering::Rates::d2h_bytes_per_s)
+      .def_ro("cpu_update_params_per_s", &tiering::Rates::cpu_update_params_per_s)
+      .def_ro("gpu_update_params_per_s", &tiering::Rates::gpu_update_params_per_s)
+      .def_ro("cpu_downscale_params_per_s", &tiering::Rates::cpu_downscale_params_per_s)
+      .def_ro("host_dram_bytes_per_s", &tiering::Rates::host_dram_bytes_per_s)
+      .def_ro("cpu_dram_bytes_per_param", &tiering::Rates::cpu_dram_bytes_per_param)
+      .def_ro("nvme_read_bytes_per_s", &tiering::Rates::nvme_read_bytes_per_s)
+      .def_ro("nvme_write_bytes_per_s", &tiering::Rates::nvme_write_bytes_per_s)
+      .def("as_dict", [](const tiering::Rates& r) { return rates_dict(r); }, "For JSON output.");
 
   nb::class_<tiering::ResourceUse>(m, "ResourceUse", "What one resource did in an update phase.")
       .def_ro("busy_ns", &tiering::ResourceUse::busy_ns)

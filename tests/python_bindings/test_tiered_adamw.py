@@ -207,7 +207,7 @@ def test_auto_plans_with_the_perf_model():
     train(model, opt, DATA[:4])
     # Every step was measured and fed to the calibration, which compares it with the prediction.
     assert len(opt.measured_ns) == 4 and all(ns > 0 for ns in opt.measured_ns)
-    assert opt.engine.prediction_errors()["count"] == 4
+    assert opt.engine.prediction_errors().count == 4
     assert opt.clock == ("simulated" if memtide.backend() == "sim" else "wall")
     assert len(opt.plan.engine_plan.marks) == 12  # re-planned every step
 
