@@ -56,17 +56,14 @@ void BackwardUpdates::rebuild(std::vector<bool> takes_part) {
     throw InvalidArgument("BackwardUpdates::rebuild: " + std::to_string(takes_part.size()) + " flags for " +
                           std::to_string(layout.size()) + " params");
   }
-  const auto& bounds = engine_.subgroups();
   subgroups_of_.assign(layout.size(), {});
-  needed_.assign(bounds.size(), 0);
+  needed_.assign(engine_.subgroups().size(), 0);
   for (std::size_t i = 0; i < layout.size(); ++i) {
-    const ParamSlot& p = layout.params()[i];
-    if (!takes_part[i] || p.end == p.start) continue;
-    for (std::size_t g = 0; g < bounds.size(); ++g) {
-      if (bounds[g].first < p.end && p.start < bounds[g].second) {
-        subgroups_of_[i].push_back(g);
-        ++needed_[g];
-      }
+    if (!takes_part[i]) continue;
+    const auto [first, last] = layout.subgroups_of(i);
+    for (std::size_t g = first; g < last; ++g) {
+      subgroups_of_[i].push_back(g);
+      ++needed_[g];
     }
   }
   ready_ns_.clear();  // timed under the old subgroups' numbers
@@ -306,10 +303,9 @@ std::vector<bool> BackwardUpdates::accept(const StepRequest& request, const std:
   for (auto it = specs_.begin(); it != specs_.end();) {
     const auto& [g, s] = *it;
     bool stale_here = false;  // a gradient changed after its hook ran (any param of the subgroup)
-    const auto& [lo, hi] = engine_.subgroups()[g];
     for (std::size_t i = 0; i < stale.size() && !stale_here; ++i) {
-      const ParamSlot& p = engine_.layout().params()[i];
-      stale_here = stale[i] && p.start < hi && lo < p.end;
+      const auto [first, last] = engine_.layout().subgroups_of(i);
+      stale_here = stale[i] && first <= g && g < last;
     }
     const auto step_here = by_subgroup.find(g);
     const bool same = step_here != by_subgroup.end() && step_here->second == s.segments;

@@ -8,7 +8,10 @@ namespace memtide::tiering {
 
 ParamLayout::ParamLayout(std::vector<ParamSlot> params,
                          const std::vector<std::pair<std::size_t, std::size_t>>& subgroups)
-    : params_(std::move(params)), pieces_(subgroups.size()), steps_(params_.size(), 0.0f) {
+    : params_(std::move(params)),
+      pieces_(subgroups.size()),
+      subgroups_of_(params_.size(), {0, 0}),
+      steps_(params_.size(), 0.0f) {
   std::size_t at = 0;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const ParamSlot& p = params_[i];
@@ -28,8 +31,12 @@ ParamLayout::ParamLayout(std::vector<ParamSlot> params,
   for (std::size_t i = 0; i < params_.size(); ++i) {
     std::size_t lo = params_[i].start;
     const std::size_t hi = params_[i].end;
+    bool first = true;
     while (lo < hi) {
       while (subgroups[g].second <= lo) ++g;
+      if (first) subgroups_of_[i].first = g;
+      first = false;
+      subgroups_of_[i].second = g + 1;
       const std::size_t cut = std::min(hi, subgroups[g].second);
       pieces_[g].push_back(Piece{i, lo, cut});
       lo = cut;

@@ -99,12 +99,11 @@ class BackwardUpdates:
             self._watching = True
             self._native.backward_started()
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-        for sg in self._native.grad_ready(i):
-            params = opt._layout.params
-            flags = bytearray(len(params))
-            for j, _, _ in opt._layout.pieces[sg]:
-                flags[j] = params[j].grad is not None
-            self._native.submit(sg, opt._step_groups(), bytes(flags), opt._grad_scale())
+        complete = self._native.grad_ready(i)
+        if complete:  # the step's inputs as they stand now (the engine reads the subgroup's params only)
+            flags = bytes(p.grad is not None for p in opt._layout.params)
+            for sg in complete:
+                self._native.submit(sg, opt._step_groups(), flags, opt._grad_scale())
 
     def _backward_ended(self) -> None:
         self._watching = False

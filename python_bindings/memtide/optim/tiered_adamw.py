@@ -61,7 +61,6 @@ class _Layout:
     ranges: List[Tuple[int, int]]
     lowp_of: List[bool]  # the model param is fp16/bf16: the kernel writes its copy
     aliased: List[bool]  # the model param's storage is a view of the flat buffers
-    pieces: List[List[Tuple[int, int, int]]]  # per subgroup: (param index, start, end)
     subgroups: Tuple[Tuple[int, int], ...]
     numel: int
     copied: List[int] = field(init=False)  # the params that are not views: step() copies them back
@@ -269,12 +268,7 @@ class TieredAdamW(torch.optim.Optimizer):
             self.sync_after_step = not (self.model_attached and all(l and a for l, a in zip(lowp_of, aliased)))
             engine.set_sync_after_step(self.sync_after_step)
 
-        pieces: List[List[Tuple[int, int, int]]] = [[] for _ in bounds]
-        for i, (lo, hi) in enumerate(ranges):
-            for sg in range(lo // self.subgroup_size, (hi - 1) // self.subgroup_size + 1) if hi > lo else ():
-                s, e = bounds[sg]
-                pieces[sg].append((i, max(lo, s), min(hi, e)))
-        self._layout = _Layout(params, ranges, lowp_of, aliased, pieces, bounds, numel)
+        self._layout = _Layout(params, ranges, lowp_of, aliased, bounds, numel)
         # The gradient path: each gradient leaves for the host the moment backward finishes it.
         if self._grads is not None:
             self._grads.remove()

@@ -74,6 +74,15 @@ TEST(ParamLayout, OneSubgroupOnly) {
   EXPECT_EQ(segs[1].subgroup, 1U);
 }
 
+TEST(ParamLayout, SaysWhichSubgroupsEachParamSpans) {
+  const ParamLayout layout = four_params();
+  EXPECT_EQ(layout.subgroups_of(0), (std::pair<std::size_t, std::size_t>{0, 1}));
+  EXPECT_EQ(layout.subgroups_of(1), (std::pair<std::size_t, std::size_t>{0, 2}));  // [3, 7) crosses 6
+  EXPECT_EQ(layout.subgroups_of(3), (std::pair<std::size_t, std::size_t>{2, 3}));
+  const ParamLayout empty_one({{0, 4, 0, false}, {4, 4, 0, false}}, {{0, 4}});
+  EXPECT_EQ(empty_one.subgroups_of(1).first, empty_one.subgroups_of(1).second);  // no elements, no subgroup
+}
+
 TEST(ParamLayout, ZeroSizeParamsTakeNoSegment) {
   const ParamLayout layout({{0, 4, 0, false}, {4, 4, 0, false}, {4, 8, 0, false}}, {{0, 8}});
   const auto segs = layout.segments({hyper(1e-3)}, {1, 1, 1});

@@ -56,6 +56,8 @@ class ParamLayout {
   [[nodiscard]] std::vector<Segment> segments(const std::vector<StepParams>& groups,
                                               const std::vector<std::uint8_t>& has_grad,
                                               std::optional<std::size_t> only = std::nullopt) const;
+  /// The subgroups param `i` has elements in: [first, last) (empty for a param of no elements).
+  [[nodiscard]] std::pair<std::size_t, std::size_t> subgroups_of(std::size_t i) const { return subgroups_of_.at(i); }
   /// Counts one more step for every param with a gradient.
   void advance(const std::vector<std::uint8_t>& has_grad);
 
@@ -65,6 +67,7 @@ class ParamLayout {
   };
   std::vector<ParamSlot> params_;
   std::vector<std::vector<Piece>> pieces_;  // per subgroup
+  std::vector<std::pair<std::size_t, std::size_t>> subgroups_of_;  // per param
   std::vector<float> steps_;
 };
 
