@@ -78,41 +78,10 @@ void BackwardUpdates::reset_counts_locked() {
 }
 
 void BackwardUpdates::choose_locked() {
-  // Only subgroups whose newest state is in host memory between steps: the plan's CPU and
-  // streamed ones, not its residents, and none while the state spills to NVMe.
   const std::vector<Placement>& placement = engine_.current_plan().plan.placement;
-  std::vector<std::size_t> candidates;
-  const bool spilled = std::find(engine_.on_nvme().begin(), engine_.on_nvme().end(), true) != engine_.on_nvme().end();
-  for (std::size_t g = 0; g < placement.size() && !spilled; ++g) {
-    if (placement[g] != Placement::gpu_static) candidates.push_back(g);
-  }
-  std::vector<BackwardCandidate> ready;
-  for (std::size_t g : candidates) {
-    if (const auto it = ready_ns_.find(g); it != ready_ns_.end()) ready.push_back({g, it->second, 0});
-  }
-  std::vector<std::size_t> chosen;
-  BackwardChoice choice;
-  choice.candidates = candidates.size();
-  if (!ready.empty() && ns_per_param_ && backward_end_ns_) {
-    double first_ready = ready.front().ready_ns;
-    for (BackwardCandidate& c : ready) {
-      const auto& [start, end] = engine_.subgroups()[c.subgroup];
-      c.work_ns = static_cast<double>(end - start) * *ns_per_param_;
-      first_ready = std::min(first_ready, c.ready_ns);
-    }
-    chosen = fit_before_end(std::move(ready), *backward_end_ns_, max_);
-    choice.rule = "time";
-    choice.ns_per_param = *ns_per_param_;
-    choice.backward_tail_s = (*backward_end_ns_ - first_ready) * 1e-9;
-  } else {
-    // Untimed: the ones backward completes first (the last: it runs the layers in reverse).
-    const std::size_t from = candidates.size() > max_ ? candidates.size() - max_ : 0;
-    chosen.assign(candidates.begin() + static_cast<std::ptrdiff_t>(from), candidates.end());
-    choice.rule = "count";
-  }
-  chosen_ = std::set<std::size_t>(chosen.begin(), chosen.end());
-  choice.subgroups.assign(chosen_.begin(), chosen_.end());
-  choice_ = std::move(choice);
+  choice_ = choose_backward_updates(
+      {placement, engine_.on_nvme(), engine_.subgroups(), ready_ns_, ns_per_param_, backward_end_ns_, max_});
+  chosen_ = std::set<std::size_t>(choice_.subgroups.begin(), choice_.subgroups.end());
   std::vector<bool> host(placement.size(), false);
   for (std::size_t g : chosen_) host[g] = true;
   engine_.set_host_gradients(std::move(host));  // their gradients go to the host whatever the plan says

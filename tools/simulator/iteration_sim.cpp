@@ -13,6 +13,7 @@
 #include "memtide/core/error.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
+#include "memtide/tiering/engine/backward_choice.hpp"
 #include "memtide/tiering/engine/optimizer_state.hpp"
 #include "memtide/tiering/engine/update_engine.hpp"
 #include "sim_checks.hpp"
@@ -546,10 +547,8 @@ class Rank {
     double ready_ns;  // its gradients are in host memory
   };
   //
-  // Which subgroups: walking them in the order backward completes them, with the last backward's
-  // length spread over the shard, one whose newest state is in host memory (not a static
-  // resident, not on NVMe) is taken when the host, updating the ones taken before, would finish
-  // it before backward ends. Its gradients go to the host whatever the plan said; the update
+  // Which subgroups: the engine's own rule (choose_backward_updates), timed with the last
+  // backward and the host's modelled cost. Their gradients go to the host whatever the plan said; the update
   // phase is planned for the rest (UpdateEngine::set_done_before_phase). So each subgroup is
   // updated during backward, on the CPU in the update phase, or on the GPU.
   void begin_backward_updates() {
@@ -566,20 +565,20 @@ class Rank {
       if (contender_ == Contender::memtide && node_.updates_during_backward) engine_->set_host_gradients({});
       return;
     }
-    const auto& nvme = engine_->on_nvme();
+    // The last backward's length spread over the shard says when each subgroup's gradients were
+    // complete; its fp32 gradients then cross PCIe before the host can start.
     const SimConfig& c = device_.config();
-    std::vector<BackwardCandidate> candidates;
+    std::map<std::size_t, double> ready;
     for (std::size_t k = 0; k < n; ++k) {
-      // Any subgroup whose newest state is in host memory: one the last plan updated on the CPU
-      // (in backward or after) or streamed through the GPU, not a static resident.
-      if (last_placement_[k] == Placement::gpu_static || (!nvme.empty() && nvme[k])) continue;
       const auto params = static_cast<double>(groups[k].second - groups[k].first);
       const double complete = last_backward_ns_ * (1 - static_cast<double>(groups[k].first) / static_cast<double>(n_));
-      candidates.push_back({k, complete + params * 4 / c.d2h_bytes_per_s * 1e9,
-                            params / c.cpu_update_params_per_s * 1e9 +
-                                (node_.speculative_backup ? params * 24 / c.host_dram_bytes_per_s * 1e9 : 0)});
+      ready[k] = complete + params * 4 / c.d2h_bytes_per_s * 1e9;
     }
-    for (std::size_t k : fit_before_end(std::move(candidates), last_backward_ns_, n)) bwd_take_[k] = true;
+    const double ns_per_param =
+        1e9 / c.cpu_update_params_per_s + (node_.speculative_backup ? 24e9 / c.host_dram_bytes_per_s : 0);
+    const BackwardChoice choice =
+        choose_backward_updates({last_placement_, engine_->on_nvme(), groups, ready, ns_per_param, last_backward_ns_, n});
+    for (std::size_t k : choice.subgroups) bwd_take_[k] = true;
     engine_->set_host_gradients(bwd_take_);  // their gradients go to the host, whatever the plan said
   }
   void complete_subgroups(std::size_t begin) {

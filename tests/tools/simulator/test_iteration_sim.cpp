@@ -308,3 +308,15 @@ TEST(IterationSim, UpdatesDuringBackwardShortenTheUpdateAndOnlyForMemtide) {
   EXPECT_LT(eager.simulated.iteration_s, base.simulated.iteration_s);
   EXPECT_EQ(simulate_iteration(m, n, Contender::zero3_offload).backward_update_params, 0);
 }
+
+// The simulator chooses by training's rule (choose_backward_updates): while any subgroup spills to
+// NVMe, the engine updates none during backward, so the simulated memtide does not either.
+TEST(IterationSim, UpdatesDuringBackwardFollowTheEngineWhenStateSpills) {
+  const ModelShape m = ModelShape::table2("20B");
+  NodeSpec n;
+  n.updates_during_backward = true;
+  n.host_budget_bytes = std::uint64_t{64} << 30;
+  const IterationResult spilled = simulate_iteration(m, n, Contender::memtide);
+  EXPECT_GT(spilled.nvme_subgroups, 0u);
+  EXPECT_EQ(spilled.backward_update_params, 0);
+}

@@ -23,18 +23,10 @@
 #include <thread>
 #include <vector>
 
+#include "memtide/tiering/engine/backward_choice.hpp"
 #include "memtide/tiering/engine/update_engine.hpp"
 
 namespace memtide::tiering {
-
-/// How the subgroups for the next backward were chosen.
-struct BackwardChoice {
-  std::string rule;                    ///< "count" until a backward and an update were timed, then "time"
-  std::vector<std::size_t> subgroups;  ///< the chosen ones, ascending
-  std::size_t candidates = 0;          ///< subgroups whose newest state is in host memory
-  double ns_per_param = 0;             ///< the worker's measured cost ("time" only)
-  double backward_tail_s = 0;          ///< from the first ready subgroup to backward's end ("time" only)
-};
 
 /// What the speculation has done so far.
 struct BackwardStats {
@@ -62,10 +54,9 @@ class BackwardUpdates {
     model_copy_dtype_ = dtype;
   }
 
-  /// Chooses the subgroups the next backward updates (finish() and rebuild() do it themselves):
-  /// those whose newest state is in host memory; once a backward and the worker were timed, those
-  /// the worker finishes before backward ends (fit_before_end), else the ones backward completes
-  /// first, at most max_subgroups(). `ns_per_param`, when given, replaces the worker's measured
+  /// Chooses the subgroups the next backward updates (finish() and rebuild() do it themselves) by
+  /// choose_backward_updates, over the engine's plan and this worker's timing, at most
+  /// max_subgroups(). `ns_per_param`, when given, replaces the worker's measured
   /// cost per param first (a figure from elsewhere, or a what-if).
   void choose(std::optional<double> ns_per_param = std::nullopt);
   [[nodiscard]] std::size_t max_subgroups() const;
