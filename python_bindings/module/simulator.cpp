@@ -6,6 +6,7 @@
 #include <string>
 
 #include "memtide/simulator/iteration_sim.hpp"
+#include "memtide/simulator/update_sweep.hpp"
 #include "common.hpp"
 
 namespace memtide::bindings {
@@ -194,6 +195,66 @@ nb::dict simulation_defaults() {
   return d;
 }
 
+// A report (rows for a CSV and a table), so it crosses as plain rows.
+nb::dict update_sweep(double host_dram_bytes_per_s, int gpus, std::size_t gpu_slots,
+                      const std::vector<std::string>& models) {
+  tiering::UpdateSweepSetup setup;
+  setup.host_dram_bytes_per_s = host_dram_bytes_per_s;
+  setup.gpus = gpus;
+  setup.gpu_slots = gpu_slots;
+  setup.models = models;
+  tiering::UpdateSweep sweep;
+  {
+    nb::gil_scoped_release release;
+    sweep = tiering::simulate_update_sweep(setup);
+  }
+  nb::list rows, verdicts;
+  for (const tiering::UpdateSweepRow& r : sweep.rows) {
+    nb::dict d;
+    d["model"] = r.model;
+    d["params"] = r.params;
+    d["shard_params"] = r.shard_params;
+    d["subgroups"] = r.subgroups;
+    d["policy"] = r.policy;
+    d["k"] = r.k;
+    d["statics"] = r.statics;
+    d["slots"] = r.slots;
+    d["gpu_fraction"] = r.gpu_fraction;
+    d["grads"] = r.grads_on_gpu ? "gpu" : "host";
+    d["update_s"] = r.update_s;
+    d["predicted_s"] = r.predicted_s;
+    d["bound_s"] = r.bound_s;
+    d["throughput_gps"] = r.throughput_gps;
+    d["speedup_vs_cpu"] = r.speedup_vs_cpu;
+    d["cpu_busy_s"] = r.cpu_busy_s;
+    d["gpu_busy_s"] = r.gpu_busy_s;
+    d["h2d_busy_s"] = r.h2d_busy_s;
+    d["d2h_busy_s"] = r.d2h_busy_s;
+    d["h2d_d2h_overlap_s"] = r.h2d_d2h_overlap_s;
+    d["wall_ms"] = r.wall_ms;
+    rows.append(d);
+  }
+  for (const tiering::UpdateSweepVerdict& v : sweep.verdicts) {
+    nb::dict d;
+    d["model"] = v.model;
+    d["grads"] = v.grads_on_gpu ? "gpu" : "host";
+    d["cpu_s"] = v.cpu_s;
+    d["static20_s"] = v.static20_s;
+    d["best_k"] = v.best_k;
+    d["best_s"] = v.best_s;
+    d["plan_k"] = v.plan_k;
+    d["plan_predicted_s"] = v.plan_predicted_s;
+    d["plan_s"] = v.plan_s;
+    d["within_tolerance"] = v.within_tolerance;
+    verdicts.append(d);
+  }
+  nb::dict out;
+  out["rows"] = rows;
+  out["verdicts"] = verdicts;
+  out["tolerance"] = tiering::UpdateSweep::tolerance;
+  return out;
+}
+
 }  // namespace
 
 }  // namespace memtide::bindings
@@ -216,6 +277,12 @@ NB_MODULE(_sim, m) {
         "predicted phase times, peak bytes per phase, capacity, the update plan and its bound.\n\n"
         "`window` (memtide only): the layer window in blocks, or \"auto\" (NodeSpec::window_blocks); the\n"
         "result's `window` is the size it ran with (0: none) and `window_why` how auto chose it.");
+  m.def("simulate_update_sweep", &update_sweep, "host_dram_bytes_per_s"_a = 220e9, "gpus"_a = 4, "gpu_slots"_a = 4,
+        "models"_a = std::vector<std::string>{},
+        "The update phase alone (tiering::simulate_update_sweep): all-CPU, static 20% and interleaved over a\n"
+        "sweep of k, and the automatic plan against the best k, per Table 2 model (default 7B to 20B).\n"
+        "Returns {rows, verdicts, tolerance}: one row per simulated phase, one verdict per model and\n"
+        "gradient placement.");
   m.def("simulation_defaults", &simulation_defaults,
         "The node the simulator assumes unless told otherwise (the paper's 4 x H100), and the Table 2 models.");
 }

@@ -17,11 +17,13 @@ using sim::require;
 struct Table2Row {
   const char* name;
   int layers, hidden, heads;
+  double nominal_params;  // the size the paper states
 };
 // Deep Optimizer States, Table 2 (LLaMA2 7B/13B, Megatron 8.3B, GPT 10B, GPT-NeoX 20B), and one
 // model at STRONGHOLD's scale for the layer window (39B: GPT-3's 8192 hidden, 48 layers).
-constexpr Table2Row kTable2[] = {{"7B", 32, 4096, 32},  {"8.3B", 72, 3072, 24}, {"10B", 50, 4096, 32},
-                                 {"13B", 40, 5120, 40}, {"20B", 48, 6144, 64},  {"40B", 48, 8192, 64}};
+constexpr Table2Row kTable2[] = {{"7B", 32, 4096, 32, 7e9},    {"8.3B", 72, 3072, 24, 8.3e9},
+                                 {"10B", 50, 4096, 32, 10e9},  {"13B", 40, 5120, 40, 13e9},
+                                 {"20B", 48, 6144, 64, 20e9},  {"40B", 48, 8192, 64, 40e9}};
 
 }  // namespace
 
@@ -55,6 +57,7 @@ ModelShape ModelShape::table2(const std::string& name) {
       m.layers = r.layers;
       m.hidden = r.hidden;
       m.heads = r.heads;
+      m.nominal_params = r.nominal_params;
       return m;
     }
   }

@@ -1,4 +1,4 @@
-"""Turns memtide_sim_update's CSV into the Markdown kept in bench/results/ and, when matplotlib
+"""Turns `memtide simulate --update-sweep`'s CSV into the Markdown kept in bench/results/ and, when matplotlib
 is importable, a plot of update time against the stride k.
 
 Usage: python tools/simulator/sim_update_report.py CSV OUT.md [--png OUT.png] [--command CMD]

@@ -33,8 +33,8 @@ _CONTENDERS = ("zero3_offload", "twinflow", "memtide")
 def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "micro_batch", "micro_batches", "vocab")
              if getattr(args, k) is not None}
-    model = args.model
-    if model is not None and model.lower() == "custom":
+    model = args.model if args.model is not None else "20B"
+    if model.lower() == "custom":
         model = None
     if model is None and not {"layers", "hidden", "heads"} <= shape.keys():
         raise UsageError("--model custom needs --layers, --hidden and --heads")
@@ -153,6 +153,13 @@ def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, 
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    if args.update_sweep:
+        from . import update_sweep
+
+        return update_sweep.run(args)
+    for flag in ("csv", "slots"):
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--{flag} belongs to --update-sweep")
     if args.timeline:
         import memtide_timeline as timeline
 
@@ -233,7 +240,7 @@ def add_parser(sub) -> None:
         "assumptions.",
     )
     names = ", ".join(row["name"] for row in memtide.simulation_defaults()["models"])
-    sim.add_argument("--model", default="20B", metavar="NAME",
+    sim.add_argument("--model", default=None, metavar="NAME",
                      help=f"a Table 2 model ({names}; default 20B), or custom with --layers --hidden --heads")
     for flag, what in (("layers", "transformer blocks"), ("hidden", "hidden size"), ("heads", "attention heads"),
                        ("seq", "sequence length (default 2048)"), ("micro-batch", "micro-batch (default 1)"),
@@ -273,5 +280,13 @@ def add_parser(sub) -> None:
                      help="also write memtide's simulated iteration as a trace (REPORT.trace.jsonl) and its "
                      "timeline report (REPORT.html, REPORT.chrome.json, REPORT.png)")
     sim.add_argument("--json", action="store_true", help="print JSON instead of text")
+    sweep = sim.add_argument_group("the update phase alone (--update-sweep)")
+    sweep.add_argument("--update-sweep", action="store_true",
+                       help="simulate the update phase alone: all-CPU, static 20%% and interleaved placement over a "
+                       "sweep of the stride k, and the automatic plan against the best k, for the paper's Table 2 "
+                       "models (or --model), with --gpus-per-node and --dram; a CSV row per phase, verdicts on stderr")
+    sweep.add_argument("--csv", metavar="FILE", default=None, help="write the sweep's CSV to FILE (default: stdout)")
+    sweep.add_argument("--slots", type=positive_int, default=None, metavar="N",
+                       help="streamed subgroups in flight on the GPU in the sweep (default: 4)")
     sim.set_defaults(func=_cmd_simulate)
 

@@ -44,6 +44,7 @@ struct ModelShape {
   int micro_batch = 1;     ///< the paper's micro-batch (1: no configuration runs out of memory)
   int micro_batches = 1;   ///< per optimizer step (gradient accumulation)
   int vocab = 50304;       ///< GPT-NeoX's padded vocabulary
+  double nominal_params = 0;  ///< the size its name states (7e9 for "7B"); 0 for a custom shape
 
   [[nodiscard]] double layer_params() const;
   [[nodiscard]] double params() const;
