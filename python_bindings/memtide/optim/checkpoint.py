@@ -8,6 +8,7 @@ from typing import Any, Dict
 import torch
 
 from .arguments import check_state_dict
+from .distributed import like, local
 from .loss_scale import LossScaler
 
 
@@ -23,7 +24,8 @@ def state_dict(opt: Any) -> Dict[str, Any]:
         i = index[id(order[idx])]
         if layout.lowp_of[i]:
             lo, hi = layout.ranges[i]
-            entry["master_param"] = opt.buffers.params[lo:hi].view(layout.params[i].shape)
+            p = layout.params[i]
+            entry["master_param"] = like(p, opt.buffers.params[lo:hi].view(local(p).shape))
         state[idx] = entry
     packed["state"] = state
     packed["memtide"] = {"format": 1, "loss_scaler": None if opt.scaler is None else opt.scaler.state_dict()}
@@ -54,15 +56,15 @@ def load_state_dict(opt: Any, state_dict: Dict[str, Any]) -> None:
             for p, exp_avg, exp_avg_sq, step, master in entries:
                 i = index[id(p)]
                 lo, hi = layout.ranges[i]
-                b.exp_avg[lo:hi].copy_(exp_avg.reshape(-1))
-                b.exp_avg_sq[lo:hi].copy_(exp_avg_sq.reshape(-1))
+                b.exp_avg[lo:hi].copy_(local(exp_avg).reshape(-1))
+                b.exp_avg_sq[lo:hi].copy_(local(exp_avg_sq).reshape(-1))
                 steps[i] = float(step)
                 if master is not None:
-                    b.params[lo:hi].copy_(master.reshape(-1))
+                    b.params[lo:hi].copy_(local(master).reshape(-1))
                     if layout.lowp_of[i]:
                         b.lowp[lo:hi].copy_(b.params[lo:hi])
                         if not layout.aliased[i]:
-                            p.data.copy_(b.lowp[lo:hi].view(p.shape))
+                            local(p).data.copy_(b.lowp[lo:hi].view(local(p).shape))
     for values, group in zip(groups, opt.param_groups):
         group.update(values)
     if scaler_state is not None:
@@ -88,7 +90,7 @@ def sync_master_from_model(opt: Any) -> None:
         lo, hi = layout.ranges[i]
         if layout.lowp_of[i]:
             if not layout.aliased[i]:
-                b.lowp[lo:hi].copy_(p.detach().reshape(-1))
+                b.lowp[lo:hi].copy_(local(p).detach().reshape(-1))
             b.params[lo:hi].copy_(b.lowp[lo:hi])
         elif not layout.aliased[i]:
-            b.params[lo:hi].copy_(p.detach().reshape(-1))
+            b.params[lo:hi].copy_(local(p).detach().reshape(-1))

@@ -13,6 +13,7 @@ from typing import Any, List, Optional, Set, Tuple
 import torch
 
 from ..grad_copies import copy_of
+from .distributed import local
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -74,7 +75,7 @@ class GradientPath:
         gradient accumulation every micro-batch sends the accumulated gradient again: the last,
         complete one is what step() finds.
         """
-        g = p.grad
+        g = None if p.grad is None else local(p.grad)  # FSDP2: this rank's reduced shard
         lo, hi = self.opt._layout.ranges[i]
         if g is None or g.is_sparse or hi == lo:
             return
@@ -108,6 +109,7 @@ class GradientPath:
             g = p.grad
             if g is None:
                 continue
+            g = local(g)
             if g.is_sparse:
                 raise RuntimeError("TieredAdamW does not support sparse gradients")
             has_grad[i] = True
@@ -127,7 +129,7 @@ class GradientPath:
             self.opt.engine.grads_to_host()
         any_cuda = False
         for i in stale:
-            g, (lo, hi) = layout.params[i].grad, layout.ranges[i]
+            g, (lo, hi) = local(layout.params[i].grad), layout.ranges[i]
             any_cuda |= g.is_cuda
             all_on_device = False
             grads[lo:hi].copy_(g.reshape(-1), non_blocking=g.is_cuda)
@@ -136,11 +138,22 @@ class GradientPath:
         return has_grad, (verdict if all_on_device and any(has_grad) else None)
 
     def norm_squares(self, has_grad: List[bool]) -> float:
-        """Sum of the squared gradient norms, each taken where its gradient is (in the hook)."""
-        b, sq = self.opt.buffers, 0.0
+        """Sum of the squared gradient norms, each taken where its gradient is (in the hook); with
+        FSDP2, the sharded params' squares are summed over the ranks (every rank gets the same)."""
+        b, shards = self.opt.buffers, self.opt._shards
+        sq = [0.0, 0.0]  # replicated or local, sharded
         for i, (lo, hi) in enumerate(self.opt._layout.ranges):
             if has_grad[i] and hi > lo:
                 f = self.flushed[i]
                 norm = f.norm if f is not None and f.norm is not None else torch.linalg.vector_norm(b.grads[lo:hi])
-                sq += float(norm) ** 2
-        return sq
+                sq[bool(shards) and shards.sharded[i]] += float(norm) ** 2
+        return sq[0] + (shards.sum(sq[1]) if shards else sq[1])
+
+    def finite(self, has_grad: List[bool], verdict: Optional[bool]) -> bool:
+        """Whether every gradient of this rank is finite: the gradient path's verdict when it
+        carried them all, else a scan of the host buffer."""
+        if verdict is not None:
+            return bool(verdict)
+        grads = self.opt.buffers.grads
+        return all(bool(torch.isfinite(grads[lo:hi]).all())
+                   for (lo, hi), g in zip(self.opt._layout.ranges, has_grad) if g and hi > lo)

@@ -30,6 +30,7 @@ from .. import _memtide
 from . import checkpoint
 from .arguments import NvmeTier, check_group, check_options, device_of, engine_unavailable, nvme_tier
 from .backward_updates import BackwardUpdates
+from .distributed import is_dtensor, like, local, shard_group
 from .gradients import SUPPORTED_DTYPES, GradientPath
 from .loss_scale import LossScaler, make_scaler
 from .plan import UpdatePlan, requested
@@ -211,9 +212,10 @@ class TieredAdamW(torch.optim.Optimizer):
 
         params, group_of, lowp_dtype = self._params()
         ranges, offset = [], 0
-        for p in params:
-            ranges.append((offset, offset + p.numel()))
-            offset += p.numel()
+        for p in params:  # a DTensor's own shard: each rank keeps the state of what it holds
+            n = local(p).numel()
+            ranges.append((offset, offset + n))
+            offset += n
         numel = offset
         if -(-numel // self.subgroup_size) > _memtide.MAX_SUBGROUPS:
             raise ValueError(f"TieredAdamW: subgroup_size {self.subgroup_size} cuts {numel} params into "
@@ -221,6 +223,9 @@ class TieredAdamW(torch.optim.Optimizer):
                              f"supported: use subgroup_size >= {-(-numel // _memtide.MAX_SUBGROUPS)}")
         bounds = tuple((s, min(s + self.subgroup_size, numel)) for s in range(0, numel, self.subgroup_size))
         lowp_of = [p.dtype in _LOWP for p in params]
+        #: The process group of FSDP2-sharded params (None: nothing sharded): what must agree
+        #: across ranks (the clipping norm, a skipped step) is reduced over it.
+        self._shards = shard_group(params)
         why = engine_unavailable(numel)
         if why and numel > 0:
             raise ValueError(f"TieredAdamW: memtide's engine cannot run here: {why}")
@@ -242,11 +247,12 @@ class TieredAdamW(torch.optim.Optimizer):
                         buffers.exp_avg_sq[lo:hi].copy_(old_buffers.exp_avg_sq[olo:ohi])
                         steps[i] = float(old_steps[j])
                     else:
-                        buffers.params[lo:hi].copy_(p.detach().reshape(-1))
+                        buffers.params[lo:hi].copy_(local(p).detach().reshape(-1))
                     if lowp_of[i]:
-                        buffers.lowp[lo:hi].copy_(p.detach().reshape(-1))
+                        buffers.lowp[lo:hi].copy_(local(p).detach().reshape(-1))
                     source = buffers.lowp if lowp_of[i] else buffers.params
-                    if source.device == p.device:
+                    # FSDP2 owns a sharded param's storage (its all-gather reads it): written back.
+                    if source.device == p.device and not is_dtensor(p):
                         # The param becomes a view of the buffer the step writes: no copy-back.
                         p.data = source[lo:hi].view(p.shape)
                         aliased[i] = True
@@ -340,8 +346,9 @@ class TieredAdamW(torch.optim.Optimizer):
             p = params[i]
             if taken > 0 and p not in self.state:
                 lo, hi = self._layout.ranges[i]
-                self.state[p] = {"step": steps[i], "exp_avg": self.buffers.exp_avg[lo:hi].view(p.shape),
-                                 "exp_avg_sq": self.buffers.exp_avg_sq[lo:hi].view(p.shape)}
+                shape = local(p).shape
+                self.state[p] = {"step": steps[i], "exp_avg": like(p, self.buffers.exp_avg[lo:hi].view(shape)),
+                                 "exp_avg_sq": like(p, self.buffers.exp_avg_sq[lo:hi].view(shape))}
 
     # -- phases, loss scale -----------------------------------------------------------------------
 
@@ -397,6 +404,9 @@ class TieredAdamW(torch.optim.Optimizer):
                 clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
             else:
                 nonfinite = True
+        elif self.scaler is not None and self._shards:
+            # An inf on any rank skips the step on every rank (the norm above agrees by itself).
+            nonfinite = self._shards.any(not self._grads.finite(has_grad, path_verdict))
         self._grads.reset()  # the next backward sends its own
 
         flags = bytes(has_grad)
@@ -504,7 +514,8 @@ class TieredAdamW(torch.optim.Optimizer):
                 continue
             p, (lo, hi) = layout.params[i], layout.ranges[i]
             source = b.lowp if layout.lowp_of[i] else b.params
-            p.data.copy_(source[lo:hi].view(p.shape), non_blocking=b.pinned and p.is_cuda)
+            target = local(p)
+            target.data.copy_(source[lo:hi].view(target.shape), non_blocking=b.pinned and p.is_cuda)
             any_cuda |= p.is_cuda
         if any_cuda:
             # The next step overwrites the pinned sources: it waits for these copies first.

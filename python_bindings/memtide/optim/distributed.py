@@ -1,0 +1,100 @@
+"""What TieredAdamW needs of torch.distributed.
+
+FSDP2 (``fully_shard``) makes each param a DTensor sharded on dim 0: every rank owns one local
+shard (uneven sizes and empty shards included), and its gradient arrives as a DTensor of the same
+sharding after the reduce-scatter. TieredAdamW keeps and updates only the local shards' state, so
+each rank's engine holds 1/N of the optimizer state, and writes the new values into the local
+shards. What must agree across ranks, this module reduces over the params' process group: the
+squared gradient norm for clipping (sharded params summed over ranks, replicated ones once) and
+whether any rank saw a non-finite gradient (a loss scaler then skips the step everywhere).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+try:  # torch without distributed support has no DTensor: nothing is ever sharded then
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - every torch this package supports has it
+    DTensor = None
+
+
+def is_dtensor(t: Optional[torch.Tensor]) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (sharing its storage), else `t`."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def like(param: torch.Tensor, local_view: torch.Tensor) -> torch.Tensor:
+    """`local_view` (this rank's shard of a state tensor of `param`) as `param` is seen: a DTensor
+    of the same mesh and placements for a DTensor param, so that torch.distributed.checkpoint
+    saves and reshards it like the param; `local_view` itself otherwise."""
+    if not is_dtensor(param):
+        return local_view
+    return DTensor.from_local(local_view, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+class ShardGroup:
+    """The process group over which an optimizer's DTensor params are sharded, and which of
+    them are sharded (their squares sum over ranks) or replicated (counted once)."""
+
+    def __init__(self, params: List[torch.Tensor]) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.sharded = [False] * len(params)
+        meshes = {}
+        for i, p in enumerate(params):
+            if not is_dtensor(p):
+                continue
+            mesh = p.device_mesh
+            if mesh.ndim != 1:
+                raise ValueError(f"TieredAdamW: param {i} lies on a {mesh.ndim}-dimensional device mesh; one "
+                                 "dimension (FSDP2's fully_shard over one mesh) is supported, not HSDP")
+            placement = p.placements[0]
+            if isinstance(placement, Shard):
+                if placement.dim != 0:
+                    raise ValueError(f"TieredAdamW: param {i} is sharded on dim {placement.dim}; FSDP2's Shard(0) "
+                                     "is supported")
+                self.sharded[i] = True
+            elif not isinstance(placement, Replicate):
+                raise ValueError(f"TieredAdamW: param {i} has placement {placement}; Shard(0) and Replicate are "
+                                 "supported")
+            meshes[id(mesh)] = mesh
+        if len(meshes) > 1:
+            raise ValueError("TieredAdamW: the params lie on more than one device mesh; make one TieredAdamW per mesh")
+        self.group = next(iter(meshes.values())).get_group() if meshes and any(self.sharded) else None
+
+    def __bool__(self) -> bool:
+        return self.group is not None
+
+    def sum(self, value: float) -> float:
+        """`value` summed over the group's ranks."""
+        t = torch.tensor([value], dtype=torch.float64, device=self._device())
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM, group=self.group)
+        return float(t.item())
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` is true on any of the group's ranks."""
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self._device())
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item() > 0)
+
+    def _device(self) -> torch.device:
+        # NCCL reduces CUDA tensors only; gloo either.
+        backend = self._dist.get_backend(self.group)
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def shard_group(params: List[torch.Tensor]) -> Optional[ShardGroup]:
+    """The params' ShardGroup, or None when none is a sharded DTensor."""
+    if DTensor is None or not any(is_dtensor(p) for p in params):
+        return None
+    group = ShardGroup(params)
+    return group if group else None

@@ -1,0 +1,131 @@
+"""One rank of the many-ranks tests (test_distributed.py runs it under torchrun, gloo on CPU).
+
+Trains the same small model twice from the same start, under FSDP2 (``fully_shard`` on each block
+and the root, uneven shards) or DDP: with TieredAdamW, and with torch.optim.AdamW driven the way
+its users drive it (the loss scaled by hand and unscaled, ``clip_grad_norm_``, an inf on one rank
+skipping the step on every rank). Two param groups, an LR scheduler, gradient accumulation. Rank 0
+writes what it found as JSON to argv[1]."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from memtide.optim import TieredAdamW
+
+WRAP, SCENARIO, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
+STEPS, MICRO, SCALE = 5, 2, 1024.0
+CLIP = 0.05 if SCENARIO == "clip" else None
+# At this step of the scaled scenario rank 1 meets an inf: under FSDP2 in one gradient element after
+# the reduce-scatter (only that rank sees it: the ranks must agree to skip), under DDP in its input
+# (the all-reduce spreads it to every rank).
+INF_STEP = 2
+
+
+def build() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 61 and 13 rows do not divide by 2 (or 4) ranks: uneven shards, and an empty one at 4 ranks for the bias of 3.
+    return torch.nn.Sequential(torch.nn.Linear(7, 61), torch.nn.GELU(), torch.nn.Linear(61, 13), torch.nn.GELU(),
+                               torch.nn.Linear(13, 3))
+
+
+def wrap(model: torch.nn.Module):
+    if WRAP == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def groups(model: torch.nn.Module):
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0, "lr": 3e-3}]
+
+
+def no_sync(model, first: bool):
+    if WRAP == "fsdp2":
+        model.set_requires_gradient_sync(not first)
+        return torch.enable_grad()
+    return model.no_sync() if first else torch.enable_grad()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def train(tiered: bool):
+    model = wrap(build())
+    if tiered:
+        opt = TieredAdamW(groups(model), lr=1e-2, policy="cpu", subgroup_size=64,
+                                  max_grad_norm=CLIP, loss_scale=None if SCENARIO == "clip" else SCALE)
+    else:
+        opt = torch.optim.AdamW(groups(model), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    rank, skipped = dist.get_rank(), 0
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(STEPS):
+        for mb in range(MICRO):
+            x = torch.randn(4, 7, generator=gen)
+            if WRAP == "ddp" and CLIP is None and step == INF_STEP and rank == 1 and mb + 1 == MICRO:
+                x[0, 0] = float("inf")
+            with no_sync(model, mb + 1 < MICRO):
+                loss = model(x).square().mean()
+                (opt.scale_loss(loss) if tiered else loss * (SCALE if CLIP is None else 1.0)).backward()
+        if WRAP == "fsdp2" and CLIP is None and step == INF_STEP and rank == 1:
+            g = next(model.parameters()).grad
+            (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("inf")
+        if tiered:
+            opt.step()
+            skipped += opt.last_step_skipped
+        else:
+            params = [p for p in model.parameters() if p.grad is not None]
+            if CLIP is None:
+                for p in params:
+                    p.grad.div_(SCALE)
+                bad = torch.tensor([0.0 if all(torch.isfinite(full(p.grad)).all() for p in params) else 1.0])
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+                if bad.item() > 0:
+                    opt.zero_grad()
+                    skipped += 1
+                    sched.step()
+                    continue
+            else:
+                torch.nn.utils.clip_grad_norm_(params, CLIP)
+            opt.step()
+        sched.step()
+        opt.zero_grad()
+    out = {"params": [full(p) for p in model.parameters()], "skipped": skipped}
+    if tiered:
+        out["host_bytes"] = opt.buffers.nbytes()
+        out["numel"] = opt._layout.numel
+    return out
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    mine, ref = train(True), train(False)
+    diff = max(float((a - b).abs().max()) for a, b in zip(mine["params"], ref["params"]))
+    moved = max(float((a - b).abs().max()) for a, b in zip(mine["params"], [full(p) for p in wrap(build()).parameters()]))
+    numel = torch.tensor([mine["numel"]])
+    sizes = [torch.zeros_like(numel) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, numel)
+    if dist.get_rank() == 0:
+        with open(OUT, "w") as f:
+            json.dump({"max_diff": diff, "moved": moved, "skipped": [mine["skipped"], ref["skipped"]],
+                       "numel_per_rank": [int(s) for s in sizes], "host_bytes": mine["host_bytes"],
+                       "world": dist.get_world_size()}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
