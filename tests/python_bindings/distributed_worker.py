@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from memtide.optim import TieredAdamW
 
-WRAP, SCENARIO, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
+WRAP, SCENARIO, OUT = sys.argv[1], sys.argv[2], sys.argv[3]  # fsdp2, ddp or ddp-view (gradient_as_bucket_view)
 STEPS, MICRO, SCALE = 5, 2, 1024.0
 CLIP = 0.05 if SCENARIO == "clip" else None
 # At this step of the scaled scenario rank 1 meets an inf: under FSDP2 in one gradient element after
@@ -43,7 +43,7 @@ def wrap(model: torch.nn.Module):
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         return fully_shard(model, mesh=mesh)
-    return torch.nn.parallel.DistributedDataParallel(model)
+    return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=WRAP == "ddp-view")
 
 
 def groups(model: torch.nn.Module):
@@ -68,6 +68,8 @@ def train(tiered: bool):
     if tiered:
         opt = TieredAdamW(groups(model), lr=1e-2, policy="cpu", subgroup_size=64,
                                   max_grad_norm=CLIP, loss_scale=None if SCENARIO == "clip" else SCALE)
+        if WRAP.startswith("ddp"):
+            opt.register_ddp(model)
     else:
         opt = torch.optim.AdamW(groups(model), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -76,7 +78,7 @@ def train(tiered: bool):
     for step in range(STEPS):
         for mb in range(MICRO):
             x = torch.randn(4, 7, generator=gen)
-            if WRAP == "ddp" and CLIP is None and step == INF_STEP and rank == 1 and mb + 1 == MICRO:
+            if WRAP.startswith("ddp") and CLIP is None and step == INF_STEP and rank == 1 and mb + 1 == MICRO:
                 x[0, 0] = float("inf")
             with no_sync(model, mb + 1 < MICRO):
                 loss = model(x).square().mean()
@@ -108,6 +110,7 @@ def train(tiered: bool):
     if tiered:
         out["host_bytes"] = opt.buffers.nbytes()
         out["numel"] = opt._layout.numel
+        out["regathered"] = opt.stats.regathered
     return out
 
 
@@ -122,7 +125,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(OUT, "w") as f:
             json.dump({"max_diff": diff, "moved": moved, "skipped": [mine["skipped"], ref["skipped"]],
-                       "numel_per_rank": [int(s) for s in sizes], "host_bytes": mine["host_bytes"],
+                       "numel_per_rank": [int(s) for s in sizes],
+                       "regathered": mine["regathered"], "host_bytes": mine["host_bytes"],
                        "world": dist.get_world_size()}, f)
     dist.destroy_process_group()
 

@@ -30,7 +30,7 @@ def run(wrap: str, scenario: str, ranks: int, tmp_path: Path) -> dict:
 
 
 @pytest.mark.parametrize("wrap, scenario, ranks", [("fsdp2", "clip", 2), ("fsdp2", "scaled", 4), ("ddp", "clip", 2),
-                                                   ("ddp", "scaled", 2)])
+                                                   ("ddp", "scaled", 2), ("ddp-view", "clip", 2)])
 def test_many_ranks_train_as_torch_adamw_does(wrap, scenario, ranks, tmp_path):
     r = run(wrap, scenario, ranks, tmp_path)
     assert r["world"] == ranks
@@ -38,6 +38,9 @@ def test_many_ranks_train_as_torch_adamw_does(wrap, scenario, ranks, tmp_path):
     assert r["max_diff"] <= 1e-6, r
     # The scaled scenario's inf (on rank 1 only) skips one step on every rank, as the reference does.
     assert r["skipped"] == ([1, 1] if scenario == "scaled" else [0, 0])
+    # Every gradient entered the optimizer reduced, during backward (FSDP2's reduce-scatter, DDP's
+    # bucket hook): step() copied none itself.
+    assert r["regathered"] == 0
     if wrap == "fsdp2":
         # Each rank keeps the state of its own shards: 1/N of the elements, not the whole model.
         assert sum(r["numel_per_rank"]) == NUMEL
@@ -45,3 +48,12 @@ def test_many_ranks_train_as_torch_adamw_does(wrap, scenario, ranks, tmp_path):
         assert r["host_bytes"] == 16 * r["numel_per_rank"][0]
     else:
         assert r["numel_per_rank"] == [NUMEL] * ranks
+
+
+def test_register_ddp_refuses_a_model_that_is_not_ddp():
+    from memtide.optim import TieredAdamW
+
+    model = torch.nn.Linear(3, 2)
+    opt = TieredAdamW(model.parameters(), policy="cpu")
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        opt.register_ddp(model)

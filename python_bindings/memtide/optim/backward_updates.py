@@ -94,16 +94,20 @@ class BackwardUpdates:
         opt = self._opt
         if not opt.last_micro_batch:
             return
-        if not self._watching and torch._C._current_graph_task_id() != -1:
-            # The first gradient of this backward: time it to its end (for the next choice).
-            self._watching = True
-            self._native.backward_started()
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        self.watch()
         complete = self._native.grad_ready(i)
         if complete:  # the step's inputs as they stand now (the engine reads the subgroup's params only)
             flags = bytes(p.grad is not None for p in opt._layout.params)
             for sg in complete:
                 self._native.submit(sg, opt._step_groups(), flags, opt._grad_scale())
+
+    def watch(self) -> None:
+        """Times this backward to its end (for the next choice) from its first gradient; called on
+        backward's own thread (DDP's bucket hook calls it there, its gradients arrive elsewhere)."""
+        if not self._watching and torch._C._current_graph_task_id() != -1:
+            self._watching = True
+            self._native.backward_started()
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
         self._watching = False

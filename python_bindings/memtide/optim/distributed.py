@@ -11,7 +11,7 @@ whether any rank saw a non-finite gradient (a loss scaler then skips the step ev
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -98,3 +98,66 @@ def shard_group(params: List[torch.Tensor]) -> Optional[ShardGroup]:
         return None
     group = ShardGroup(params)
     return group if group else None
+
+
+class DdpGradients:
+    """DDP's communication hook for TieredAdamW (TieredAdamW.register_ddp): each bucket is
+    all-reduced as DDP's default does (divided by the world size, then summed), and the reduced
+    gradients enter the optimizer's gradient path the moment the bucket's all-reduce completes,
+    during backward: never the local gradient first. DDP then writes the same values into the
+    params' ``.grad`` (a copy, or nothing with ``gradient_as_bucket_view``); what each ``.grad``
+    holds after that is recorded at the end of backward, so step() takes the gradients as sent
+    unless they change later."""
+
+    def __init__(self, opt: Any, ddp: Any) -> None:
+        import weakref
+
+        self._opt = weakref.ref(opt)  # DDP keeps the hook: it must not keep the optimizer
+        self._group = ddp.process_group
+        self.params = {id(p) for p in ddp.module.parameters()}
+        self._sent: List[int] = []
+        self._queued = False
+
+    # DDP checks the signature: a parameter named `bucket`, and no annotation but its own types
+    # (which `from __future__ import annotations` would turn into strings).
+    def hook(self, _state, bucket):  # noqa: ANN001
+        import torch.distributed as dist
+
+        opt = self._opt()
+        if opt is not None and not self._queued:
+            # At the end of this backward, after DDP's own end-of-backward callback (queued later
+            # than this one, it runs before the one this one queues).
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._queue_record)
+            if opt._eager is not None and opt.last_micro_batch:
+                opt._eager.watch()  # backward's own thread: the gradients arrive on another
+        buffer = bucket.buffer()
+        buffer.div_(dist.get_world_size(self._group))
+        fut = dist.all_reduce(buffer, group=self._group, async_op=True).get_future()
+        params = bucket.parameters()
+        return fut.then(lambda f: self._reduced(params, f.value()[0]))
+
+    def _reduced(self, params: List[torch.Tensor], reduced: torch.Tensor) -> torch.Tensor:
+        opt = self._opt()
+        path = None if opt is None else opt._grads
+        if path is not None:
+            index = path.index
+            offset = 0
+            for p in params:
+                n = p.numel()
+                i = index.get(id(p))
+                if i is not None:
+                    path.reduced(i, reduced[offset:offset + n])
+                    self._sent.append(i)
+                offset += n
+        return reduced
+
+    def _queue_record(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._record)
+
+    def _record(self) -> None:
+        self._queued = False
+        sent, self._sent = self._sent, []
+        opt = self._opt()
+        if opt is not None and opt._grads is not None:
+            opt._grads.record(sent)

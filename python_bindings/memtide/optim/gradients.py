@@ -22,8 +22,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class _Flushed:
     """A gradient the hook sent on its way: which tensor, at which in-place version, its norm."""
 
-    address: int
-    version: int
+    address: Optional[int]  # None: the tensor is not known yet (DDP writes .grad later)
+    version: Optional[int]
     norm: Optional[torch.Tensor]
     on_device: bool  # through the engine's gradient path (with its NaN/Inf verdict)
 
@@ -45,6 +45,11 @@ class GradientPath:
         #: The CUDA gradients travel the engine's own path (a real GPU); else they are copied here.
         self.device_path = opt.engine is not None and not opt.engine.host_memory
         self.flushed: List[Optional[_Flushed]] = [None] * len(params)
+        self.index = {id(p): i for i, p in enumerate(params)}
+        #: Params whose gradients come reduced from DDP's bucket hook (register_ddp), not the hooks.
+        ddp = getattr(opt, "_ddp", None)
+        self.reduced_by_ddp: Set[int] = set() if ddp is None else {i for i, p in enumerate(params)
+                                                                     if id(p) in ddp.params}
         #: Params whose gradient step() had to copy itself (changed after its hook ran).
         self.stale: Set[int] = set()
         me = weakref.ref(self)
@@ -75,7 +80,26 @@ class GradientPath:
         gradient accumulation every micro-batch sends the accumulated gradient again: the last,
         complete one is what step() finds.
         """
+        if i in self.reduced_by_ddp:
+            return  # the local gradient, before DDP's all-reduce: the bucket hook sends the reduced one
         g = None if p.grad is None else local(p.grad)  # FSDP2: this rank's reduced shard
+        self.send(i, g)
+
+    def reduced(self, i: int, g: torch.Tensor) -> None:
+        """DDP has all-reduced param i's gradient (its bucket's hook): send it on its way; what
+        `.grad` holds is recorded at the end of backward (record())."""
+        self.send(i, g, known=False)
+
+    def record(self, params: List[int]) -> None:
+        """Backward has ended and DDP has written these params' `.grad`: it is what was sent."""
+        layout = self.opt._layout
+        for i in params:
+            f, g = self.flushed[i], layout.params[i].grad
+            if f is not None and f.address is None and g is not None:
+                f.address, f.version = g.data_ptr(), g._version
+
+    @torch.no_grad()
+    def send(self, i: int, g: Optional[torch.Tensor], known: bool = True) -> None:
         lo, hi = self.opt._layout.ranges[i]
         if g is None or g.is_sparse or hi == lo:
             return
@@ -86,14 +110,18 @@ class GradientPath:
             self.opt.engine.push_grad(lo, g.data_ptr(), str(g.dtype).replace("torch.", ""), hi - lo,
                                   torch.cuda.current_stream(g.device).cuda_stream)
             norm = None if self.opt.max_grad_norm is None else torch.linalg.vector_norm(g, dtype=torch.float32)
-            self.flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=True)
+            self.flushed[i] = _Flushed(*self._identity(g, known), norm, on_device=True)
         else:
             grads = self.opt.buffers.grads
             grads[lo:hi].copy_(g.reshape(-1))
             norm = None if self.opt.max_grad_norm is None else torch.linalg.vector_norm(grads[lo:hi])
-            self.flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=False)
+            self.flushed[i] = _Flushed(*self._identity(g, known), norm, on_device=False)
         if self.opt._eager is not None:
             self.opt._eager.grad_ready(i)
+
+    @staticmethod
+    def _identity(g: torch.Tensor, known: bool) -> Tuple[Optional[int], Optional[int]]:
+        return (g.data_ptr(), g._version) if known else (None, None)
 
     def gather(self) -> Tuple[List[bool], Optional[bool]]:
         """Makes the flat fp32 gradient buffer hold every gradient: waits for the gradient path,

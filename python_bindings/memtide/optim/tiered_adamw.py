@@ -76,6 +76,9 @@ class UpdateStats:
 
     steps: int = 0
     skipped: int = 0
+    #: Gradients step() copied itself: neither the hooks nor DDP's bucket hook had sent them as
+    #: they stand (changed in place since, or never sent).
+    regathered: int = 0
     params_updated: int = 0
     engine_seconds: float = 0.0
     step_seconds: float = 0.0
@@ -158,6 +161,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self.last_micro_batch = True
         self._eager: Optional[BackwardUpdates] = None
         self._grads: Optional[GradientPath] = None
+        self._ddp: Optional[Any] = None  # DdpGradients once register_ddp() was called
         super().__init__(params, defaults)
         self._ready = True
         self._build()
@@ -352,6 +356,25 @@ class TieredAdamW(torch.optim.Optimizer):
 
     # -- phases, loss scale -----------------------------------------------------------------------
 
+    def register_ddp(self, model: torch.nn.Module) -> None:
+        """Under DistributedDataParallel, call once with the DDP model: its gradients then enter
+        this optimizer after DDP's all-reduce, bucket by bucket during backward (a communication
+        hook doing DDP's default all-reduce), instead of the local gradients first and the reduced
+        ones again at step(). Takes DDP's one communication hook."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from .distributed import DdpGradients
+
+        if not isinstance(model, DistributedDataParallel):
+            raise ValueError(f"TieredAdamW.register_ddp: expected a DistributedDataParallel model, got "
+                             f"{type(model).__name__}")
+        if self._ddp is not None:
+            raise ValueError("TieredAdamW.register_ddp: a DDP model is registered already")
+        ddp = DdpGradients(self, model)
+        model.register_comm_hook(None, ddp.hook)
+        self._ddp = ddp
+        self._grads.reduced_by_ddp = {i for i, p in enumerate(self._layout.params) if id(p) in ddp.params}
+
     def attach(self, model: torch.nn.Module):
         """Installs memtide phase marks on `model` and this optimizer (see memtide.install_phase_hooks)."""
         from .. import install_phase_hooks
@@ -387,6 +410,7 @@ class TieredAdamW(torch.optim.Optimizer):
 
         speculated = self._eager.settle() if self._eager is not None else False
         has_grad, path_verdict = self._grads.gather()
+        self.stats.regathered += len(self._grads.stale)
         self.last_step_skipped = False
         if not any(has_grad):
             self._grads.reset()
