@@ -3,7 +3,7 @@ checked whole before anything is loaded, and the masters re-read from the model.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -39,6 +39,7 @@ def load_state_dict(opt: Any, state_dict: Dict[str, Any]) -> None:
     layout = opt._layout
     index = {id(p): i for i, p in enumerate(layout.params)}
     if opt.engine is not None:
+        entries = _apart_from(opt.buffers, entries)
         # Everything is known good from here on.
         opt._wait_for_copies()
         if opt.spilled_subgroups:
@@ -75,6 +76,23 @@ def load_state_dict(opt: Any, state_dict: Dict[str, Any]) -> None:
     opt._expose_state()
     if opt.spilled_subgroups:
         opt.engine.spill_host(layout.numel)  # back within the host budget now
+
+
+def _apart_from(buffers: Any, entries: List[Tuple[Any, ...]]) -> List[Tuple[Any, ...]]:
+    """The entries with every tensor that is a view of the optimizer's own buffers copied: the
+    dict may be this optimizer's own state_dict(), or one torch.distributed.checkpoint loaded in
+    place into it, and loading zeroes the buffers before it reads the entries."""
+    own = {t.untyped_storage().data_ptr() for t in (buffers.params, buffers.exp_avg, buffers.exp_avg_sq, buffers.lowp)
+           if t is not None}
+
+    def apart(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        t = local(t)
+        return t.clone() if t.untyped_storage().data_ptr() in own else t
+
+    return [(p, apart(exp_avg), apart(exp_avg_sq), step, apart(master))
+            for p, exp_avg, exp_avg_sq, step, master in entries]
 
 
 @torch.no_grad()

@@ -1,0 +1,69 @@
+"""One rank of the sharded-checkpoint test (test_distributed.py): FSDP2 + TieredAdamW saved with
+torch.distributed.checkpoint on one world size and resumed on another.
+
+    LOAD SAVE OUT: loads the DCP checkpoint LOAD ("-": none, start at step 0; resharded to this
+    world size), trains to step 5, saving model, optimizer and the next step to SAVE ("-": none)
+    after the first step it trains. Rank 0 writes the final full params to OUT (torch.save).
+Each step trains on the same global batch, split evenly among the ranks, so every world size
+computes the same update."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from memtide.optim import TieredAdamW
+
+LOAD, SAVE, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
+GLOBAL_BATCH, STEPS = 8, 5
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 61), torch.nn.GELU(), torch.nn.Linear(61, 13), torch.nn.GELU(),
+                                torch.nn.Linear(13, 3))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = TieredAdamW(model.parameters(), lr=1e-2, policy="cpu", subgroup_size=64, max_grad_norm=0.05)
+
+    def state():
+        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
+                "next_step": torch.zeros((), dtype=torch.int64)}
+
+    start = 0
+    if LOAD != "-":
+        loaded = state()
+        dcp.load(loaded, checkpoint_id=LOAD)
+        set_model_state_dict(model, loaded["model"])
+        set_optimizer_state_dict(model, opt, loaded["optim"])
+        start = int(loaded["next_step"])
+    for step in range(start, STEPS):
+        x = torch.randn(GLOBAL_BATCH, 7, generator=torch.Generator().manual_seed(1000 + step))
+        share = GLOBAL_BATCH // world
+        model(x[rank * share:(rank + 1) * share]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == start and SAVE != "-":
+            saved = state()
+            saved["next_step"].fill_(step + 1)
+            dcp.save(saved, checkpoint_id=SAVE)
+    params = [p.full_tensor().detach().clone() for p in model.parameters()]
+    if rank == 0:
+        torch.save(params, OUT)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
