@@ -77,3 +77,20 @@ def test_a_sharded_checkpoint_resumes_on_other_world_sizes(tmp_path):
     resumed = launch(1, str(tmp_path / "at2"), "-", "one.pt")
     # (Loaded without its moments, the same resume ends 0.026 away.)
     assert max(float((a - b).abs().max()) for a, b in zip(straight, resumed)) <= 1e-6
+
+
+@pytest.mark.parametrize("wrap, setting, words", [("fsdp2", "policy", ["policy", "'cpu'", "'auto'"]),
+                                                  ("ddp", "subgroup_size", ["subgroup_size", "32", "16"]),
+                                                  ("fsdp2", "lr", ["hyper-parameters", "0.5"])])
+def test_ranks_that_disagree_on_the_optimizer_fail_at_construction_naming_it(wrap, setting, words, tmp_path):
+    worker = WORKER.with_name("distributed_settings_worker.py")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(worker), wrap, setting], env=clean_env(), cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = [line for line in p.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2, p.stdout
+    for line in lines:  # every rank fails, naming the setting, both values and the ranks
+        assert "disagree" in line and "rank 0" in line and "rank 1" in line, line
+        for w in words:
+            assert w in line, (w, line)

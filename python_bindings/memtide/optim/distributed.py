@@ -11,7 +11,7 @@ whether any rank saw a non-finite gradient (a loss scaler then skips the step ev
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -90,6 +90,42 @@ class ShardGroup:
         # NCCL reduces CUDA tensors only; gloo either.
         backend = self._dist.get_backend(self.group)
         return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+_agreements = 0  # check_agreement calls so far: every rank makes them in the same order
+
+
+def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
+    """Raises ValueError on every rank of `group` when the ranks' `settings` differ, naming the
+    first setting that does and what each rank has: ranks that disagree on the optimizer (a
+    policy, a subgroup size, NVMe on one rank only) would otherwise fail later, or silently
+    train apart. Every rank of the group must call it (it waits for the others, at most the
+    process group's timeout).
+
+    The settings travel through the process group's key-value store, not a collective: gloo
+    frees a collective's tensors on its own thread after the collective ends, and a program that
+    exits right after building its optimizer was at times aborted by that thread taking the GIL
+    during interpreter shutdown."""
+    import json
+
+    import torch.distributed as dist
+
+    global _agreements
+    _agreements += 1
+    store = dist.distributed_c10d._get_default_store()
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    prefix = f"memtide/agreement/{_agreements}/{'-'.join(map(str, ranks))}/"
+    store.set(prefix + str(dist.get_rank()), json.dumps(settings, sort_keys=True, default=repr))
+    keys = [prefix + str(r) for r in ranks]
+    store.wait(keys)
+    gathered = [json.loads(store.get(k)) for k in keys]
+    mine = json.loads(json.dumps(settings, sort_keys=True, default=repr))
+    for key in mine:
+        values = [g.get(key) for g in gathered]
+        if any(v != values[0] for v in values):
+            listed = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))
+            raise ValueError(f"{who}: the ranks disagree on {key} ({listed}); every rank must build its "
+                             "optimizer with the same settings")
 
 
 def shard_group(params: List[torch.Tensor]) -> Optional[ShardGroup]:

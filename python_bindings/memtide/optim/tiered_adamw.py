@@ -30,7 +30,7 @@ from .. import _memtide
 from . import checkpoint
 from .arguments import NvmeTier, check_group, check_options, device_of, engine_unavailable, nvme_tier
 from .backward_updates import BackwardUpdates
-from .distributed import is_dtensor, like, local, shard_group
+from .distributed import check_agreement, is_dtensor, like, local, shard_group
 from .gradients import SUPPORTED_DTYPES, GradientPath
 from .loss_scale import LossScaler, make_scaler
 from .plan import UpdatePlan, requested
@@ -170,6 +170,8 @@ class TieredAdamW(torch.optim.Optimizer):
                    else int(update_during_backward))
             self._eager = BackwardUpdates(self, cap)
             self._eager.rebuild()
+        if self._shards:
+            check_agreement(self._settings(), self._shards.group, "TieredAdamW")
 
     # -- param groups -----------------------------------------------------------------------------
 
@@ -370,10 +372,23 @@ class TieredAdamW(torch.optim.Optimizer):
                              f"{type(model).__name__}")
         if self._ddp is not None:
             raise ValueError("TieredAdamW.register_ddp: a DDP model is registered already")
+        check_agreement(self._settings(), model.process_group, "TieredAdamW.register_ddp")
         ddp = DdpGradients(self, model)
         model.register_comm_hook(None, ddp.hook)
         self._ddp = ddp
         self._grads.reduced_by_ddp = {i for i, p in enumerate(self._layout.params) if id(p) in ddp.params}
+
+    def _settings(self) -> Dict[str, Any]:
+        """What every rank's optimizer must agree on (compared across ranks at construction)."""
+        return {"policy": self.policy, "subgroup_size": self.subgroup_size, "k": self.k,
+                "gpu_static_fraction": self.gpu_static_fraction, "max_grad_norm": self.max_grad_norm,
+                "loss_scale": None if self.scaler is None else (self.scaler.dynamic, self.scaler.scale),
+                "nvme": None if self.nvme is None else ("on NVMe" if self.nvme.dir else "host budget only"),
+                "host_budget": None if self.nvme is None else self.nvme.host_budget,
+                "update_during_backward": None if self._eager is None else self._eager.max_subgroups,
+                "param_groups": len(self.param_groups),
+                "hyper-parameters": [(g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"])
+                                     for g in self.param_groups]}
 
     def attach(self, model: torch.nn.Module):
         """Installs memtide phase marks on `model` and this optimizer (see memtide.install_phase_hooks)."""

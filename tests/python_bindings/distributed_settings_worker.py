@@ -1,0 +1,43 @@
+"""One rank of the disagreeing-ranks test (test_distributed.py): rank 1 builds its TieredAdamW
+with another setting than rank 0 (argv[2] names which), under FSDP2 or DDP (argv[1]). Every rank
+prints the error it got, or "no error"."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from memtide.optim import TieredAdamW
+
+WRAP, SETTING = sys.argv[1], sys.argv[2]
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.Linear(9, 2))
+    if WRAP == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    kwargs = {"policy": "cpu", "subgroup_size": 32}
+    if rank == 1:
+        kwargs.update({"policy": {"policy": "auto"}, "subgroup_size": {"subgroup_size": 16},
+                       "lr": {"lr": 0.5}}[SETTING])
+    try:
+        opt = TieredAdamW(model.parameters(), **kwargs)
+        if WRAP == "ddp":
+            opt.register_ddp(model)
+        print(f"rank {rank}: no error", flush=True)
+    except ValueError as e:
+        print(f"rank {rank}: {e}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
