@@ -30,7 +30,11 @@ constexpr int kMemcpy = 1, kMemset = 2, kKernel = 10, kMaxLimitReached = 12, kMu
 constexpr std::uint32_t kFlushForced = 1;
 #endif
 
-constexpr std::size_t kBufferBytes = std::size_t{8} << 20;  // REFERENCE: 1-10 MB, aligned
+// Buffers of a few MB: few requests a second while tracing, little host memory. 8 B aligned:
+// activity records are "padded and aligned to ensure that each member of the record is naturally
+// aligned" (cupti_activity.h; CUPTI's Activity API:
+// https://docs.nvidia.com/cupti/api/group__CUPTI__ACTIVITY__API.html).
+constexpr std::size_t kBufferBytes = std::size_t{8} << 20;
 constexpr std::size_t kBufferAlign = 8;
 
 std::atomic<Tracer*> g_active{nullptr};

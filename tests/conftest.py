@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 
 import pytest
 
-from memtide_testing import clean_env, run_python
+from memtide_testing import SIZED_DEVICE, clean_env, run_python
 
 
 @pytest.fixture
@@ -17,3 +19,27 @@ def cli():
         return run_python(["-m", "memtide.cli", *args], env=clean_env(**env))
 
     return invoke
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "sized_device: run the test in a child process on a SimDevice of memtide_testing.SIZED_DEVICE "
+        "(the runtime reads its device settings once per process)")
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """A `sized_device` test runs in a child pytest whose runtime has the sized SimDevice, unless
+    this process is that child."""
+    if pyfuncitem.get_closest_marker("sized_device") is None:
+        return None
+    if all(os.environ.get(k) == v for k, v in SIZED_DEVICE.items()):
+        return None  # the child: run it here
+    root = str(pyfuncitem.config.rootpath)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+                       cwd=root, env=clean_env(**SIZED_DEVICE), capture_output=True, text=True, timeout=900)
+    out = p.stdout[-6000:] + p.stderr[-2000:]
+    if p.returncode != 0:
+        pytest.fail(f"on the sized SimDevice ({SIZED_DEVICE}):\n{out}", pytrace=False)
+    if "1 passed" not in (p.stdout.strip().splitlines() or [""])[-1]:
+        pytest.skip(f"on the sized SimDevice it did not run:\n{out}")
+    return True

@@ -9,6 +9,21 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
+#: The simulated device the `sized_device` tests run on (tests/conftest.py runs each in a child
+#: process with these settings). 80 GiB holds the test models' whole state, so `auto` makes every
+#: subgroup a GPU resident and never updates one on the CPU, streams one, or reads a spilled one;
+#: with 1 MiB beyond the headroom margin the ~110k-param models' 1.8 MiB of state does not fit,
+#: and `auto` mixes CPU, streamed and resident subgroups. The tests assert which ran.
+SIZED_DEVICE = {"MEMTIDE_DEVICE": "sim", "MEMTIDE_SIM_CAPACITY": "257MiB", "MEMTIDE_HEADROOM_MARGIN": "256MiB"}
+
+#: Marks a test (or a pytest.param) to run on the SIZED_DEVICE.
+sized_device = pytest.mark.sized_device
+
+
+def on_sized_device(policies: Sequence[str]) -> List:
+    """`policies` for parametrize, with `auto` on the sized device (where its paths all run)."""
+    return [pytest.param(p, marks=sized_device) if p == "auto" else p for p in policies]
+
 
 def clean_env(**overrides: str) -> Dict[str, str]:
     """The environment without MEMTIDE_* settings, plus `overrides`.

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -282,9 +283,13 @@ def test_cli_run_train_flag_errors(cli):
 
 
 def test_console_script():
-    exe = shutil.which("memtide")
-    if exe is None:
-        pytest.skip("the memtide console script is not on PATH")
+    # Where pip put it for the interpreter running the tests (a venv's bin need not be on PATH):
+    # its scripts folder, the folder of the interpreter itself, or the user scheme's.
+    folders = [sysconfig.get_path("scripts"), str(Path(sys.executable).parent),
+               sysconfig.get_path("scripts", f"{os.name}_user")]
+    found = [shutil.which("memtide", path=folder) for folder in folders]
+    exe = next((f for f in found if f is not None), None)
+    assert exe is not None, f"no memtide console script in {folders}"
     p = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == f"memtide {memtide.__version__}"
 

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import memtide  # noqa: E402,F401
 from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
 from memtide.optim import LossScaler, TieredAdamW  # noqa: E402
-from memtide_testing import everything, one_torch_thread, same  # noqa: E402,F401
+from memtide_testing import everything, on_sized_device, one_torch_thread, same, sized_device  # noqa: E402,F401
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
 SUBGROUP = 10_000  # ~110k params: 12 subgroups
@@ -72,7 +72,14 @@ def make_opt(model, policy, spill_dir=None, **kw):
     return TieredAdamW(model.parameters(), **kw)
 
 
-@pytest.mark.parametrize("policy", sorted(POLICY_KW))
+def assert_the_last_step_moved_spilled_state(opt):
+    """The last step read spilled subgroups from NVMe and wrote them back (none was a resident
+    whose state stays on the device)."""
+    last = opt.nvme_info()["last"]
+    assert last["read_bytes"] > 0 and last["write_bytes"] > 0, (opt.plan.engine_plan.marks, last)
+
+
+@pytest.mark.parametrize("policy", on_sized_device(sorted(POLICY_KW)))
 def test_training_with_spill_equals_training_without(spill_dir, policy):
     # Gradient accumulation, clipping and dynamic loss scaling, on each placement policy.
     kw = dict(max_grad_norm=0.5)
@@ -88,6 +95,7 @@ def test_training_with_spill_equals_training_without(spill_dir, policy):
             placement = opt.plan.engine_plan.marks
             moved = sum(1 for p, s in zip(placement, info["on_nvme"]) if s and p != "s")
             assert info["last"]["reads"] == moved and info["last"]["writes"] == moved, (placement, info["last"])
+            assert_the_last_step_moved_spilled_state(opt)
             assert opt.engine.host_bytes < 16 * numel(model)
         results.append((everything(model, opt), opt.loss_scale))
     assert results[0][1] == results[1][1]
@@ -110,10 +118,12 @@ def save(model, opt):
     return buf
 
 
+@sized_device
 def test_a_checkpoint_continues_bit_for_bit(spill_dir):
     model = make_model()
     opt = make_opt(model, "auto", spill_dir)
     train(model, opt, DATA)
+    assert_the_last_step_moved_spilled_state(opt)
     uninterrupted = everything(model, opt)
 
     model = make_model()
@@ -127,6 +137,7 @@ def test_a_checkpoint_continues_bit_for_bit(spill_dir):
     model.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["opt"])
     train(model, opt, DATA[6:])
+    assert_the_last_step_moved_spilled_state(opt)
     assert same(everything(model, opt), uninterrupted)
 
 

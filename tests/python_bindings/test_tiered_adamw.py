@@ -15,7 +15,7 @@ import memtide  # noqa: E402
 from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
 from memtide._memtide import UpdateEngine  # noqa: E402
 from memtide.optim import POLICIES, LossScaler, TieredAdamW, engine_unavailable  # noqa: E402
-from memtide_testing import one_torch_thread  # noqa: E402,F401
+from memtide_testing import on_sized_device, one_torch_thread, sized_device  # noqa: E402,F401
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -111,15 +111,27 @@ def test_matches_torch_adamw_for_50_steps():
     assert opt.stats.steps == 50 and opt.stats.params_updated == 50 * opt.buffers.params.numel()
 
 
+@sized_device
 def test_every_policy_gives_identical_bits():
+    # On the sized device, where auto mixes CPU, streamed and resident subgroups: each policy's
+    # paths ran (the params each one updated over the run, by where).
+    paths = {"cpu": "c", "static": "cs", "interleaved": "cg", "auto": "cgs"}
     results = {}
     for policy, kw in POLICY_KW.items():
         model = make_model()
         opt = TieredAdamW(model.parameters(), policy=policy, subgroup_size=SUBGROUP, **HYPER, **kw)
-        losses = train(model, opt, DATA)
+        losses, ran = [], dict.fromkeys("cgs", 0)
+        for x, y in DATA:
+            losses.append(backward(model, opt, x, y).item())
+            opt.step()
+            r = opt.last_report
+            ran["c"] += r.params_cpu
+            ran["g"] += r.params_gpu
+            ran["s"] += r.params_gpu_static
         results[policy] = (losses, [p.detach().clone() for p in model.parameters()], flat_state(opt))
         assert opt.plan.policy == policy
         assert len(opt.plan.placement) == len(opt.plan.subgroups) == 12
+        assert {w for w, n in ran.items() if n > 0} == set(paths[policy]), (policy, ran)
     first_losses, first_params, first_state = results["cpu"]
     for policy, (losses, params, state) in results.items():
         assert losses == first_losses, policy
@@ -318,7 +330,14 @@ def test_gradients_reach_the_host_buffer_during_backward(dtype):
         assert torch.equal(opt.buffers.grads[lo:hi], p.grad.reshape(-1).float())
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+def assert_off_device_paths_ran(opt):
+    """Policies other than static updated subgroups on the CPU in the last step (auto too: on the
+    sized device its plan keeps state off the device)."""
+    if opt.policy != "static":
+        assert opt.last_report.params_cpu > 0, opt.plan.summary()
+
+
+@pytest.mark.parametrize("policy", on_sized_device(POLICIES))
 def test_gradient_accumulation_and_in_place_edits_are_exact(policy):
     """Accumulating over micro-batches steps the complete gradient, and a gradient edited in
     place between backward and step (a user's own clipping) is taken as edited."""
@@ -338,6 +357,7 @@ def test_gradient_accumulation_and_in_place_edits_are_exact(policy):
         ref_opt.step()
     for i, (p, r) in enumerate(zip(model.parameters(), ref)):
         assert_rel_close(p.detach(), r.detach(), what=f"param {i}")
+    assert_off_device_paths_ran(opt)
 
 
 def test_frozen_params_get_no_hook_and_are_still_gathered():
@@ -365,7 +385,7 @@ def save(model, opt):
     return buf
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", on_sized_device(POLICIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_state_dict_round_trip_continues_bit_identically(dtype, policy):
     kw = dict(subgroup_size=SUBGROUP, policy=policy, **POLICY_KW[policy], **HYPER)
@@ -405,6 +425,7 @@ def test_state_dict_round_trip_continues_bit_identically(dtype, policy):
     assert scale == uninterrupted[2]
     assert all(torch.equal(a, b) for a, b in zip(params, uninterrupted[0]))
     assert all(torch.equal(a, b) for a, b in zip(state, uninterrupted[1]))
+    assert_off_device_paths_ran(opt)
 
 
 def _everything(model, opt):
