@@ -221,6 +221,24 @@ TEST_F(NvmeTest, SetupErrorsNameThePathAndTheBytes) {
   EXPECT_THROW(NvmeStore(dir, {4096}, bad), InvalidArgument);
 }
 
+// The exit path that skips destructors (Python's interpreter with the optimizer still referenced,
+// a re-raised SIGINT): the folders go, and a store still in use keeps its open file.
+TEST_F(NvmeTest, RemoveAllLiveTakesTheFoldersAndLeavesTheOpenFileUsable) {
+  SpillDir dir(parent);
+  NvmeStore store(dir, {1 << 20});
+  Aligned src(1 << 20);
+  fill(src, 5);
+  store.write(0, src.data(), src.bytes);
+  EXPECT_GE(SpillDir::remove_all_live(), 1U);
+  EXPECT_FALSE(fs::exists(dir.path()));
+  EXPECT_FALSE(fs::exists(store.file()));
+  EXPECT_EQ(SpillDir::remove_all_live(), 0U) << "nothing left to remove";
+  Aligned back(1 << 20);
+  store.read(0, back.data());
+  EXPECT_EQ(std::memcmp(back.data(), src.data(), src.bytes), 0);
+  store.write(0, src.data(), src.bytes);
+}
+
 TEST_F(NvmeTest, StaleSpillsOfDeadProcessesAreFound) {
   // A directory named for a process that cannot exist, with a file in it.
   const fs::path stale = parent / "memtide-spill-999999999-abcdef";
