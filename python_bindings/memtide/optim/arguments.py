@@ -173,17 +173,19 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 raise bad(f"{key} of param {idx} must be a floating-point tensor, got "
                           f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}")
+            if value.numel() != p.numel():
+                raise bad(f"{key} of param {idx} has {value.numel()} elements, the param has {p.numel()} (group {gi})")
             if value.shape != p.shape:
                 # Same size is not enough: a (3, 4) moment of a (4, 3) param is another layout.
-                raise bad(f"{key} of param {idx} (group {gi}) has shape {tuple(value.shape)}, the param has "
-                          f"{tuple(p.shape)}")
+                raise bad(f"{key} of param {idx} has shape {tuple(value.shape)}, the param has {tuple(p.shape)} "
+                          f"(group {gi})")
             tensors[key] = value
         step = entry.get("step", 0)
         if isinstance(step, torch.Tensor):
             step = step.item() if step.numel() == 1 and not step.dtype == torch.bool else None
         if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
                 or step < 0 or step != int(step) or step > MAX_STEP:
-            raise bad(f"step of param {idx} (group {gi}) must be a whole number in [0, {MAX_STEP}], got "
+            raise bad(f"step of param {idx} must be a whole number >= 0 and <= {MAX_STEP} (group {gi}), got "
                       f"{entry.get('step')!r}")
         entries.append((p, tensors["exp_avg"], tensors["exp_avg_sq"], int(step), tensors.get("master_param")))
     memtide_state = state_dict.get("memtide") or {}
