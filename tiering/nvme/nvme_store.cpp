@@ -74,13 +74,19 @@ SpillDir::SpillDir(const fs::path& parent) {
     throw IoError("spill directory " + parent.string() + ": cannot create a private folder: " + errno_text(errno));
   }
   path_ = templ;
+  owner_ = ::getpid();
   LiveDirs& live = live_dirs();
   std::lock_guard lock(live.mutex);
-  if (live.owner != ::getpid()) {
+  if (live.owner != owner_) {
     live.dirs.clear();  // the parent's, inherited through fork: not this process's to remove
-    live.owner = ::getpid();
+    live.owner = owner_;
   }
-  live.dirs.push_back(this);
+  try {
+    live.dirs.push_back(this);
+  } catch (...) {
+    ::rmdir(path_.c_str());  // no destructor runs for a constructor that throws
+    throw;
+  }
 }
 
 SpillDir::~SpillDir() {
@@ -93,8 +99,8 @@ SpillDir::~SpillDir() {
 }
 
 void SpillDir::remove() noexcept {
-  if (removed_) return;
-  removed_ = true;
+  // A forked child's copy names its parent's folder, which is not the child's to remove.
+  if (removed_.exchange(true) || owner_ != ::getpid()) return;
   std::error_code ec;
   fs::remove_all(path_, ec);  // never follows links: a planted one is removed, not its target
   if (!ec) return;

@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -237,6 +238,21 @@ TEST_F(NvmeTest, RemoveAllLiveTakesTheFoldersAndLeavesTheOpenFileUsable) {
   store.read(0, back.data());
   EXPECT_EQ(std::memcmp(back.data(), src.data(), src.bytes), 0);
   store.write(0, src.data(), src.bytes);
+}
+
+TEST_F(NvmeTest, AForkedChildLeavesItsParentsFolderAlone) {
+  SpillDir dir(parent);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const std::size_t removed = SpillDir::remove_all_live();
+    dir.remove();
+    ::_exit(removed == 0 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child counted its parent's folder as its own";
+  EXPECT_TRUE(fs::exists(dir.path()));
 }
 
 TEST_F(NvmeTest, StaleSpillsOfDeadProcessesAreFound) {

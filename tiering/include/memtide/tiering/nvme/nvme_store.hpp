@@ -17,6 +17,9 @@
 /// copy. One reader and one writer may run at once (a ring each), on different extents; no two
 /// readers or two writers.
 
+#include <sys/types.h>
+
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -43,7 +46,8 @@ class SpillDir {
   /// Removes the directory and what memtide put in it.
   ~SpillDir();
   /// Removes the directory and what is in it now; files memtide holds open stay usable through
-  /// their descriptors until closed. Idempotent (the destructor calls it).
+  /// their descriptors until closed. Idempotent (the destructor calls it); a forked child's copy
+  /// leaves its parent's directory alone.
   void remove() noexcept;
   SpillDir(const SpillDir&) = delete;
   SpillDir& operator=(const SpillDir&) = delete;
@@ -60,7 +64,8 @@ class SpillDir {
 
  private:
   std::filesystem::path path_;
-  bool removed_ = false;
+  pid_t owner_ = 0;                   // the process that made it
+  std::atomic<bool> removed_{false};  // by remove(), from the destructor or remove_all_live
 };
 
 struct NvmeConfig {
