@@ -7,6 +7,7 @@ allocator serving torch's tensors.
 
 from __future__ import annotations
 
+import atexit as _atexit
 import contextlib
 import os as _os
 import sys as _sys
@@ -33,6 +34,13 @@ if _alloc_conf is not None and "torch" not in _sys.modules:
     _alloc_conf.strip_environ()
 
 from . import _memtide, host
+
+# The NVMe tier's spill folders go at exit even when the optimizer that owns one is still
+# referenced (the interpreter does not destroy such objects) or Ctrl-C ended the program (the
+# process then re-raises SIGINT, which runs no C++ exit handler). Its open file stays usable by
+# anything still running until the process ends.
+_atexit.register(_memtide.remove_spill_dirs)
+
 from ._memtide import (
     ConfigError,
     MAX_SUBGROUPS,

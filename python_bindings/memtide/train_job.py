@@ -43,6 +43,7 @@ def _digest(opt: Any) -> str:
     """A short hash of the optimizer's whole state, to compare policies bit for bit."""
     import torch
 
+    opt.sync_state()  # spilled subgroups and GPU residents hold theirs elsewhere until then
     h = hashlib.sha256()
     b = opt.buffers
     for t in (b.params, b.exp_avg, b.exp_avg_sq) + ((b.lowp,) if b.lowp is not None else ()):
@@ -77,8 +78,8 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
     updates CPU subgroups while backward goes on."""
     import torch
 
-    from .gpt import TinyGPT, arithmetic_batch, lm_loss
-    from .optim import POLICIES, TieredAdamW
+    from .gpt import TinyGPT, arithmetic_batch
+    from .optim import TieredAdamW
 
     on_gpu = device["kind"] == "cuda"
     if on_gpu:
@@ -122,6 +123,31 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
     rss = {"forward": 0, "backward": 0, "update": 0}
     # Two batches, cycled: the model memorizes them, so the loss falls within a few steps.
     data = [arithmetic_batch(gen, shape["batch"], shape["seq"], shape["vocab"], dev) for _ in range(2)]
+    interrupted = False
+    try:
+        _train_steps(shape, model, opt, data, sync, steps, rss, progress)
+    except KeyboardInterrupt:
+        # Ctrl-C: what ran so far is reported (and its timeline written); the caller exits 130.
+        interrupted = True
+        progress(f"interrupted (Ctrl-C) after {len(steps)} of {shape['iterations']} steps: stopping, reporting those")
+    result = _summarize(shape, device, model, opt, hooks, layer_window, data, sync, steps, rss, on_gpu, dtype, n_params,
+                        subgroup_size, interrupted)
+    if not interrupted:
+        try:
+            result["policies"] = _compare_policies(model, opt, subgroup_size, k, gpu_static_fraction, nvme_kw, sync,
+                                                   progress)
+        except KeyboardInterrupt:
+            result["interrupted"] = True
+            progress("interrupted (Ctrl-C) while comparing the policies: stopping")
+            result["policies"] = []
+    result["policies_identical"] = (len({p["digest"] for p in result["policies"]}) == 1 if result["policies"]
+                                    else None)
+    return result
+
+
+def _train_steps(shape, model, opt, data, sync, steps, rss, progress) -> None:
+    from .gpt import lm_loss
+
     for step in range(1, shape["iterations"] + 1):
         x, y = data[step % 2]
         t0 = time.perf_counter()
@@ -143,10 +169,19 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
         progress(f"step {step:>3}/{shape['iterations']}  loss {row['loss']:.4f}  forward {row['forward_s'] * 1e3:7.1f} ms"
                  f"  backward {row['backward_s'] * 1e3:7.1f} ms  update {row['update_s'] * 1e3:7.2f} ms")
 
-    # An evaluation forward begins the next iteration, which closes the last training one.
-    with torch.no_grad():
-        x, y = data[0]
-        final_loss = float(lm_loss(model(x), y))
+
+def _summarize(shape, device, model, opt, hooks, layer_window, data, sync, steps, rss, on_gpu, dtype, n_params,
+               subgroup_size, interrupted) -> Dict[str, Any]:
+    import torch
+
+    from .gpt import lm_loss
+
+    final_loss = None
+    if not interrupted:
+        # An evaluation forward begins the next iteration, which closes the last training one.
+        with torch.no_grad():
+            x, y = data[0]
+            final_loss = float(lm_loss(model(x), y))
     report = memtide.phase_report()
     headroom = memtide.headroom(until="forward") if on_gpu else None
     memtide.mark_phase("other")
@@ -154,56 +189,18 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
 
     # Update throughput of the training run, without the first step (it warms caches and pages).
     hist = opt.stats.history[1:] or opt.stats.history
-    engine_s = statistics.median(h[1] for h in hist)
-    step_s = statistics.median(h[2] for h in hist)
-    params_per_step = hist[-1][0]
+    engine_s = statistics.median(h[1] for h in hist) if hist else 0.0
+    step_s = statistics.median(h[2] for h in hist) if hist else 0.0
+    params_per_step = hist[-1][0] if hist else 0
     predicted = opt.plan.engine_plan.prediction.total_ns * 1e-9
     # The engine's own measure of the update phase (the scheduler's clock: virtual on a SimDevice).
     engine_ns = list(opt.measured_ns)
     engine_ns = engine_ns[1:] or engine_ns
     measured = statistics.median(engine_ns) * 1e-9 if engine_ns else None
     clock = opt.clock
-
-    # The same update (the trained state and the last gradients) under every policy.
-    progress(f"one update of the last gradients under each policy ({POLICY_REPEATS} repeats) ...")
-    start_state = opt.state_dict()
-    policies = []
-    for name in POLICIES:
-        knobs = {}
-        if name in ("static", "interleaved", "auto"):
-            knobs["gpu_static_fraction"] = gpu_static_fraction
-        if name in ("interleaved", "auto"):
-            knobs["k"] = k if (k is not None or name == "auto") else 2
-        if name == "static" and not gpu_static_fraction:
-            knobs["gpu_static_fraction"] = 0.25
-        copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
-        for c, p in zip(copies, model.parameters()):
-            c.grad = p.grad.detach().clone()
-        o = TieredAdamW(copies, lr=LR, weight_decay=0.01, policy=name, subgroup_size=subgroup_size, **knobs,
-                        **nvme_kw)
-        o.load_state_dict(start_state)
-        for _ in range(POLICY_REPEATS):
-            o.step()
-        sync()
-        seconds = statistics.median(h[1] for h in o.stats.history)
-        engine_ns = o.measured_ns
-        policies.append({
-            "policy": name,
-            "plan": o.plan.summary(),
-            "placement": o.plan.counts(),
-            "update_seconds": seconds,
-            # The scheduler's own measure of the phase (its clock, virtual on a SimDevice), and the
-            # PerfModel's prediction.
-            "phase_seconds": statistics.median(engine_ns) * 1e-9 if engine_ns else None,
-            "phase_clock": o.clock,
-            "predicted_seconds": o.plan.engine_plan.prediction.total_ns * 1e-9,
-            "params_per_second": o.stats.history[0][0] / seconds if seconds > 0 else 0.0,
-            "digest": _digest(o),
-        })
-        del o, copies
-
     b = opt.buffers
     return {
+        "interrupted": interrupted,
         "device": {"kind": device["kind"], "why": device["why"], "memtide_backend": memtide.backend(),
                    "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                    "name": torch.cuda.get_device_name(0) if on_gpu else "CPU"},
@@ -241,13 +238,57 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
             "measured_clock": clock,
             "steps_measured": len(hist),
         },
-        "policies": policies,
-        "policies_identical": len({p["digest"] for p in policies}) == 1,
+        "policies": [],
         "window": None if layer_window is None else {
             "size": layer_window.size, "requested": layer_window.requested, "blocks": layer_window.n,
             "chosen": layer_window.chosen, **layer_window.stats},
         "backward_updates": None if opt._eager is None else dict(opt._eager.stats, choice=dict(opt._eager.last_choice)),
     }
+
+
+def _compare_policies(model, opt, subgroup_size, k, gpu_static_fraction, nvme_kw, sync, progress) -> List[Dict[str, Any]]:
+    """The same update (the trained state and the last gradients) under every policy."""
+    import torch
+
+    from .optim import POLICIES, TieredAdamW
+
+    progress(f"one update of the last gradients under each policy ({POLICY_REPEATS} repeats) ...")
+    start_state = opt.state_dict()
+    policies = []
+    for name in POLICIES:
+        knobs = {}
+        if name in ("static", "interleaved", "auto"):
+            knobs["gpu_static_fraction"] = gpu_static_fraction
+        if name in ("interleaved", "auto"):
+            knobs["k"] = k if (k is not None or name == "auto") else 2
+        if name == "static" and not gpu_static_fraction:
+            knobs["gpu_static_fraction"] = 0.25
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        for c, p in zip(copies, model.parameters()):
+            c.grad = p.grad.detach().clone()
+        o = TieredAdamW(copies, lr=LR, weight_decay=0.01, policy=name, subgroup_size=subgroup_size, **knobs,
+                        **nvme_kw)
+        o.load_state_dict(start_state)
+        for _ in range(POLICY_REPEATS):
+            o.step()
+        sync()
+        seconds = statistics.median(h[1] for h in o.stats.history)
+        engine_ns = o.measured_ns
+        policies.append({
+            "policy": name,
+            "plan": o.plan.summary(),
+            "placement": o.plan.counts(),
+            "update_seconds": seconds,
+            # The scheduler's own measure of the phase (its clock, virtual on a SimDevice), and the
+            # PerfModel's prediction.
+            "phase_seconds": statistics.median(engine_ns) * 1e-9 if engine_ns else None,
+            "phase_clock": o.clock,
+            "predicted_seconds": o.plan.engine_plan.prediction.total_ns * 1e-9,
+            "params_per_second": o.stats.history[0][0] / seconds if seconds > 0 else 0.0,
+            "digest": _digest(o),
+        })
+        del o, copies
+    return policies
 
 
 def _host_arena_report(opt) -> Optional[Dict[str, Any]]:

@@ -240,8 +240,12 @@ void bind_tiering(nb::module_& m) {
         "Measures sequential write and read rates of `dir` through NvmeStore (io_uring, O_DIRECT,\n"
         "checksummed extents), and lists spill directories that dead processes left there.");
   m.attr("HAVE_NVME") = true;
+  m.def("remove_spill_dirs", &tiering::SpillDir::remove_all_live,
+        "Removes the spill folders this process made (tiering::SpillDir::remove_all_live); memtide\n"
+        "calls it at interpreter exit. Returns how many were removed.");
 #else
   m.attr("HAVE_NVME") = false;
+  m.def("remove_spill_dirs", [] { return std::size_t{0}; }, "No NVMe tier in this build: nothing to remove.");
 #endif
   m.def("default_rates", [] { return rates_dict(tiering::Rates{}); },
         "The update-phase PerfModel's default rates (bytes/s, params/s, bytes/param), keyed by field.");

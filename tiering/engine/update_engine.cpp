@@ -281,6 +281,19 @@ EnginePlan UpdateEngine::plan_subset(Policy policy, double static_fraction, std:
   std::uint64_t own_slots = 0;  // an engine loan, as its residents and kept gradients are
   for (const Entry& e : cache_) own_slots = std::max(own_slots, e.scheduler->last_slot_bytes());
   out.budget = plan_budget(allocator_, w, EngineLoans{resident_bytes(), own_slots, last_kept_bytes_});
+  if (config_.nvme.host_budget_bytes > 0 && config_.nvme.device_memory_in_budget &&
+      device_.properties().host_addressable) {
+    // The device's memory is host memory (a SimDevice): residents, which hold state between
+    // steps, count against the host budget beside the host state (kept subgroups, gradients,
+    // staging). The update phase's streamed slots (at most kUsefulSlots) are outside it.
+    const std::uint64_t left = sat_sub(config_.nvme.host_budget_bytes, host_bytes());
+    GpuBudget& g = out.budget.budget;
+    if (left < g.resident_bytes) {
+      g.resident_bytes = left;
+      out.budget.source += "; residents capped at the " + format_bytes(left) +
+                           " the host budget leaves (the device's memory is host memory)";
+    }
+  }
   fit_gpu_budget(w, out.budget.budget);
   if (!device_ops_available(device_)) {
     // A GPU placement would throw half-way through a step: plan none.

@@ -25,6 +25,19 @@ namespace {
 
 constexpr const char* kPrefix = "memtide-spill-";
 
+// The live spill directories of this process, for SpillDir::remove_all_live. Never destroyed:
+// it is used from exit paths after static destructors may have run.
+struct LiveDirs {
+  std::mutex mutex;
+  std::vector<SpillDir*> dirs;
+  pid_t owner = 0;  // the process that made them (a forked child's copy names its parent's)
+};
+
+LiveDirs& live_dirs() {
+  static auto* live = new LiveDirs;  // NOLINT(cppcoreguidelines-owning-memory): deliberately leaked
+  return *live;
+}
+
 std::uint64_t round_up(std::uint64_t v, std::uint64_t to) { return (v + to - 1) / to * to; }
 
 std::string errno_text(int err) { return std::strerror(err); }
@@ -61,12 +74,52 @@ SpillDir::SpillDir(const fs::path& parent) {
     throw IoError("spill directory " + parent.string() + ": cannot create a private folder: " + errno_text(errno));
   }
   path_ = templ;
+  owner_ = ::getpid();
+  LiveDirs& live = live_dirs();
+  std::lock_guard lock(live.mutex);
+  if (live.owner != owner_) {
+    live.dirs.clear();  // the parent's, inherited through fork: not this process's to remove
+    live.owner = owner_;
+  }
+  try {
+    live.dirs.push_back(this);
+  } catch (...) {
+    ::rmdir(path_.c_str());  // no destructor runs for a constructor that throws
+    throw;
+  }
 }
 
 SpillDir::~SpillDir() {
+  {
+    LiveDirs& live = live_dirs();
+    std::lock_guard lock(live.mutex);
+    live.dirs.erase(std::remove(live.dirs.begin(), live.dirs.end(), this), live.dirs.end());
+  }
+  remove();
+}
+
+void SpillDir::remove() noexcept {
+  // A forked child's copy names its parent's folder, which is not the child's to remove.
+  if (removed_.exchange(true) || owner_ != ::getpid()) return;
   std::error_code ec;
   fs::remove_all(path_, ec);  // never follows links: a planted one is removed, not its target
-  if (ec) MEMTIDE_LOG(warn, "SpillDir: could not remove " + path_.string() + ": " + ec.message());
+  if (!ec) return;
+  try {
+    MEMTIDE_LOG(warn, "SpillDir: could not remove " + path_.string() + ": " + ec.message());
+  } catch (...) {  // NOLINT(bugprone-empty-catch): out of memory on an exit path; the folder is reported at the next start
+  }
+}
+
+std::size_t SpillDir::remove_all_live() noexcept {
+  LiveDirs& live = live_dirs();
+  std::lock_guard lock(live.mutex);
+  if (live.owner != ::getpid()) return 0;
+  std::size_t removed = 0;
+  for (SpillDir* d : live.dirs) {
+    removed += d->removed_ ? 0 : 1;
+    d->remove();
+  }
+  return removed;
 }
 
 std::vector<StaleSpill> SpillDir::find_stale(const fs::path& parent) {

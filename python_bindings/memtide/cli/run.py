@@ -16,6 +16,9 @@ from memtide.planning import STATE_BYTES_PER_PARAM
 
 from ._common import UsageError, fraction, model_shape, positive_int, positive_size, stride, window_arg
 
+#: The shell's code for a program ended by Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+
 _RUN_DEFAULTS = {
     "layers": 24,
     "hidden": 2048,
@@ -101,6 +104,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     progress(f"training a {shape['layers']}-layer GPT-style model (hidden {shape['hidden']}, heads {shape['heads']}, "
              f"seq {shape['seq']}, batch {shape['batch']}, vocab {shape['vocab']}) for {shape['iterations']} steps "
              f"with memtide.optim.TieredAdamW(policy={args.policy}) on {where} ...")
+    base = cupti = None  # the allocator's counters and CUPTI's state when the timeline's recording began
     if args.timeline:
         import memtide_timeline as timeline
 
@@ -120,11 +124,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
         result = train_job.train(shape, device, args.policy, args.subgroup_size, args.k, args.gpu_static_fraction,
                                  progress, nvme=nvme, window=args.window or None,  # 0: none, as simulate
                                  update_during_backward=args.updates_during_backward)
+    except KeyboardInterrupt:
+        # Before the first step: nothing to report (the spill folder goes at exit).
+        progress("memtide run: interrupted (Ctrl-C) before training began")
+        return EXIT_INTERRUPTED
     except (ValueError, OSError) as e:
         if nvme is None or not any(w in str(e) for w in ("host budget", "host_budget", "spill", "NVMe", "nvme")):
             raise
         raise UsageError(f"--host-budget/--nvme-dir: {e}") from None
+    try:
+        _report_train(args, result, device, progress, base, cupti)
+    except KeyboardInterrupt:
+        progress("memtide run: interrupted (Ctrl-C) while writing the report")
+        return EXIT_INTERRUPTED
+    if result["interrupted"]:
+        progress(f"memtide run: interrupted (Ctrl-C) after {len(result['steps'])} of {shape['iterations']} steps; "
+                 "the report above covers those")
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _report_train(args: argparse.Namespace, result: Dict[str, Any], device: Dict[str, Any], progress,
+                  base: Any, cupti: Any) -> None:
     if args.timeline:
+        import memtide_timeline as timeline
+
         files = timeline.companions(args.timeline)
         trace = files["trace"]
         if device["kind"] == "cuda":
@@ -148,7 +172,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print()
     else:
         _print_train(result)
-    return 0
 
 
 def _print_train(r: Dict[str, Any]) -> None:
@@ -156,9 +179,12 @@ def _print_train(r: Dict[str, Any]) -> None:
     print()
     print(f"model     {m['layers']} layers, hidden {m['hidden']}, heads {m['heads']}, seq {m['seq']}, batch {m['batch']}, "
           f"vocab {m['vocab']}: {format_count(m['params'])} parameters ({m['dtype']})")
-    first, last = r["steps"][0]["loss"], r["steps"][-1]["loss"]
-    print(f"loss      {first:.4f} -> {last:.4f} over {len(r['steps'])} steps (two batches, cycled); "
-          f"after the last update {r['final_loss']:.4f}")
+    if r["steps"]:
+        first, last = r["steps"][0]["loss"], r["steps"][-1]["loss"]
+        after = "" if r["final_loss"] is None else f"; after the last update {r['final_loss']:.4f}"
+        print(f"loss      {first:.4f} -> {last:.4f} over {len(r['steps'])} steps (two batches, cycled){after}")
+    else:
+        print("loss      no step finished")
     w = r.get("window")
     if w:
         print(f"window    {w['size']} of {w['blocks']} blocks on the device (asked {w['requested']!r}): {w['fetches']} "
@@ -255,6 +281,9 @@ def _print_train(r: Dict[str, Any]) -> None:
         if p.get("phase_seconds") is not None and p.get("predicted_seconds") is not None:
             print(f"    update phase {format_duration_ns(p['phase_seconds'] * 1e9)} ({p['phase_clock']}), "
                   f"predicted {format_duration_ns(p['predicted_seconds'] * 1e9)}")
+    if r["policies_identical"] is None:
+        print("identical results under every policy: not compared (interrupted)")
+        return
     same = "yes, bit for bit" if r["policies_identical"] else "NO: the policies disagree"
     print(f"identical results under every policy: {same}")
 

@@ -102,13 +102,19 @@ def nvme_tier(nvme_dir: Any, host_budget: Any, nvme_read_ahead: Any) -> Optional
     return NvmeTier(nvme_dir, int(budget), nvme_read_ahead)
 
 
+#: The highest step count a checkpoint may hold: the engine counts steps in float32, whose whole
+#: numbers are exact up to 2**24 (torch.optim.AdamW's float32 step tensor has the same bound).
+MAX_STEP = 2 ** 24
+
+
 def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where: str):
     """Checks a whole optimizer state dict against `param_groups` without changing anything.
 
     Returns the per-param entries to load ((param, exp_avg, exp_avg_sq, step, master or None)),
     each group's hyperparameters, and the loss scaler's state (or None). Raises ValueError naming
-    the first problem: structure, counts, sizes, dtypes, a step that is not a count >= 0, a
-    hyperparameter or loss-scaler value outside its range, amsgrad state.
+    the first problem: structure, counts, shapes, dtypes, a param index or a step that is not a
+    whole number in range, a hyperparameter or loss-scaler value outside its range, amsgrad state,
+    a checkpoint format other than memtide's.
     """
     def bad(message: str) -> ValueError:
         return ValueError(f"{where}: {message}")
@@ -135,10 +141,21 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
             raise bad(f"param group {gi}: {e}") from None
         groups.append(values)
     order = [p for g in param_groups for p in g["params"]]
-    saved_order = [idx for g in saved_groups for idx in g["params"]]
+    group_of = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
+    saved_order = []
+    for gi, saved in enumerate(saved_groups):
+        for k, idx in enumerate(saved["params"]):
+            # The keys of 'state': whole numbers >= 0, each once (taken as is, a bool or 1.0 would
+            # find another param's state or none).
+            if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
+                raise bad(f"param_groups[{gi}]['params'][{k}] must be a param index (an int >= 0), got {idx!r}")
+            saved_order.append(idx)
+    if len(set(saved_order)) != len(saved_order):
+        twice = next(i for i in saved_order if saved_order.count(i) > 1)
+        raise bad(f"param_groups name param index {twice} twice; each param has one index")
     saved_state = state_dict["state"]
     entries = []
-    for idx, p in zip(saved_order, order):
+    for idx, p, gi in zip(saved_order, order, group_of):
         entry = saved_state.get(idx)
         if entry is None:
             continue
@@ -157,18 +174,26 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
                 raise bad(f"{key} of param {idx} must be a floating-point tensor, got "
                           f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}")
             if value.numel() != p.numel():
-                raise bad(f"{key} of param {idx} has {value.numel()} elements, the param has {p.numel()}")
+                raise bad(f"{key} of param {idx} has {value.numel()} elements, the param has {p.numel()} (group {gi})")
+            if value.shape != p.shape:
+                # Same size is not enough: a (3, 4) moment of a (4, 3) param is another layout.
+                raise bad(f"{key} of param {idx} has shape {tuple(value.shape)}, the param has {tuple(p.shape)} "
+                          f"(group {gi})")
             tensors[key] = value
         step = entry.get("step", 0)
         if isinstance(step, torch.Tensor):
-            step = step.item() if step.numel() == 1 else None
+            step = step.item() if step.numel() == 1 and not step.dtype == torch.bool else None
         if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
-                or step < 0 or step != int(step):
-            raise bad(f"step of param {idx} must be a whole number >= 0, got {entry.get('step')!r}")
+                or step < 0 or step != int(step) or step > MAX_STEP:
+            raise bad(f"step of param {idx} must be a whole number >= 0 and <= {MAX_STEP} (group {gi}), got "
+                      f"{entry.get('step')!r}")
         entries.append((p, tensors["exp_avg"], tensors["exp_avg_sq"], int(step), tensors.get("master_param")))
     memtide_state = state_dict.get("memtide") or {}
     if not isinstance(memtide_state, dict):
         raise bad("'memtide' must be a dict")
+    fmt = memtide_state.get("format", 1)
+    if isinstance(fmt, bool) or fmt != 1 or not isinstance(fmt, int):
+        raise bad(f"'memtide'['format'] must be 1, the one checkpoint format this memtide reads; got {fmt!r}")
     scaler_state = memtide_state.get("loss_scaler")
     if scaler_state is not None:
         try:

@@ -21,6 +21,10 @@ out (backward), and every tensor autograd saves that lives in a window buffer (a
 view of one) is saved as a reference that backward resolves against the block's current buffer,
 fetching it again if it was evicted. Activation checkpointing works the same way.
 
+Each block is called at most once per forward, in the stack's order; a forward may skip blocks
+(a block the forwards since the last backward never ran has no backward, so its buffer is free
+for the blocks below from backward's start).
+
 Window size: ``size=int`` is used as given; ``size="auto"`` trains the first ``profile_iterations``
 iterations with the largest window the memory allows while timing every block's forward,
 backward and copies, then takes the knee of STRONGHOLD's model (tiering::choose_window; see

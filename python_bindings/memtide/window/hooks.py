@@ -48,6 +48,7 @@ class _Hooks:
                 self._register_grad_hooks()
             if i == 0 and not recompute:
                 self._start_forward()
+            self._forwarded[i] = True
             self._wait(i)
             if not recompute and i + self.size < self.n:
                 self._fetch(i + self.size)
@@ -84,9 +85,9 @@ class _Hooks:
                     self._host_grad[id(p)] = g
                     p.grad = None
             self._wait(i)
-            j = i - self.size
-            if j >= 0:
-                self._try_fetch(j)
+            below = self._forwarded_below(i)
+            if len(below) >= self.size:
+                self._try_fetch(below[self.size - 1])
             if self._timing():
                 self._t_bwd[i] = time.perf_counter_ns()
         return hook
@@ -150,10 +151,15 @@ class _Hooks:
             return
         # The nearest block down not yet in, which may be waiting for this buffer (normally the one
         # m + 1 below; nearer when a block still holds its buffer, waiting for a gradient of a
-        # parameter the forward never used: that one goes home at the end of backward).
-        j = max((b for b in range(i) if self._slot_of[b] is None and b >= i - 1 - self.size), default=None)
+        # parameter the forward never used: that one goes home at the end of backward). Blocks
+        # the forward skipped have no backward: they are not counted.
+        j = next((b for b in self._forwarded_below(i)[:self.size + 1] if self._slot_of[b] is None), None)
         if j is not None:
             self._try_fetch(j)
+
+    def _forwarded_below(self, i: int):
+        """The blocks below i that ran in a forward since the last backward, nearest first."""
+        return [b for b in range(i - 1, -1, -1) if self._forwarded[b]]
 
     def _register_grad_hooks(self) -> None:
         """The hooks that send a block's gradients home. Registered at the first forward, not at
@@ -168,6 +174,10 @@ class _Hooks:
 
     def _start_forward(self) -> None:
         self._in_backward = False
+        if self._backward_ended:
+            # Micro-batches' forwards before one backward add up; a backward's record ends here.
+            self._forwarded = [False] * self.n
+            self._backward_ended = False
         for b in range(self.n):
             if self._bound[b] is not None:
                 # Left by a forward that had no backward (its loss dropped): its blocks go home;
@@ -179,7 +189,9 @@ class _Hooks:
     def _start_backward(self) -> None:
         """The first backward pre-hook of a backward (each backward through a retained graph too)."""
         self._in_backward = True
-        self._done_backward = [False] * self.n
+        # A block the forward skipped gets no backward: done from the start, so its buffer (a
+        # prefetch's) is free for the blocks that do.
+        self._done_backward = [not ran for ran in self._forwarded]
         self._trainable = [any(p.requires_grad for p in layout.params) for layout in self.layouts]
         self._grads_pending = [sum(1 for p in layout.params if p.requires_grad) for layout in self.layouts]
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -198,6 +210,9 @@ class _Hooks:
         if self._timing():
             self._timed_iterations += 1
         self._iteration += 1
+        # The next forward starts a new record (not before: a second backward through a retained
+        # graph has the same blocks to go through).
+        self._backward_ended = True
         for b in range(self.n):
             self._evict(b)
         for layout in self.layouts:

@@ -108,6 +108,8 @@ class LayerWindow(_Hooks, _Buffers, _Sizing):
         self._bound: List[Optional[List[int]]] = [None] * self.n   # bound: param versions then
         self._storage_slot: Dict[int, int] = {}                # slot storage data_ptr -> slot
         self._done_backward = [False] * self.n
+        self._forwarded = [False] * self.n  # block -> ran in a forward since the last backward
+        self._backward_ended = False
         self._grads_pending = [0] * self.n
         self._trainable = [True] * self.n
         self._in_backward = False

@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -219,6 +220,39 @@ TEST_F(NvmeTest, SetupErrorsNameThePathAndTheBytes) {
   NvmeConfig bad;
   bad.block_bytes = 1000;
   EXPECT_THROW(NvmeStore(dir, {4096}, bad), InvalidArgument);
+}
+
+// The exit path that skips destructors (Python's interpreter with the optimizer still referenced,
+// a re-raised SIGINT): the folders go, and a store still in use keeps its open file.
+TEST_F(NvmeTest, RemoveAllLiveTakesTheFoldersAndLeavesTheOpenFileUsable) {
+  SpillDir dir(parent);
+  NvmeStore store(dir, {1 << 20});
+  Aligned src(1 << 20);
+  fill(src, 5);
+  store.write(0, src.data(), src.bytes);
+  EXPECT_GE(SpillDir::remove_all_live(), 1U);
+  EXPECT_FALSE(fs::exists(dir.path()));
+  EXPECT_FALSE(fs::exists(store.file()));
+  EXPECT_EQ(SpillDir::remove_all_live(), 0U) << "nothing left to remove";
+  Aligned back(1 << 20);
+  store.read(0, back.data());
+  EXPECT_EQ(std::memcmp(back.data(), src.data(), src.bytes), 0);
+  store.write(0, src.data(), src.bytes);
+}
+
+TEST_F(NvmeTest, AForkedChildLeavesItsParentsFolderAlone) {
+  SpillDir dir(parent);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const std::size_t removed = SpillDir::remove_all_live();
+    dir.remove();
+    ::_exit(removed == 0 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child counted its parent's folder as its own";
+  EXPECT_TRUE(fs::exists(dir.path()));
 }
 
 TEST_F(NvmeTest, StaleSpillsOfDeadProcessesAreFound) {

@@ -150,9 +150,12 @@ class NvmeTierTest : public WithDevice<Backend> {
   std::unique_ptr<UpdateEngine> make(EngineConfig c) {
     return std::make_unique<UpdateEngine>(*allocator_, *arena_, kN, cut(kN, kPer), nullptr, c);
   }
-  // A fresh engine holding random_state(seed), spilled.
-  std::unique_ptr<UpdateEngine> filled(unsigned seed) {
-    auto e = make(config());
+  // A fresh engine holding random_state(seed), spilled. `device_memory_in_budget` false: a
+  // SimDevice stands in for a GPU whose memory is not the host's.
+  std::unique_ptr<UpdateEngine> filled(unsigned seed, bool device_memory_in_budget = true) {
+    EngineConfig c = config();
+    c.nvme.device_memory_in_budget = device_memory_in_budget;
+    auto e = make(c);
     const State s = random_state(seed);
     std::memcpy(e->param(), s.p.data(), kN * 4);
     std::memcpy(e->exp_avg(), s.m.data(), kN * 4);
@@ -303,7 +306,7 @@ TYPED_TEST(NvmeTierTest, APartedSpilledSubgroupIsReadAndWrittenOnce) {
 TYPED_TEST(NvmeTierTest, SpilledResidentsMoveNothingAndLoseNothingWhenTheyLeave) {
   if (!device_ops_available(this->device())) GTEST_SKIP() << "no device kernels in this build";
   for (const std::string leave : {"cpu plan", "host_changed", "retire"}) {
-    auto e = this->filled(17);
+    auto e = this->filled(17, /*device_memory_in_budget=*/false);
     const std::size_t spilled = e->nvme_info().spilled;
     for (std::int64_t n = 1; n <= 3; ++n) {
       const EngineStep r = this->step(*e, Policy::static_split, n);
@@ -339,6 +342,23 @@ TYPED_TEST(NvmeTierTest, SpilledResidentsMoveNothingAndLoseNothingWhenTheyLeave)
       EXPECT_TRUE(same(e->param(), ref.p, a, b)) << leave << ", subgroup " << g;
       EXPECT_TRUE(same(e->exp_avg(), ref.m, a, b)) << leave << ", subgroup " << g;
       EXPECT_TRUE(same(e->exp_avg_sq(), ref.v, a, b)) << leave << ", subgroup " << g;
+    }
+  }
+}
+
+// On a device whose memory is host memory (a SimDevice), residents are host memory too: a
+// budget that spills leaves no room for them, and the spilled subgroups come from NVMe each step.
+TYPED_TEST(NvmeTierTest, OnADeviceOfHostMemoryResidentsCountAgainstTheHostBudget) {
+  if (!this->device().properties().host_addressable) GTEST_SKIP() << "the device's memory is not host memory";
+  if (!device_ops_available(this->device())) GTEST_SKIP() << "no device kernels in this build";
+  for (const Policy policy : {Policy::static_split, Policy::automatic}) {
+    auto e = this->filled(19);
+    const std::size_t spilled = e->nvme_info().spilled;
+    for (std::int64_t n = 1; n <= 3; ++n) {
+      const EngineStep r = this->step(*e, policy, n);
+      EXPECT_LE(e->host_bytes() + e->resident_bytes(), kBudget + 3 * 4096 * 4) << "step " << n;
+      EXPECT_EQ(r.total.nvme.reads, spilled) << "step " << n;
+      EXPECT_EQ(r.total.nvme.writes, spilled) << "step " << n;
     }
   }
 }

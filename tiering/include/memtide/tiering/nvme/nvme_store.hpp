@@ -17,6 +17,9 @@
 /// copy. One reader and one writer may run at once (a ring each), on different extents; no two
 /// readers or two writers.
 
+#include <sys/types.h>
+
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -42,15 +45,27 @@ class SpillDir {
   explicit SpillDir(const std::filesystem::path& parent);
   /// Removes the directory and what memtide put in it.
   ~SpillDir();
+  /// Removes the directory and what is in it now; files memtide holds open stay usable through
+  /// their descriptors until closed. Idempotent (the destructor calls it); a forked child's copy
+  /// leaves its parent's directory alone.
+  void remove() noexcept;
   SpillDir(const SpillDir&) = delete;
   SpillDir& operator=(const SpillDir&) = delete;
 
   [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
   /// Spill directories under `parent` whose process is gone.
   static std::vector<StaleSpill> find_stale(const std::filesystem::path& parent);
+  /// Removes every spill directory this process has made and not yet removed (a forked child
+  /// leaves its parent's alone). For exit paths that skip destructors: Python's interpreter does
+  /// not destroy objects still referenced at exit, and a process ended by a signal it re-raises
+  /// (Ctrl-C) runs no C++ exit handlers. The engines that own them keep working on their open
+  /// files. Returns how many were removed.
+  static std::size_t remove_all_live() noexcept;
 
  private:
   std::filesystem::path path_;
+  pid_t owner_ = 0;                   // the process that made it
+  std::atomic<bool> removed_{false};  // by remove(), from the destructor or remove_all_live
 };
 
 struct NvmeConfig {

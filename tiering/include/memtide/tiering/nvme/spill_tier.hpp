@@ -37,6 +37,10 @@ struct NvmeTierConfig {
   /// the first spill; required on a phantom device, which only times them).
   double read_bytes_per_s = 0;
   double write_bytes_per_s = 0;
+  /// On a device whose memory is host memory (DeviceProperties::host_addressable: a SimDevice),
+  /// the engine's static residents count against `host_budget_bytes`. false only where a
+  /// SimDevice stands in for a separate GPU (tests of the tier's resident paths).
+  bool device_memory_in_budget = true;
 };
 
 /// What the NVMe tier holds.
