@@ -116,7 +116,7 @@ def _cmd_observe(args: argparse.Namespace) -> int:
         summary["timeline"] = {"html": args.timeline, "trace": trace, "events": report["events"]}
         print(f"memtide observe: timeline report {args.timeline} ({report['events']:,} events)", file=sys.stderr)
     if args.json:
-        json.dump(summary, sys.stdout, indent=2)
+        json.dump(summary, sys.stdout, indent=2, allow_nan=False)
         print()
     elif summary["events"] == 0:
         print("memtide observe: no cudaMalloc/cudaFree(Async) call was seen. The program allocated no GPU "

@@ -25,7 +25,7 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     except timeline.TraceError as e:
         raise UsageError(str(e)) from None
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2, allow_nan=False))  # strict JSON: the reader refused NaN and Infinity
         return 0
     print(f"wrote {report['html']} ({report['events']:,} events)")
     print(f"wrote {report['chrome']} ({report['chrome_events']:,} Chrome trace events)")

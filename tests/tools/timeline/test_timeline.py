@@ -251,3 +251,92 @@ def test_memtide_timeline_writes_four_outputs_and_torchs_memory_viz_reads_the_pi
     text = _memory_viz.trace(snap)
     assert "3 entries" in text and "MEM[139637976727552:4.0KiB]" in text and "free completed" in text
     del torch
+
+
+def test_progress_on_a_trace_of_more_than_200000_lines(tmp_path, capsys):
+    """The progress line is printed every 200,000 events; it used to call tell() on a file being
+    iterated, which Python forbids, so every trace that long failed."""
+    path = tmp_path / "long.jsonl"
+    with timeline.TraceWriter(str(path), source="test") as w:
+        for i in range(210_000):
+            w.memory(i * 1e-6, i, i)
+    header, events = timeline.read_trace(str(path), progress=True)
+    assert sum(1 for _ in events) == 210_000
+    assert re.search(r"timeline: read 200,0\d\d events \(9\d%\)", capsys.readouterr().err)
+
+
+def _one_event_trace(path, event, header=None):
+    lines = [header if header is not None else json.dumps({"memtide_trace": 1}), event]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("event, field", [
+    ('{"type":"phase","t":NaN,"phase":"forward"}', "t"),
+    ('{"type":"phase","t":1e308,"phase":"forward"}', "t"),
+    ('{"type":"phase","t":1e999,"phase":"forward"}', "t"),
+    ('{"type":"phase","t":-1,"phase":"forward"}', "t"),
+    ('{"type":"phase","t":true,"phase":"forward"}', "t"),
+    ('{"type":"memory","t":0,"allocated":"lots","reserved":1}', "allocated"),
+    ('{"type":"memory","t":0,"allocated":-5,"reserved":1}', "allocated"),
+    ('{"type":"memory","t":0,"allocated":1.5,"reserved":1}', "allocated"),
+    ('{"type":"memory","t":0,"allocated":1,"reserved":1e30}', "reserved"),
+    ('{"type":"op","engine":"h2d","start":0,"end":1,"bytes":"lots"}', "bytes"),
+    ('{"type":"op","engine":"h2d","start":0,"end":1,"bytes":-1}', "bytes"),
+    ('{"type":"op","engine":"h2d","start":0,"end":1,"bytes":Infinity}', "bytes"),
+    ('{"type":"op","engine":"h2d","start":2,"end":1}', "end"),
+    ('{"type":"tiering","what":"prefetch","subgroup":-1,"start":0,"end":1}', "subgroup"),
+    ('{"type":"tiering","what":"prefetch","subgroup":2.5,"start":0,"end":1}', "subgroup"),
+    ('{"type":"alloc","t":0,"addr":"nowhere","bytes":4096}', "addr"),
+    ('{"type":"alloc","t":0,"addr":-4096,"bytes":4096}', "addr"),
+    ('{"type":"free","t":0,"addr":4096,"bytes":4096,"stream":"0x1g"}', "stream"),
+    ('{"type":"oom","t":0,"bytes":-1}', "bytes"),
+    ('{"type":"op","engine":"h2d","start":0,"end":1,"note":NaN}', "note"),
+])
+def test_every_number_in_an_event_is_range_checked_naming_field_file_and_line(tmp_path, event, field):
+    path = _one_event_trace(tmp_path / "bad.jsonl", event)
+    header, events = timeline.read_trace(str(path))
+    with pytest.raises(timeline.TraceError, match=rf"bad\.jsonl: line 2: .*'{field}'"):
+        list(events)
+
+
+@pytest.mark.parametrize("header, words", [
+    ('{"memtide_trace":1,"capacity_bytes":-1}', "'capacity_bytes'"),
+    ('{"memtide_trace":1,"capacity_bytes":NaN}', "'capacity_bytes'"),
+    ('{"memtide_trace":1,"capacity_bytes":1e999}', "'capacity_bytes'"),
+    ('{"memtide_trace":true}', "format"),
+    ('{"memtide_trace":-1}', "format"),
+])
+def test_the_header_is_range_checked_too(tmp_path, header, words):
+    path = _one_event_trace(tmp_path / "bad.jsonl", '{"type":"phase","t":0,"phase":"forward"}', header)
+    with pytest.raises(timeline.TraceError, match=rf"bad\.jsonl.*{re.escape(words)}"):
+        timeline.read_trace(str(path))
+
+
+def _strict_json(text):
+    def refuse(token):
+        raise AssertionError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_memtide_timeline_json_is_strict_json_and_the_report_has_no_nan(tmp_path):
+    path = make_trace(tmp_path / "t.jsonl", ops=20)
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", str(path), "-o", str(tmp_path / "r.html"),
+                        "--json"], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert _strict_json(p.stdout)["events"] == 3 * (1 + 2 * 20)
+    _strict_json((tmp_path / "r.chrome.json").read_text())
+    assert "nan" not in (tmp_path / "r.html").read_text().lower()
+    with pytest.raises(ValueError):  # the writer never writes what the reader refuses
+        with timeline.TraceWriter(str(tmp_path / "w.jsonl")) as w:
+            w.phase(float("nan"), "forward")
+    assert not (tmp_path / "w.jsonl").exists()
+
+
+def test_memtide_timeline_names_the_bad_line_without_a_traceback(tmp_path):
+    path = _one_event_trace(tmp_path / "bad.jsonl", '{"type":"phase","t":1e999,"phase":"forward"}')
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", str(path), "-o", str(tmp_path / "r.html")],
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "bad.jsonl: line 2" in p.stderr and "'t'" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "r.html").exists()

@@ -19,6 +19,12 @@ one). Times are seconds on the trace's clock. Event types:
   gpu update, flush, cpu update, param upload, grad upload, grad to host; ``subgroup``; ``start``,
   ``end``, ``bytes``).
 
+Readers check every field they use and refuse the trace, naming the file, the line and the field,
+when one is out of range: times are numbers of seconds from 0 to 1e12, byte counts 0 to 2**63-1
+(whole numbers where they are allocations), subgroups whole numbers >= 0, addresses and streams
+integers or their text ("0x7f00"), ``end`` not before ``start``. NaN and Infinity are not JSON and
+are refused anywhere; writers never write them.
+
 Unknown event types are skipped by readers, so a newer writer's extra events do not break an
 older report. ``memtide timeline TRACE -o report.html`` renders a single HTML file that opens
 offline (inline SVG, no script from anywhere), a Chrome trace (chrome://tracing, Perfetto) and,

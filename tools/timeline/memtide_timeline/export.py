@@ -26,7 +26,7 @@ def write_chrome(tl_header: Dict[str, Any], events: Iterable[Dict[str, Any]], pa
 
         def put(obj: Dict[str, Any]) -> None:
             nonlocal first, n
-            f.write(("" if first else ",\n") + json.dumps(obj, separators=(",", ":")))
+            f.write(("" if first else ",\n") + json.dumps(obj, separators=(",", ":"), allow_nan=False))
             first = False
             n += 1
 
@@ -53,12 +53,8 @@ def write_memory_viz(events: Iterable[Dict[str, Any]], path: str) -> int:
     import pickle
 
     def number(v: Any) -> int:
-        if isinstance(v, str):
-            try:
-                return int(v, 0)
-            except ValueError:
-                return 0
-        return int(v or 0)
+        # read_trace has checked addresses and sizes: an integer, or an address's text ("0x7f...").
+        return int(v, 0) if isinstance(v, str) else int(v or 0)
 
     entries = []
     for ev in events:
