@@ -19,6 +19,11 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     png = args.png or files["png"]
     viz = args.memory_viz or files["pickle"]
     try:
+        # Named by their flags: the defaults are the report's companions, given or not.
+        timeline.check_outputs(args.trace, {"-o/--output": args.output,
+                                            "--chrome" + ("" if args.chrome else " (default)"): chrome,
+                                            "--png" + ("" if args.png else " (default)"): png,
+                                            "--memory-viz" + ("" if args.memory_viz else " (default)"): viz})
         timeline.check_report_target(args.output)
         report = timeline.render(args.trace, args.output, chrome=chrome, png=png, progress=not args.json,
                                  memory_viz=viz)

@@ -340,3 +340,34 @@ def test_memtide_timeline_names_the_bad_line_without_a_traceback(tmp_path):
                        env=clean_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "bad.jsonl: line 2" in p.stderr and "'t'" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("flag", ["-o", "--chrome", "--png", "--memory-viz"])
+@pytest.mark.parametrize("how", ["same", "symlink", "hardlink"])
+def test_memtide_timeline_refuses_to_write_over_the_trace_it_reads(tmp_path, flag, how):
+    trace = make_trace(tmp_path / "t.jsonl", ops=5)
+    before = trace.read_bytes()
+    target = {"same": trace, "symlink": tmp_path / "link.html", "hardlink": tmp_path / "hard.html"}[how]
+    if how == "symlink":
+        os.mkdir(tmp_path / "d")
+        os.symlink(tmp_path, tmp_path / "d" / "up")  # a folder link: the target itself is a regular file
+        target = tmp_path / "d" / "up" / "t.jsonl"
+    elif how == "hardlink":
+        os.link(trace, target)
+    args = [str(trace), "-o", str(tmp_path / "r.html")] if flag != "-o" else [str(trace)]
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", *args, flag, str(target)],
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert flag in p.stderr and "t.jsonl" in p.stderr and "Traceback" not in p.stderr
+    assert trace.read_bytes() == before
+    assert not (tmp_path / "r.html").exists()  # refused before any work
+
+
+def test_render_refuses_an_output_that_is_its_input(tmp_path):
+    trace = make_trace(tmp_path / "t.jsonl", ops=5)
+    before = trace.read_bytes()
+    with pytest.raises(timeline.TraceError, match="the Chrome trace .* is the same file as the trace"):
+        timeline.render(str(trace), str(tmp_path / "r.html"), chrome=str(trace))
+    with pytest.raises(timeline.TraceError, match="same file"):
+        timeline.render(str(trace), str(tmp_path / "r.html"), chrome=str(tmp_path / "x"), png=str(tmp_path / "x"))
+    assert trace.read_bytes() == before and not (tmp_path / "r.html").exists()

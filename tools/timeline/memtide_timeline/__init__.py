@@ -37,12 +37,12 @@ HTML), ``export`` (Chrome trace, memory_viz pickle, PNG, and render() for all of
 """
 
 from .export import render, write_chrome, write_memory_viz, write_png
-from .files import TraceError, check_report_target, companions
+from .files import TraceError, check_outputs, check_report_target, companions
 from .html_report import write_html
 from .model import ENGINES, PHASES, Timeline
 from .record import trace_from_allocator, trace_from_observer
 from .trace import VERSION, TraceWriter, read_trace
 
-__all__ = ["ENGINES", "PHASES", "VERSION", "Timeline", "TraceError", "TraceWriter", "check_report_target",
-           "companions", "read_trace", "render", "trace_from_allocator", "trace_from_observer", "write_chrome",
-           "write_html", "write_memory_viz", "write_png"]
+__all__ = ["ENGINES", "PHASES", "VERSION", "Timeline", "TraceError", "TraceWriter", "check_outputs",
+           "check_report_target", "companions", "read_trace", "render", "trace_from_allocator", "trace_from_observer",
+           "write_chrome", "write_html", "write_memory_viz", "write_png"]

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any, Dict, Iterable, Optional
 
-from .files import AtomicFile
+from .files import AtomicFile, check_outputs
 from .html_report import write_html
 from .model import COLORS, ENGINES, Timeline
 from .trace import VERSION, read_trace
@@ -106,6 +106,8 @@ def write_png(tl: Timeline, path: str) -> bool:
 def render(trace: str, html_path: str, chrome: Optional[str] = None, png: Optional[str] = None,
            progress: bool = False, memory_viz: Optional[str] = None) -> Dict[str, Any]:
     """The report (and the Chrome trace, the PNG and the memory_viz pickle when asked) of a trace."""
+    check_outputs(trace, {"the report": html_path, "the Chrome trace": chrome, "the PNG": png,
+                          "the memory_viz pickle": memory_viz})
     header, events = read_trace(trace, progress=progress)
     tl = Timeline(header, events)
     write_html(tl, html_path, title=f"memtide timeline: {os.path.basename(trace)}")
