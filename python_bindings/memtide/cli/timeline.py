@@ -34,7 +34,8 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
         return 0
     print(f"wrote {report['html']} ({report['events']:,} events)")
     print(f"wrote {report['chrome']} ({report['chrome_events']:,} Chrome trace events)")
-    print(f"wrote {report['png']}" if report.get("png") else "no PNG: matplotlib is not installed")
+    if report.get("png"):
+        print(f"wrote {report['png']}")  # without matplotlib render() has said so on stderr
     print(f"wrote {report['memory_viz']} ({report['memory_viz_entries']:,} allocations and frees for memory_viz)")
     for r in report["summary"]:
         print(f"  {r['phase']:<9} {r['duration_s']:.4g} s, peak {format_bytes(int(r['peak_allocated']))}, "

@@ -371,3 +371,22 @@ def test_render_refuses_an_output_that_is_its_input(tmp_path):
     with pytest.raises(timeline.TraceError, match="same file"):
         timeline.render(str(trace), str(tmp_path / "r.html"), chrome=str(tmp_path / "x"), png=str(tmp_path / "x"))
     assert trace.read_bytes() == before and not (tmp_path / "r.html").exists()
+
+
+def test_a_png_skipped_for_want_of_matplotlib_is_said_with_how_to_install_it(tmp_path):
+    """The README's `simulate --timeline` promises a PNG; without matplotlib it used to be skipped
+    without a word. A stand-in matplotlib that fails to import makes the test the same everywhere."""
+    fake = tmp_path / "fake"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = clean_env(PYTHONPATH=str(fake) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "simulate", "--model", "custom", "--layers", "2",
+                        "--hidden", "256", "--heads", "4", "--iterations", "1", "--timeline", str(tmp_path / "s.html")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "no PNG" in p.stderr and "pip install matplotlib" in p.stderr
+    assert not (tmp_path / "s.png").exists()
+    q = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", str(tmp_path / "s.trace.jsonl"), "-o",
+                        str(tmp_path / "t.html"), "--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert q.returncode == 0 and "pip install matplotlib" in q.stderr, q.stderr
+    assert json.loads(q.stdout)["png"] is None

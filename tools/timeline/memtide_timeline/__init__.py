@@ -28,7 +28,8 @@ are refused anywhere; writers never write them.
 Unknown event types are skipped by readers, so a newer writer's extra events do not break an
 older report. ``memtide timeline TRACE -o report.html`` renders a single HTML file that opens
 offline (inline SVG, no script from anywhere), a Chrome trace (chrome://tracing, Perfetto) and,
-when matplotlib is importable, a PNG.
+when matplotlib is importable, a PNG (without it render() says so on stderr, with the install
+command).
 
 The modules: ``trace`` (the format, writer and reader), ``record`` (traces from the allocator's
 events and the observer's log), ``model`` (the Timeline a report draws), ``html_report`` (the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any, Dict, Iterable, Optional
 
 from .files import AtomicFile, check_outputs
@@ -71,6 +72,10 @@ def write_memory_viz(events: Iterable[Dict[str, Any]], path: str) -> int:
     return len(entries)
 
 
+#: Said on stderr when a PNG was asked for and matplotlib is missing (it is not a dependency).
+NO_PNG = "no PNG: matplotlib is not installed (pip install matplotlib); the HTML report has the same charts"
+
+
 def write_png(tl: Timeline, path: str) -> bool:
     """Memory over time and the engines' load, with matplotlib; False when it is not installed."""
     try:
@@ -105,7 +110,8 @@ def write_png(tl: Timeline, path: str) -> bool:
 
 def render(trace: str, html_path: str, chrome: Optional[str] = None, png: Optional[str] = None,
            progress: bool = False, memory_viz: Optional[str] = None) -> Dict[str, Any]:
-    """The report (and the Chrome trace, the PNG and the memory_viz pickle when asked) of a trace."""
+    """The report (and the Chrome trace, the PNG and the memory_viz pickle when asked) of a trace.
+    A PNG asked for without matplotlib is skipped (``"png": None``), saying so on stderr."""
     check_outputs(trace, {"the report": html_path, "the Chrome trace": chrome, "the PNG": png,
                           "the memory_viz pickle": memory_viz})
     header, events = read_trace(trace, progress=progress)
@@ -118,6 +124,8 @@ def render(trace: str, html_path: str, chrome: Optional[str] = None, png: Option
         out["chrome_events"] = write_chrome(header2, events2, chrome)
     if png:
         out["png"] = png if write_png(tl, png) else None
+        if out["png"] is None:
+            print(f"timeline: {NO_PNG}", file=sys.stderr, flush=True)
     if memory_viz:
         _, events3 = read_trace(trace)
         out["memory_viz"] = memory_viz
