@@ -61,12 +61,27 @@ def env_name(option: str) -> str:
     return "MEMTIDE_" + option.upper()
 
 
-def is_memtide_item(item: str) -> bool:
-    """True for backend:memtide and memtide_<option>:<value> items, in any letter case (torch's
-    own keys are lower case; a `Backend:MEMTIDE` meant memtide and must not vanish)."""
-    key, _, value = item.partition(":")
+def _is_memtide_pair(key: str, value: str) -> bool:
     key = key.strip().lower()
     return key.startswith(PREFIX) or (key == "backend" and value.strip().lower() == "memtide")
+
+
+def is_memtide_item(item: str) -> bool:
+    """True for backend:memtide and memtide_<option>:<value> items, in any letter case (torch's
+    own keys are lower case; a `Backend:MEMTIDE` meant memtide and must not vanish), and for
+    those written with '=' for ':' (see misspelt)."""
+    key, _, value = item.partition(":")
+    return _is_memtide_pair(key, value) or misspelt(item) is not None
+
+
+def misspelt(item: str):
+    """`backend=memtide` or `memtide_<option>=<value>`: the item as it should be written, else None.
+    torch's parser aborts the interpreter on such an item (an assertion inside `import torch`), so
+    memtide takes it out first and names it."""
+    if ":" in item or "=" not in item:
+        return None
+    key, _, value = (part.strip() for part in item.partition("="))
+    return f"{key}:{value}" if _is_memtide_pair(key, value) else None
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
@@ -111,6 +126,9 @@ def split(var: str, text: str) -> Tuple[List[str], bool, Dict[str, Tuple[str, st
                 other_backend = item
             kept.append(item)
             continue
+        fixed = misspelt(item)
+        if fixed is not None:
+            raise AllocConfError(f"{var}: item {item!r} uses '=' where its items use ':'; write {fixed!r}")
         key, sep, value = (part.strip() for part in item.partition(":"))
         if key.lower() == "backend":
             selected = True

@@ -167,3 +167,72 @@ def test_observe_timeline_draws_the_programs_memory(tmp_path, fake_cudart):
     assert [e["allocated"] for e in events if e["type"] == "memory"] == [64 << 20, 96 << 20, 32 << 20]
     doc = (tmp_path / "obs.html").read_text()
     assert doc.count("<polyline") == 2 and "96.0 MiB" in doc
+
+
+def test_observe_never_deletes_a_file_at_log_that_is_not_its_own(tmp_path):
+    """`--log prog.py -- python prog.py` used to delete prog.py before running it."""
+    prog = tmp_path / "prog.py"
+    prog.write_text("print('hello')\n")
+    p = observe(tmp_path, "--log", "prog.py", "--", sys.executable, "prog.py")
+    assert p.returncode == 2 and "--log" in p.stderr and "not a memtide observe log" in p.stderr, p.stderr
+    assert prog.read_text() == "print('hello')\n" and "Traceback" not in p.stderr
+
+
+def test_observe_replaces_its_own_log_and_appends_to_an_empty_file(tmp_path, fake_cudart):
+    for _ in range(2):
+        p = observe(tmp_path, "--json", "--log", "t.jsonl", "--", sys.executable, "-c", PROGRAM, fake_cudart, "0")
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout)["events"] == 3  # one run, one timeline
+    (tmp_path / "empty.jsonl").write_text("")
+    p = observe(tmp_path, "--json", "--log", "empty.jsonl", "--", sys.executable, "-c", PROGRAM, fake_cudart, "0")
+    assert p.returncode == 0 and json.loads(p.stdout)["events"] == 3, p.stderr
+
+
+def test_observe_refuses_a_log_that_its_timeline_would_write_over(tmp_path):
+    p = observe(tmp_path, "--log", "r.trace.jsonl", "--timeline", "r.html", "--", sys.executable, "-c", "pass")
+    assert p.returncode == 2 and "--log" in p.stderr and "--timeline" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("sig, code", [("SIGSEGV", 139), ("SIGABRT", 134), ("SIGKILL", 137)])
+def test_a_program_killed_by_a_signal_exits_128_plus_the_signal(tmp_path, sig, code):
+    p = observe(tmp_path, "--", sys.executable, "-c", f"import os, signal; os.kill(os.getpid(), signal.{sig})")
+    assert p.returncode == code, p.stderr
+    assert sig in p.stderr  # said in words too
+
+
+def test_what_is_still_allocated_is_read_from_the_logs_final_state(tmp_path, fake_cudart):
+    """A process that aborts writes no summary line; its last event still says what it held."""
+    p = observe(tmp_path, "--json", "--log", "t.jsonl", "--", sys.executable, "-c", DIES, fake_cudart, "abort")
+    s = json.loads(p.stdout)
+    assert s["current_bytes"] == 32 << 20
+    q = observe(tmp_path, "--log", "t.jsonl", "--", sys.executable, "-c", DIES, fake_cudart, "abort")
+    assert "32.00 MiB still allocated" in q.stdout
+
+
+WAITS = PROGRAM.replace("sys.exit(int(sys.argv[2]))", """import time
+print("ready", flush=True)
+try:
+    time.sleep(60)
+except KeyboardInterrupt:
+    print("child: interrupted", flush=True)
+    sys.exit(3)
+""")
+
+
+def test_ctrl_c_is_passed_on_and_what_was_observed_is_kept(tmp_path, fake_cudart):
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "memtide.cli", "observe", "--log", "t.jsonl", "--timeline", "obs.html",
+                          "--", sys.executable, "-c", WAITS, fake_cudart, "0"], cwd=tmp_path, env=clean_env(),
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "ready\n"
+        p.send_signal(signal.SIGINT)  # to memtide alone, as `kill -INT` would: it passes it on
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert "child: interrupted" in out and "Traceback" not in err
+    assert "interrupted" in err
+    assert "96.00 MiB" in out  # the summary of what was observed
+    assert (tmp_path / "obs.html").stat().st_size > 1000 and (tmp_path / "obs.trace.jsonl").exists()

@@ -18,6 +18,7 @@ from memtide import _memtide
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a C tool killed by the signal reports
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C, as a shell reports it
 
 _INT_MAX = 2**31 - 1
 

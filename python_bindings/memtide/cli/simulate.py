@@ -278,7 +278,7 @@ def add_parser(sub) -> None:
                      help="iterations simulated; the last is reported (default: 3)")
     sim.add_argument("--timeline", metavar="REPORT.html",
                      help="also write memtide's simulated iteration as a trace (REPORT.trace.jsonl) and its "
-                     "timeline report (REPORT.html, REPORT.chrome.json, REPORT.png)")
+                     "timeline report (REPORT.html, REPORT.chrome.json, and REPORT.png with matplotlib)")
     sim.add_argument("--json", action="store_true", help="print JSON instead of text")
     sweep = sim.add_argument_group("the update phase alone (--update-sweep)")
     sweep.add_argument("--update-sweep", action="store_true",

@@ -19,17 +19,23 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     png = args.png or files["png"]
     viz = args.memory_viz or files["pickle"]
     try:
+        # Named by their flags: the defaults are the report's companions, given or not.
+        timeline.check_outputs(args.trace, {"-o/--output": args.output,
+                                            "--chrome" + ("" if args.chrome else " (default)"): chrome,
+                                            "--png" + ("" if args.png else " (default)"): png,
+                                            "--memory-viz" + ("" if args.memory_viz else " (default)"): viz})
         timeline.check_report_target(args.output)
         report = timeline.render(args.trace, args.output, chrome=chrome, png=png, progress=not args.json,
                                  memory_viz=viz)
     except timeline.TraceError as e:
         raise UsageError(str(e)) from None
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2, allow_nan=False))  # strict JSON: the reader refused NaN and Infinity
         return 0
     print(f"wrote {report['html']} ({report['events']:,} events)")
     print(f"wrote {report['chrome']} ({report['chrome_events']:,} Chrome trace events)")
-    print(f"wrote {report['png']}" if report.get("png") else "no PNG: matplotlib is not installed")
+    if report.get("png"):
+        print(f"wrote {report['png']}")  # without matplotlib render() has said so on stderr
     print(f"wrote {report['memory_viz']} ({report['memory_viz_entries']:,} allocations and frees for memory_viz)")
     for r in report["summary"]:
         print(f"  {r['phase']:<9} {r['duration_s']:.4g} s, peak {format_bytes(int(r['peak_allocated']))}, "

@@ -251,3 +251,142 @@ def test_memtide_timeline_writes_four_outputs_and_torchs_memory_viz_reads_the_pi
     text = _memory_viz.trace(snap)
     assert "3 entries" in text and "MEM[139637976727552:4.0KiB]" in text and "free completed" in text
     del torch
+
+
+def test_progress_on_a_trace_of_more_than_200000_lines(tmp_path, capsys):
+    """The progress line is printed every 200,000 events; it used to call tell() on a file being
+    iterated, which Python forbids, so every trace that long failed."""
+    path = tmp_path / "long.jsonl"
+    with timeline.TraceWriter(str(path), source="test") as w:
+        for i in range(210_000):
+            w.memory(i * 1e-6, i, i)
+    header, events = timeline.read_trace(str(path), progress=True)
+    assert sum(1 for _ in events) == 210_000
+    assert re.search(r"timeline: read 200,0\d\d events \(9\d%\)", capsys.readouterr().err)
+
+
+def _one_event_trace(path, event, header=None):
+    lines = [header if header is not None else json.dumps({"memtide_trace": 1}), event]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("event, field", [
+    ('{"type":"phase","t":NaN,"phase":"forward"}', "t"),
+    ('{"type":"phase","t":1e308,"phase":"forward"}', "t"),
+    ('{"type":"phase","t":1e999,"phase":"forward"}', "t"),
+    ('{"type":"phase","t":-1,"phase":"forward"}', "t"),
+    ('{"type":"phase","t":true,"phase":"forward"}', "t"),
+    ('{"type":"memory","t":0,"allocated":"lots","reserved":1}', "allocated"),
+    ('{"type":"memory","t":0,"allocated":-5,"reserved":1}', "allocated"),
+    ('{"type":"memory","t":0,"allocated":1.5,"reserved":1}', "allocated"),
+    ('{"type":"memory","t":0,"allocated":1,"reserved":1e30}', "reserved"),
+    ('{"type":"op","engine":"h2d","start":0,"end":1,"bytes":"lots"}', "bytes"),
+    ('{"type":"op","engine":"h2d","start":0,"end":1,"bytes":-1}', "bytes"),
+    ('{"type":"op","engine":"h2d","start":0,"end":1,"bytes":Infinity}', "bytes"),
+    ('{"type":"op","engine":"h2d","start":2,"end":1}', "end"),
+    ('{"type":"tiering","what":"prefetch","subgroup":-1,"start":0,"end":1}', "subgroup"),
+    ('{"type":"tiering","what":"prefetch","subgroup":2.5,"start":0,"end":1}', "subgroup"),
+    ('{"type":"alloc","t":0,"addr":"nowhere","bytes":4096}', "addr"),
+    ('{"type":"alloc","t":0,"addr":-4096,"bytes":4096}', "addr"),
+    ('{"type":"free","t":0,"addr":4096,"bytes":4096,"stream":"0x1g"}', "stream"),
+    ('{"type":"oom","t":0,"bytes":-1}', "bytes"),
+    ('{"type":"op","engine":"h2d","start":0,"end":1,"note":NaN}', "note"),
+])
+def test_every_number_in_an_event_is_range_checked_naming_field_file_and_line(tmp_path, event, field):
+    path = _one_event_trace(tmp_path / "bad.jsonl", event)
+    header, events = timeline.read_trace(str(path))
+    with pytest.raises(timeline.TraceError, match=rf"bad\.jsonl: line 2: .*'{field}'"):
+        list(events)
+
+
+@pytest.mark.parametrize("header, words", [
+    ('{"memtide_trace":1,"capacity_bytes":-1}', "'capacity_bytes'"),
+    ('{"memtide_trace":1,"capacity_bytes":NaN}', "'capacity_bytes'"),
+    ('{"memtide_trace":1,"capacity_bytes":1e999}', "'capacity_bytes'"),
+    ('{"memtide_trace":true}', "format"),
+    ('{"memtide_trace":-1}', "format"),
+])
+def test_the_header_is_range_checked_too(tmp_path, header, words):
+    path = _one_event_trace(tmp_path / "bad.jsonl", '{"type":"phase","t":0,"phase":"forward"}', header)
+    with pytest.raises(timeline.TraceError, match=rf"bad\.jsonl.*{re.escape(words)}"):
+        timeline.read_trace(str(path))
+
+
+def _strict_json(text):
+    def refuse(token):
+        raise AssertionError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_memtide_timeline_json_is_strict_json_and_the_report_has_no_nan(tmp_path):
+    path = make_trace(tmp_path / "t.jsonl", ops=20)
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", str(path), "-o", str(tmp_path / "r.html"),
+                        "--json"], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert _strict_json(p.stdout)["events"] == 3 * (1 + 2 * 20)
+    _strict_json((tmp_path / "r.chrome.json").read_text())
+    assert "nan" not in (tmp_path / "r.html").read_text().lower()
+    with pytest.raises(ValueError):  # the writer never writes what the reader refuses
+        with timeline.TraceWriter(str(tmp_path / "w.jsonl")) as w:
+            w.phase(float("nan"), "forward")
+    assert not (tmp_path / "w.jsonl").exists()
+
+
+def test_memtide_timeline_names_the_bad_line_without_a_traceback(tmp_path):
+    path = _one_event_trace(tmp_path / "bad.jsonl", '{"type":"phase","t":1e999,"phase":"forward"}')
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", str(path), "-o", str(tmp_path / "r.html")],
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "bad.jsonl: line 2" in p.stderr and "'t'" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("flag", ["-o", "--chrome", "--png", "--memory-viz"])
+@pytest.mark.parametrize("how", ["same", "symlink", "hardlink"])
+def test_memtide_timeline_refuses_to_write_over_the_trace_it_reads(tmp_path, flag, how):
+    trace = make_trace(tmp_path / "t.jsonl", ops=5)
+    before = trace.read_bytes()
+    target = {"same": trace, "symlink": tmp_path / "link.html", "hardlink": tmp_path / "hard.html"}[how]
+    if how == "symlink":
+        os.mkdir(tmp_path / "d")
+        os.symlink(tmp_path, tmp_path / "d" / "up")  # a folder link: the target itself is a regular file
+        target = tmp_path / "d" / "up" / "t.jsonl"
+    elif how == "hardlink":
+        os.link(trace, target)
+    args = [str(trace), "-o", str(tmp_path / "r.html")] if flag != "-o" else [str(trace)]
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", *args, flag, str(target)],
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert flag in p.stderr and "t.jsonl" in p.stderr and "Traceback" not in p.stderr
+    assert trace.read_bytes() == before
+    assert not (tmp_path / "r.html").exists()  # refused before any work
+
+
+def test_render_refuses_an_output_that_is_its_input(tmp_path):
+    trace = make_trace(tmp_path / "t.jsonl", ops=5)
+    before = trace.read_bytes()
+    with pytest.raises(timeline.TraceError, match="the Chrome trace .* is the same file as the trace"):
+        timeline.render(str(trace), str(tmp_path / "r.html"), chrome=str(trace))
+    with pytest.raises(timeline.TraceError, match="same file"):
+        timeline.render(str(trace), str(tmp_path / "r.html"), chrome=str(tmp_path / "x"), png=str(tmp_path / "x"))
+    assert trace.read_bytes() == before and not (tmp_path / "r.html").exists()
+
+
+def test_a_png_skipped_for_want_of_matplotlib_is_said_with_how_to_install_it(tmp_path):
+    """The README's `simulate --timeline` promises a PNG; without matplotlib it used to be skipped
+    without a word. A stand-in matplotlib that fails to import makes the test the same everywhere."""
+    fake = tmp_path / "fake"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = clean_env(PYTHONPATH=str(fake) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "simulate", "--model", "custom", "--layers", "2",
+                        "--hidden", "256", "--heads", "4", "--iterations", "1", "--timeline", str(tmp_path / "s.html")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "no PNG" in p.stderr and "pip install matplotlib" in p.stderr
+    assert not (tmp_path / "s.png").exists()
+    q = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", str(tmp_path / "s.trace.jsonl"), "-o",
+                        str(tmp_path / "t.html"), "--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert q.returncode == 0 and "pip install matplotlib" in q.stderr, q.stderr
+    assert json.loads(q.stdout)["png"] is None

@@ -19,10 +19,17 @@ one). Times are seconds on the trace's clock. Event types:
   gpu update, flush, cpu update, param upload, grad upload, grad to host; ``subgroup``; ``start``,
   ``end``, ``bytes``).
 
+Readers check every field they use and refuse the trace, naming the file, the line and the field,
+when one is out of range: times are numbers of seconds from 0 to 1e12, byte counts 0 to 2**63-1
+(whole numbers where they are allocations), subgroups whole numbers >= 0, addresses and streams
+integers or their text ("0x7f00"), ``end`` not before ``start``. NaN and Infinity are not JSON and
+are refused anywhere; writers never write them.
+
 Unknown event types are skipped by readers, so a newer writer's extra events do not break an
 older report. ``memtide timeline TRACE -o report.html`` renders a single HTML file that opens
 offline (inline SVG, no script from anywhere), a Chrome trace (chrome://tracing, Perfetto) and,
-when matplotlib is importable, a PNG.
+when matplotlib is importable, a PNG (without it render() says so on stderr, with the install
+command).
 
 The modules: ``trace`` (the format, writer and reader), ``record`` (traces from the allocator's
 events and the observer's log), ``model`` (the Timeline a report draws), ``html_report`` (the
@@ -31,12 +38,12 @@ HTML), ``export`` (Chrome trace, memory_viz pickle, PNG, and render() for all of
 """
 
 from .export import render, write_chrome, write_memory_viz, write_png
-from .files import TraceError, check_report_target, companions
+from .files import TraceError, check_outputs, check_report_target, companions
 from .html_report import write_html
 from .model import ENGINES, PHASES, Timeline
 from .record import trace_from_allocator, trace_from_observer
 from .trace import VERSION, TraceWriter, read_trace
 
-__all__ = ["ENGINES", "PHASES", "VERSION", "Timeline", "TraceError", "TraceWriter", "check_report_target",
-           "companions", "read_trace", "render", "trace_from_allocator", "trace_from_observer", "write_chrome",
-           "write_html", "write_memory_viz", "write_png"]
+__all__ = ["ENGINES", "PHASES", "VERSION", "Timeline", "TraceError", "TraceWriter", "check_outputs",
+           "check_report_target", "companions", "read_trace", "render", "trace_from_allocator", "trace_from_observer",
+           "write_chrome", "write_html", "write_memory_viz", "write_png"]

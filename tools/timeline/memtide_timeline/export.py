@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any, Dict, Iterable, Optional
 
-from .files import AtomicFile
+from .files import AtomicFile, check_outputs
 from .html_report import write_html
 from .model import COLORS, ENGINES, Timeline
 from .trace import VERSION, read_trace
@@ -26,7 +27,7 @@ def write_chrome(tl_header: Dict[str, Any], events: Iterable[Dict[str, Any]], pa
 
         def put(obj: Dict[str, Any]) -> None:
             nonlocal first, n
-            f.write(("" if first else ",\n") + json.dumps(obj, separators=(",", ":")))
+            f.write(("" if first else ",\n") + json.dumps(obj, separators=(",", ":"), allow_nan=False))
             first = False
             n += 1
 
@@ -53,12 +54,8 @@ def write_memory_viz(events: Iterable[Dict[str, Any]], path: str) -> int:
     import pickle
 
     def number(v: Any) -> int:
-        if isinstance(v, str):
-            try:
-                return int(v, 0)
-            except ValueError:
-                return 0
-        return int(v or 0)
+        # read_trace has checked addresses and sizes: an integer, or an address's text ("0x7f...").
+        return int(v, 0) if isinstance(v, str) else int(v or 0)
 
     entries = []
     for ev in events:
@@ -73,6 +70,10 @@ def write_memory_viz(events: Iterable[Dict[str, Any]], path: str) -> int:
     with AtomicFile(path, "wb") as f:
         pickle.dump({"segments": [], "device_traces": [entries]}, f, protocol=4)
     return len(entries)
+
+
+#: Said on stderr when a PNG was asked for and matplotlib is missing (it is not a dependency).
+NO_PNG = "no PNG: matplotlib is not installed (pip install matplotlib); the HTML report has the same charts"
 
 
 def write_png(tl: Timeline, path: str) -> bool:
@@ -109,7 +110,10 @@ def write_png(tl: Timeline, path: str) -> bool:
 
 def render(trace: str, html_path: str, chrome: Optional[str] = None, png: Optional[str] = None,
            progress: bool = False, memory_viz: Optional[str] = None) -> Dict[str, Any]:
-    """The report (and the Chrome trace, the PNG and the memory_viz pickle when asked) of a trace."""
+    """The report (and the Chrome trace, the PNG and the memory_viz pickle when asked) of a trace.
+    A PNG asked for without matplotlib is skipped (``"png": None``), saying so on stderr."""
+    check_outputs(trace, {"the report": html_path, "the Chrome trace": chrome, "the PNG": png,
+                          "the memory_viz pickle": memory_viz})
     header, events = read_trace(trace, progress=progress)
     tl = Timeline(header, events)
     write_html(tl, html_path, title=f"memtide timeline: {os.path.basename(trace)}")
@@ -120,6 +124,8 @@ def render(trace: str, html_path: str, chrome: Optional[str] = None, png: Option
         out["chrome_events"] = write_chrome(header2, events2, chrome)
     if png:
         out["png"] = png if write_png(tl, png) else None
+        if out["png"] is None:
+            print(f"timeline: {NO_PNG}", file=sys.stderr, flush=True)
     if memory_viz:
         _, events3 = read_trace(trace)
         out["memory_viz"] = memory_viz

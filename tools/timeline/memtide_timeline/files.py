@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
-from typing import Dict
+from typing import Dict, Optional
 
 
 class TraceError(ValueError):
@@ -29,6 +29,35 @@ def check_report_target(report: str) -> None:
         raise TraceError(f"cannot write {report}: folder {folder} does not exist")
     for path in [report, *companions(report).values()]:
         _safe_target(path)
+
+
+def _identity(path: str):
+    """What makes two paths one file: the inode when it exists (links and hard links included),
+    else the path with every link resolved."""
+    try:
+        st = os.stat(path)
+        return (st.st_dev, st.st_ino)
+    except OSError:
+        return os.path.realpath(path)
+
+
+def check_outputs(source: str, outputs: Dict[str, Optional[str]], source_name: str = "the trace") -> None:
+    """Refuses, before anything is read or written, an output that is `source` itself under any
+    name (the same path, a symbolic link to it, a hard link) or the same file as another output:
+    writing it would destroy what is being read, or one output would replace another. `outputs`
+    maps how to name each output to the user (its flag) to its path; None is skipped."""
+    source_id = _identity(source)
+    seen: Dict[object, str] = {}
+    for name, path in outputs.items():
+        if not path:
+            continue
+        ident = _identity(path)
+        if ident == source_id:
+            raise TraceError(f"{name} {path} is the same file as {source_name} {source}: writing it would destroy "
+                             "what is being read; choose another path")
+        if ident in seen:
+            raise TraceError(f"{name} and {seen[ident]} are the same file ({path}); give each its own path")
+        seen[ident] = name
 
 
 def _safe_target(path: str) -> None:
