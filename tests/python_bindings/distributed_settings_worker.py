@@ -26,6 +26,22 @@ def main() -> None:
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
     kwargs = {"policy": "cpu", "subgroup_size": 32}
+    if SETTING == "whole_state":  # same settings; a whole (unsharded) moment is loaded
+        opt = TieredAdamW(model.parameters(), **kwargs)
+        model(torch.randn(3, 5)).sum().backward()
+        opt.step()
+        state = opt.state_dict()
+        before = opt.buffers.exp_avg.clone()
+        state["state"][0]["exp_avg"] = state["state"][0]["exp_avg"].full_tensor()
+        try:
+            opt.load_state_dict(state)
+            said = "no error"
+        except ValueError as e:
+            said = str(e) + (" (state kept)" if torch.equal(before, opt.buffers.exp_avg) else " (state changed)")
+        with open(f"rank{rank}.txt", "w") as f:
+            f.write(said)
+        dist.destroy_process_group()
+        return
     if rank == 1:
         kwargs.update({"policy": {"policy": "auto"}, "subgroup_size": {"subgroup_size": 16},
                        "lr": {"lr": 0.5}}[SETTING])

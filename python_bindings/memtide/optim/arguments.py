@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import _memtide
+from .distributed import is_dtensor, local
 from .loss_scale import LossScaler
 from .plan import POLICIES
 
@@ -179,6 +180,13 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
                 # Same size is not enough: a (3, 4) moment of a (4, 3) param is another layout.
                 raise bad(f"{key} of param {idx} has shape {tuple(value.shape)}, the param has {tuple(p.shape)} "
                           f"(group {gi})")
+            if is_dtensor(p) and (not is_dtensor(value) or local(value).shape != local(p).shape):
+                # FSDP2: each rank loads its own shard (torch.distributed.checkpoint's
+                # set_optimizer_state_dict gives DTensors sharded like the params).
+                raise bad(f"{key} of param {idx} must be a DTensor sharded as the param (this rank's shard "
+                          f"{tuple(local(p).shape)}), got " + (f"a DTensor whose shard is {tuple(local(value).shape)}"
+                                                               if is_dtensor(value) else "a whole tensor")
+                          + f" (group {gi}); load sharded state with torch.distributed.checkpoint")
             tensors[key] = value
         step = entry.get("step", 0)
         if isinstance(step, torch.Tensor):
