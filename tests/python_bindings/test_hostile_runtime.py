@@ -216,13 +216,24 @@ def test_load_state_dict_takes_a_whole_step_count(step):
     assert float(opt.state[model.weight]["step"]) == float(step)
 
 
-@pytest.mark.parametrize("index", [-1, 1.0, "0", True, None])
+@pytest.mark.parametrize("index", [-1, 1.0, "", True, None])
 def test_load_state_dict_refuses_a_param_index_that_is_not_a_count(index):
     model, opt = _opt_with_state()
     sd = opt.state_dict()
     groups = [{**sd["param_groups"][0], "params": [index]}]
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]"):
         opt.load_state_dict({**sd, "param_groups": groups, "state": {index: sd["state"][0]}})
+
+
+def test_load_state_dict_takes_params_keyed_by_name():
+    # torch.distributed.checkpoint's set_optimizer_state_dict keys the state by the params' names.
+    model, opt = _opt_with_state()
+    sd = opt.state_dict()
+    moment = sd["state"][0]["exp_avg"].clone()
+    names = [n for n, _ in model.named_parameters()]
+    groups = [{**sd["param_groups"][0], "params": names}]
+    opt.load_state_dict({**sd, "param_groups": groups, "state": {names[i]: e for i, e in sd["state"].items()}})
+    assert torch.equal(opt.state[model.weight]["exp_avg"], moment)
 
 
 def test_load_state_dict_refuses_a_repeated_param_index():

@@ -146,10 +146,12 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
     saved_order = []
     for gi, saved in enumerate(saved_groups):
         for k, idx in enumerate(saved["params"]):
-            # The keys of 'state': whole numbers >= 0, each once (taken as is, a bool or 1.0 would
-            # find another param's state or none).
-            if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
-                raise bad(f"param_groups[{gi}]['params'][{k}] must be a param index (an int >= 0), got {idx!r}")
+            # The keys of 'state': whole numbers >= 0 (torch.optim's own) or names
+            # (torch.distributed.checkpoint's set_optimizer_state_dict keys them by the params'
+            # qualified names), each once; a bool or 1.0 would find another param's state or none.
+            if not (isinstance(idx, str) and idx) and (isinstance(idx, bool) or not isinstance(idx, int) or idx < 0):
+                raise bad(f"param_groups[{gi}]['params'][{k}] must be a param index (an int >= 0) or a param name, "
+                          f"got {idx!r}")
             saved_order.append(idx)
     if len(set(saved_order)) != len(saved_order):
         twice = next(i for i in saved_order if saved_order.count(i) > 1)
