@@ -1,5 +1,8 @@
 #include "memtide/runtime.hpp"
 
+#include <cstdlib>
+#include <string>
+
 #include "memtide/core/error.hpp"
 #include "memtide/core/log.hpp"
 #include "memtide/core/no_destructor.hpp"
@@ -66,14 +69,28 @@ int Runtime::host_node(int device) const {
   return topo.preferred_node(device);
 }
 
-ThreadPool& Runtime::toucher(int device) {
+int Runtime::ranks_on_node() const {
+  if (options().local_ranks > 0) return options().local_ranks;
+  const char* torchrun = std::getenv("LOCAL_WORLD_SIZE");
+  if (torchrun == nullptr) return 1;
+  char* end = nullptr;
+  const long n = std::strtol(torchrun, &end, 10);
+  if (end == torchrun || *end != '\0' || n < 1 || n > 4096) {
+    MEMTIDE_LOG(warn, std::string("LOCAL_WORLD_SIZE=") + torchrun + " is not a rank count (1 to 4096); each rank "
+                      "takes its GPU's local cpus whole");
+    return 1;
+  }
+  return static_cast<int>(n);
+}
+
+ThreadPool& Runtime::host_pool(int device) {
   if (backend_ != Backend::cuda) return default_pool();
-  std::lock_guard lock(touchers_mutex_);
-  std::unique_ptr<ThreadPool>& pool = touchers_[device];
+  std::lock_guard lock(host_pools_mutex_);
+  std::unique_ptr<ThreadPool>& pool = host_pools_[device];
   if (!pool) {
     const Topology& topo = topology();
     if (device >= static_cast<int>(topo.gpus().size())) return default_pool();
-    pool = make_gpu_pool(topo, device);
+    pool = make_gpu_pool(topo, device, 0, ranks_on_node());
   }
   return *pool;
 }
@@ -91,7 +108,7 @@ HostArena& Runtime::host_arena(int device, int numa_node) {
     config.device = s.device.get();
     // Pages land on the node by mbind either way; touching from the GPU's own cores keeps the
     // touch off the interconnect.
-    config.toucher = &toucher(device);
+    config.toucher = &host_pool(device);
     try {
       arena = std::make_unique<HostArena>(config);
     } catch (...) {

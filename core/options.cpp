@@ -182,6 +182,10 @@ const std::vector<Row>& rows() {
       {"host_node", "-1..4095", "NUMA node for pinned host buffers; -1 = not bound",
        [](Options& o, std::string_view v) { o.host_node = parse_int("host_node", v, -1, 4095); },
        [](const Options& o) { return std::to_string(o.host_node); }},
+      {"local_ranks", "0..4096", "ranks of the job on this machine, one per GPU: each GPU's local cpus are split among "
+       "the ranks whose GPUs share them; 0 = torchrun's LOCAL_WORLD_SIZE, else 1",
+       [](Options& o, std::string_view v) { o.local_ranks = parse_int("local_ranks", v, 0, 4096); },
+       [](const Options& o) { return o.local_ranks ? std::to_string(o.local_ranks) : std::string("LOCAL_WORLD_SIZE or 1"); }},
       {"host_node_full", "strict | fallback",
        "when a NUMA node cannot hold a new slab: strict fails, fallback warns and lets it use other nodes",
        [](Options& o, std::string_view v) {

@@ -603,6 +603,24 @@ std::vector<int> Topology::local_cpus(int index) const {
   return {};
 }
 
+std::vector<int> Topology::cpu_share(int gpu, int ranks_on_node) const {
+  const std::vector<int> mine = local_cpus(gpu);
+  if (ranks_on_node <= 1 || mine.empty()) return mine;
+  std::vector<int> sharing;  // the ranks' GPUs with the same local cpus, ascending
+  const int gpus = static_cast<int>(gpus_.size());
+  for (int g = 0; g < gpus && g < ranks_on_node; ++g) {
+    if (g == gpu || local_cpus(g) == mine) sharing.push_back(g);
+  }
+  if (std::find(sharing.begin(), sharing.end(), gpu) == sharing.end()) sharing.push_back(gpu);
+  const std::size_t k = sharing.size();
+  const std::size_t at = static_cast<std::size_t>(std::find(sharing.begin(), sharing.end(), gpu) - sharing.begin());
+  if (k > mine.size()) return {mine[at % mine.size()]};
+  const std::size_t base = mine.size() / k, extra = mine.size() % k;
+  const std::size_t from = at * base + std::min(at, extra);
+  const std::size_t n = base + (at < extra ? 1 : 0);
+  return {mine.begin() + static_cast<std::ptrdiff_t>(from), mine.begin() + static_cast<std::ptrdiff_t>(from + n)};
+}
+
 GpuLink Topology::link(int a, int b) const {
   const GpuInfo& ga = gpu(a);
   const GpuInfo& gb = gpu(b);
@@ -639,8 +657,8 @@ std::vector<int> allowed_cpus(const std::vector<int>& wanted) {
   return out;
 }
 
-std::unique_ptr<ThreadPool> make_gpu_pool(const Topology& topo, int gpu, std::size_t threads) {
-  const std::vector<int> local = topo.local_cpus(gpu);
+std::unique_ptr<ThreadPool> make_gpu_pool(const Topology& topo, int gpu, std::size_t threads, int ranks_on_node) {
+  const std::vector<int> local = topo.cpu_share(gpu, ranks_on_node);
   std::vector<int> bind = allowed_cpus(local);
   if (bind.empty()) {
     MEMTIDE_LOG(warn, "GPU " + std::to_string(gpu) + " pool: none of its local cpus [" + format_cpu_list(local) +

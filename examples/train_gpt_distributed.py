@@ -135,8 +135,14 @@ def main() -> None:
     params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for p in model.parameters()]
     if args.save and rank == 0:
         torch.save(params, args.save)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # With the model, its device mesh and the optimizer gone (main's locals), the process group
+    # ends here rather than during the interpreter's shutdown, where gloo's threads, freeing
+    # the last collectives' tensors, could abort the process.
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()

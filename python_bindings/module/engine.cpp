@@ -52,7 +52,8 @@ class PyUpdateEngine {
     CachingAllocator& a = rt.allocator(device);
     HostArena& arena = rt.host_arena(device);
     nb::gil_scoped_release nogil;  // the arena may map, touch and register a slab: milliseconds
-    engine_ = std::make_unique<tiering::UpdateEngine>(a, arena, count, std::move(ranges), &default_pool(), config);
+    ThreadPool& pool = rt.host_pool(device);  // on a GPU: its share of the local cpus
+    engine_ = std::make_unique<tiering::UpdateEngine>(a, arena, count, std::move(ranges), &pool, config);
     // The process's CUPTI tracer (when it runs) tells the engine what others do on the links.
     engine_->set_traffic_source([](double from_ns, double to_ns) -> std::optional<tiering::LinkTraffic> {
       const auto use = traced_pcie(from_ns, to_ns);

@@ -181,6 +181,41 @@ TEST(Topology, EightGpusBehindSwitches) {
   }
 }
 
+// Ranks on one machine, one per GPU: the ranks whose GPUs share a socket split its cpus, so that
+// 8 ranks on 2 sockets do not all bind their workers to the same 8 cpus.
+TEST(Topology, RanksSharingASocketSplitItsCpus) {
+  REQUIRE_HWLOC();
+  const Topology t = Topology::from_xml(kData + "two_socket_8gpu_switches.xml");
+  const std::vector<std::vector<int>> eight = {{0, 1}, {2, 3}, {8, 9}, {10, 11}, {4, 5}, {6, 7}, {12, 13}, {14, 15}};
+  for (int g = 0; g < 8; ++g) {
+    EXPECT_EQ(t.cpu_share(g, 8), eight[static_cast<std::size_t>(g)]) << g;
+    EXPECT_EQ(t.preferred_node(g), g < 4 ? 0 : 1) << g;  // its arena's node: the socket its cpus are on
+    EXPECT_EQ(t.cpu_share(g, 1), t.local_cpus(g)) << g;  // one rank: all of them
+  }
+  // Two ranks on GPUs 0 and 1 (socket 0) split socket 0 between them.
+  EXPECT_EQ(t.cpu_share(0, 2), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(t.cpu_share(1, 2), (std::vector<int>{8, 9, 10, 11}));
+  // Three ranks on a socket of 8 cpus: 3, 3 and 2.
+  EXPECT_EQ(t.cpu_share(0, 3), (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(t.cpu_share(2, 3), (std::vector<int>{10, 11}));
+  // More ranks than cpus: one cpu each, shared round the group.
+  const Topology small = Topology("test", {NumaNode{0, 0, {0, 1}}},
+                                  {GpuInfo{0, "0000:01:00.0", {0}, {0, 1}, true, "a", {}},
+                                   GpuInfo{1, "0000:02:00.0", {0}, {0, 1}, true, "b", {}},
+                                   GpuInfo{2, "0000:03:00.0", {0}, {0, 1}, true, "c", {}}});
+  EXPECT_EQ(small.cpu_share(2, 3), std::vector<int>{0});
+  EXPECT_EQ(small.cpu_share(1, 3), std::vector<int>{1});
+}
+
+TEST(GpuPool, EachRankOfTheNodeBindsToItsShare) {
+  REQUIRE_HWLOC();
+  const Topology t = Topology::from_xml(kData + "two_socket_8gpu_switches.xml");
+  for (int gpu : {0, 5}) {
+    auto pool = make_gpu_pool(t, gpu, 2, 8);
+    EXPECT_EQ(pool->cpus(), allowed_cpus(t.cpu_share(gpu, 8))) << gpu;
+  }
+}
+
 TEST(Topology, UnknownLocalityFallsBackToTheLargestNode) {
   REQUIRE_HWLOC();
   const Topology t = Topology::from_xml(kData + "unknown_locality.xml");

@@ -51,6 +51,13 @@ class Runtime {
   void host_free(void* ptr);
   /// Every host arena created so far.
   std::vector<HostArena*> host_arenas();
+  /// The workers for `device`'s host-side work (first-touching its slabs, the CPU optimizer
+  /// step): on a GPU, bound to its share of its local cpus among the ranks on this machine
+  /// (Topology::cpu_share with ranks_on_node()); on a SimDevice, the process's default pool.
+  ThreadPool& host_pool(int device);
+  /// Ranks of the job on this machine, each on its own GPU: the `local_ranks` option when set,
+  /// else torchrun's LOCAL_WORLD_SIZE, else 1.
+  [[nodiscard]] int ranks_on_node() const;
 
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
@@ -67,13 +74,11 @@ class Runtime {
     std::map<int, std::unique_ptr<HostArena>> host;     ///< by NUMA node (-1 = not bound)
   };
   Slot& slot(int device) const;
-  /// Threads that first-touch `device`'s slabs: bound to the GPU's local cores when known.
-  ThreadPool& toucher(int device);
   Backend backend_;
   mutable std::once_flag topology_once_;
   mutable std::unique_ptr<Topology> topology_;
-  std::mutex touchers_mutex_;
-  std::map<int, std::unique_ptr<ThreadPool>> touchers_;
+  std::mutex host_pools_mutex_;
+  std::map<int, std::unique_ptr<ThreadPool>> host_pools_;
   std::vector<std::unique_ptr<Slot>> slots_;
 };
 

@@ -38,6 +38,7 @@ struct Options {
   std::uint64_t host_slab_size = 256ULL << 20;  ///< pinned host slab size (HostArena)
   std::uint64_t host_max_bytes = 0;         ///< cap on pinned host bytes per arena; 0 = none
   int host_node = -1;                       ///< NUMA node for host buffers; -1 = not bound (until topology decides)
+  int local_ranks = 0;                      ///< ranks on this machine sharing its GPUs' cpus; 0 = LOCAL_WORLD_SIZE or 1
   std::string host_node_full = "strict";    ///< strict | fallback: when the node cannot hold a slab
   bool host_huge_pages = true;              ///< transparent huge pages for host slabs (faster first touch)
   std::string pinned_heap_backend = "auto"; ///< auto | jemalloc | mimalloc (PinnedHeap)

@@ -87,6 +87,13 @@ class Topology {
   /// is unknown, the cpus of preferred_node(gpu), so that threads and memory agree.
   [[nodiscard]] std::vector<int> local_cpus(int gpu) const;
 
+  /// `gpu`'s share of its local cpus when GPUs 0 .. `ranks_on_node` - 1 each have a rank of the
+  /// job on this machine (torchrun's LOCAL_WORLD_SIZE; a rank uses the GPU of its LOCAL_RANK):
+  /// the ranks whose GPUs have the same local cpus split them in GPU order, in contiguous runs
+  /// of the ascending list, the first ones one cpu more when they do not divide. A GPU whose
+  /// group has more ranks than cpus shares one cpu. 1 (or less): all local cpus.
+  [[nodiscard]] std::vector<int> cpu_share(int gpu, int ranks_on_node) const;
+
   /// The NUMA node for `gpu`'s host buffers: its first local node. When the locality is unknown,
   /// the node with the most memory (lowest os_index on a tie), with a warning logged once per GPU.
   [[nodiscard]] int preferred_node(int gpu) const;
@@ -127,11 +134,12 @@ std::string format_cpu_list(const std::vector<int>& cpus);
 /// The cpus of `wanted` this thread may run on (its sched_getaffinity mask), in `wanted`'s order.
 std::vector<int> allowed_cpus(const std::vector<int>& wanted);
 
-/// A ThreadPool whose workers are bound to `gpu`'s local cpus (Topology::local_cpus) that this
-/// process may use. When none of them may be used (a topology of another machine, a taskset or
+/// A ThreadPool whose workers are bound to `gpu`'s share of its local cpus (Topology::cpu_share
+/// with `ranks_on_node`) that this process may use. When none of them may be used (a topology of another machine, a taskset or
 /// cgroup that excludes them), the pool is not bound and a warning is logged. `threads` = 0 means
 /// one participant per bound cpu (hardware_concurrency when unbound). The calling thread is
 /// participant 0 and is never re-pinned. Throws InvalidArgument for a bad `gpu`.
-std::unique_ptr<ThreadPool> make_gpu_pool(const Topology& topo, int gpu, std::size_t threads = 0);
+std::unique_ptr<ThreadPool> make_gpu_pool(const Topology& topo, int gpu, std::size_t threads = 0,
+                                          int ranks_on_node = 1);
 
 }  // namespace memtide
