@@ -5,6 +5,7 @@
 #include <utility>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -35,7 +36,24 @@ std::map<double, double>::iterator SimDevice::DramTimeline::split_at(double t) {
 
 double SimDevice::DramTimeline::reserve(double t0, double bytes, double max_rate, double dram_factor) {
   if (bytes <= 0) return t0;
-  if (dram_factor <= 0) return t0 + bytes / max_rate * 1e9;
+  const auto finite_end = [&](double end) {
+    // A rate so small that the transfer ends past any representable time: a clock at infinity
+    // would stall every later operation behind it, so say so instead.
+    if (!std::isfinite(end)) {
+      char rates[96];
+      std::snprintf(rates, sizeof rates, "at up to %g B/s (host DRAM %g B/s)", max_rate, capacity_);
+      throw InvalidArgument("SimDevice: moving " + format_bytes(static_cast<std::uint64_t>(std::min(bytes, 1e19))) +
+                            " " + rates + " ends past any representable time");
+    }
+    return end;
+  };
+  if (dram_factor <= 0) return finite_end(t0 + bytes / max_rate * 1e9);
+  // The rate an idle DRAM gives this transfer. A step with less than a billionth of it left (at
+  // most 1 B/s, as for the usual GB/s rates) is saturated: what is left there is rounding residue.
+  // The threshold scales with the rates, so a slow machine still moves its bytes.
+  const double full = std::min(max_rate, capacity_ / dram_factor);
+  if (!(full > 0)) throw InvalidArgument("SimDevice: the host DRAM rate and the transfer's rate must be positive");
+  const double saturated = std::min(1.0, full * 1e-9);
   auto it = split_at(t0);
   double remaining = bytes;
   double t = t0;
@@ -44,10 +62,10 @@ double SimDevice::DramTimeline::reserve(double t0, double bytes, double max_rate
     const double seg_end = next == steps_.end() ? std::numeric_limits<double>::infinity() : next->first;
     const double avail = std::max(0.0, capacity_ - it->second);
     const double rate = std::min(max_rate, avail / dram_factor);  // bytes/s of the transfer
-    if (rate > 1.0) {
+    if (rate > saturated) {
       const double can = rate * (seg_end - t) / 1e9;
       if (can >= remaining) {
-        const double end = t + remaining / rate * 1e9;
+        const double end = finite_end(t + remaining / rate * 1e9);
         // A rounding residue of a transfer that ended on a step boundary: reserving it would
         // add its rate to the whole next step (to infinity, if that step is the last).
         if (!(end > t)) return t;
@@ -58,6 +76,9 @@ double SimDevice::DramTimeline::reserve(double t0, double bytes, double max_rate
       remaining -= can;
       it->second += rate * dram_factor;
     }
+    // The last step is never reserved (every transfer ends before it), so it always has the full
+    // rate and the loop ends there; this guards the iterator all the same.
+    if (next == steps_.end()) throw Error("SimDevice: the DRAM timeline's last step is saturated");
     t = seg_end;
     it = next;
   }

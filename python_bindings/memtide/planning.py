@@ -76,7 +76,7 @@ def plan(params: int, subgroup_size: int, gpu_mem: int, host_mem: int, margin: i
     if persistent + margin > gpu_mem:
         raise PlanError(
             f"the 16-bit params and grads of {format_count(params)} params ({format_bytes(persistent)}) plus the "
-            f"margin ({format_bytes(margin)}) do not fit in --gpu-mem {format_bytes(gpu_mem)}: "
+            f"--margin ({format_bytes(margin)}) do not fit in --gpu-mem {format_bytes(gpu_mem)}: "
             f"the model needs a layer window (parameters offloaded too), which this planner does not cover")
     headroom = gpu_mem - persistent - margin
     # No iteration is measured here: slots and residents share the update headroom.

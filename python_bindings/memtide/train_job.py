@@ -59,6 +59,10 @@ def choose_device(requested: str) -> Dict[str, Any]:
     if resolved == "cuda":
         if not torch.cuda.is_available():
             if requested == "cuda":
+                # Asked for by name, cuda resolves as cuda whether or not a GPU is there: say which is missing.
+                status = memtide.cuda_status()
+                if not status["usable"]:
+                    raise RuntimeError(f"--device cuda: no usable GPU: {status['reason']}")
                 raise RuntimeError("--device cuda: memtide sees a usable GPU but this torch build cannot use it "
                                    f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
             return {"kind": "cpu", "why": f"torch {torch.__version__} cannot use the GPU"}

@@ -60,9 +60,11 @@ NodeSpec node_arg(const std::optional<nb::dict>& overrides, bool checkpointing) 
       for (const NodeField& f : kNodeFields) keys += std::string(keys.empty() ? "" : ", ") + f.key;
       value_error("node: unknown key \"" + name + "\"; known keys: " + keys);
     }
-    const double v = nb::cast<double>(value);
-    if (!(v >= 0) || !std::isfinite(v) || v > 1e18) {
-      value_error("node: " + name + " = " + std::to_string(v) + " is not accepted: expected a finite number >= 0");
+    double v = -1;
+    // An int too big for a double fails the cast (std::bad_cast): it is out of range all the same.
+    if (!nb::try_cast<double>(value, v) || !(v >= 0) || !std::isfinite(v) || v > 1e18) {
+      value_error("node: " + name + " = " + nb::cast<std::string>(nb::repr(value)) +
+                  " is not accepted: expected a number from 0 to 1e18");
     }
     field->set(n, v);
   }
@@ -105,8 +107,10 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
         value_error("shape: unknown key \"" + k + "\"; known keys: layers, hidden, heads, seq, micro_batch, "
                     "micro_batches, vocab");
       }
-      const auto v = nb::cast<long long>(value);
-      if (v <= 0 || v > (1LL << 30)) value_error("shape: " + k + " = " + std::to_string(v) + " must be 1 to 2^30");
+      long long v = 0;
+      if (!nb::try_cast<long long>(value, v) || v <= 0 || v > (1LL << 30)) {
+        value_error("shape: " + k + " = " + nb::cast<std::string>(nb::repr(value)) + " must be 1 to 2^30");
+      }
       *field = static_cast<int>(v);
     }
     if (!model) m.name = "custom";
@@ -115,9 +119,9 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
   if (!window.is_none()) {
     if (nb::isinstance<nb::str>(window) && nb::cast<std::string>(window) == "auto") {
       n.window_blocks = NodeSpec::kWindowAuto;
-    } else if (nb::isinstance<nb::int_>(window) && !nb::isinstance<nb::bool_>(window) && nb::cast<long long>(window) >= 0 &&
-               nb::cast<long long>(window) <= (1LL << 30)) {
-      n.window_blocks = nb::cast<int>(window);
+    } else if (long long blocks = -1; nb::isinstance<nb::int_>(window) && !nb::isinstance<nb::bool_>(window) &&
+               nb::try_cast<long long>(window, blocks) && blocks >= 0 && blocks <= (1LL << 30)) {
+      n.window_blocks = static_cast<int>(blocks);
     } else {
       value_error("window = " + nb::cast<std::string>(nb::repr(window)) +
                   " is not accepted: expected None, a number of blocks >= 0 (0: no window) or \"auto\"");

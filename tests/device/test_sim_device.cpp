@@ -2,6 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "memtide/core/error.hpp"
@@ -167,6 +172,38 @@ TEST(SimDevice, FinishedTransfersLeaveNoDramReserved) {
   EXPECT_NEAR(ns, 1e9, 1.0);
   d.destroy_stream(up);
   d.destroy_stream(down);
+}
+
+// Rates at or below 1 B/s (a user's --h2d 1e-9 or --dram 1e-30) used to leave every step of the
+// DRAM timeline "saturated", and reserve() walked past its end forever. Each case runs in a child
+// killed by an alarm, so a spin fails the test instead of hanging it.
+TEST(SimDeviceDeathTest, SlowRatesStillFinish) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  for (const double dram : {1e-30, 0.5, 1.0, 100 * kGB}) {
+    for (const double rate : {1e-30, 1e-9, 1.0, 80 * kGB}) {
+      EXPECT_EXIT(
+          {
+            ::alarm(5);
+            SimConfig c = phantom_config();
+            c.host_dram_bytes_per_s = dram;
+            SimDevice d(c);
+            const double ns = d.host_work(1e3, rate);
+            const double want = 1e3 / std::min(dram, rate) * 1e9;
+            std::exit(std::abs(ns - want) <= want * 1e-9 ? 0 : 3);
+          },
+          ::testing::ExitedWithCode(0), "")
+          << "DRAM " << dram << " B/s, transfer " << rate << " B/s";
+    }
+  }
+}
+
+TEST(SimDevice, ATransferPastAnyRepresentableTimeIsRefused) {
+  SimConfig c = phantom_config();
+  c.host_dram_bytes_per_s = 1e-290;
+  SimDevice d(c);
+  EXPECT_THROW(d.host_work(1e30, 1.0), InvalidArgument);  // 1e329 ns: infinite in a double
+  EXPECT_EQ(d.now_ns(), 0.0) << "a refused transfer leaves the clock where it was";
+  EXPECT_NEAR(d.host_work(1.0, 1.0), 1e299, 1e290);
 }
 
 TEST(SimDevicePhantom, StoresNoDataAndRunsNoBodies) {

@@ -188,6 +188,10 @@ def test_plan_model_too_big_for_the_gpu_exits_1(cli):
         ("--cpu-downscale", "-1"), ("--dram", "inf"), ("--static-fraction", "1.5"),
         ("--k", "-1"), ("--k", "0.5"), ("--policy", "greedy"), ("--margin", "lots"),
         ("--params", "1e30"), ("--params", "1e18"), ("--gpu-mem", "1e30"), ("--host-mem", "1e300"),
+        # Finite but overflowing once scaled to B/s (it named rates.h2d_bytes_per_s), and too slow for any clock.
+        ("--h2d", "1e308"), ("--d2h", "1e300"), ("--cpu-update", "1e308"), ("--gpu-update", "1e20"),
+        ("--dram", "1e308"), ("--cpu-downscale", "1e308"), ("--nvme-read", "1e308"), ("--h2d", "1e-30"),
+        ("--dram", "1e-30"), ("--cpu-update", "1e-12"),
     ],
 )
 def test_plan_bad_flag_exits_2_naming_it(cli, flag, value):
@@ -195,6 +199,21 @@ def test_plan_bad_flag_exits_2_naming_it(cli, flag, value):
     assert r.returncode == 2
     assert flag in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, where", [
+    ((), "k = 1.6"),  # the 20B default streams: its stride is a number
+    (("--params", "1B"), "every subgroup stays on the GPU as a static resident"),
+    (("--policy", "cpu"), "every subgroup is updated on the CPU"),
+    (("--policy", "static", "--params", "5B"), "the 40 subgroups that are not static residents are updated on the CPU"),
+])
+def test_plan_says_where_the_subgroups_go_when_nothing_is_streamed(cli, args, where):
+    # It printed "auto: k = 0.000 (one in every k streamed subgroups on the GPU)", a stride of 0.
+    r = cli("plan", *args)
+    assert r.returncode == 0, r.stderr
+    summary = r.stdout.strip().splitlines()[-1]
+    assert where in summary, summary
+    assert "k = 0.000" not in r.stdout
 
 
 def test_plan_refuses_absurdly_small_subgroups_at_once(cli):

@@ -66,6 +66,17 @@ def test_a_custom_shape_and_the_rate_flags_change_the_result():
     (["--window", "-2"], ["--window", "-2"]),
     (["--window", "big"], ["--window", "big"]),
     (["--window", "auto", "--gpu-mem", "2GiB"], ["layer window", "out of memory"]),
+    # It printed std::bad_cast.
+    (["--window", "99999999999999999999999999"], ["--window", "at most"]),
+    # Finite, but out of the simulator's range once scaled: it said "expected a finite number" and named no flag.
+    (["--gpu-flops", "1e30"], ["--gpu-flops", "1e+06"]),
+    (["--link", "1e20"], ["--link"]),
+    (["--flush", "1e308"], ["--flush"]),
+    (["--h2d", "1e308"], ["--h2d"]),
+    (["--nvme-write", "1e300"], ["--nvme-write"]),
+    (["--h2d", "1e-30"], ["--h2d", "1e-09"]),
+    (["--dram", "1e-30"], ["--dram"]),
+    (["--cpu-update", "1e-30"], ["--cpu-update"]),
 ])
 def test_bad_flags_are_named_without_a_traceback(args, words):
     p = cli(*args)
@@ -73,6 +84,31 @@ def test_bad_flags_are_named_without_a_traceback(args, words):
     assert "Traceback" not in p.stderr
     for w in words:
         assert w.lower() in p.stderr.lower(), (w, p.stderr)
+
+
+@pytest.mark.parametrize("flag", ["--h2d", "--d2h", "--dram", "--cpu-update", "--link", "--flush"])
+def test_a_rate_of_one_byte_a_second_still_finishes(flag):
+    # At or below 1 B/s the simulated DRAM timeline took every step as saturated and spun forever;
+    # the timeout turns a hang into a failure.
+    args = ["--model", "custom", "--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "64", "--vocab", "512",
+            "--json", flag, "1e-9"]
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "simulate", *args], env=clean_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    # Every rate is in some contender's iteration, which takes milliseconds at the usual rates.
+    assert max(c["iteration_s"] for c in r["contenders"].values()) > 1
+
+
+def test_the_python_api_names_node_and_window_values_out_of_range():
+    with pytest.raises(ValueError, match=r"gpu_flops = 1e\+30 .*from 0 to 1e18"):
+        memtide.simulate_iteration(shape=SMALL, node={"gpu_flops": 1e30})
+    with pytest.raises(ValueError, match="link_bytes_per_s"):
+        memtide.simulate_iteration(shape=SMALL, node={"link_bytes_per_s": 10**400})
+    with pytest.raises(ValueError, match="window"):
+        memtide.simulate_iteration(shape=SMALL, window=10**30)
+    with pytest.raises(ValueError, match="layers"):
+        memtide.simulate_iteration(shape={"layers": 10**30, "hidden": 256, "heads": 4})
 
 
 def test_the_python_api_is_deterministic_and_records_ops_on_request():

@@ -122,12 +122,32 @@ def _float(text: str, minimum: float, inclusive: bool, maximum: Optional[float] 
     return value
 
 
-def rate(text: str) -> float:
-    return _float(text, 0.0, inclusive=False)
+# Rates are given in billions a second (GB/s, G params/s) or trillions (TFLOP/s): from one unit a
+# second to 1e18 (what memtide.simulate_iteration accepts), every figure and every time computed
+# from them stay finite (1e308 G/s overflowed to inf after scaling; below 1 B/s gave times past any
+# clock).
+_RATE_MIN, _RATE_MAX = 1.0, 1e18
+
+
+def _rate_type(scale: float):
+    lo, hi = _RATE_MIN / scale, _RATE_MAX / scale
+
+    def rate_in_unit(text: str) -> float:
+        value = _float(text, 0.0, inclusive=False)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be a rate from {lo:g} to {hi:g}, got {text!r}")
+        return value
+
+    return rate_in_unit
+
+
+rate = _rate_type(1e9)  # GB/s, G params/s
+tflops = _rate_type(1e12)  # TFLOP/s
 
 
 def rate_or_zero(text: str) -> float:
-    return _float(text, 0.0, inclusive=True)
+    value = _float(text, 0.0, inclusive=True)
+    return value if value == 0 else rate(text)
 
 
 def fraction(text: str) -> float:
@@ -148,6 +168,8 @@ def window_arg(text: str):
         n = -1
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected a number of blocks >= 0 or auto, got {text!r}")
+    if n > _INT_MAX:  # the simulator counts blocks in an int; a bigger window is every block anyway
+        raise argparse.ArgumentTypeError(f"must be at most {_INT_MAX} blocks (or auto), got {text!r}")
     return n
 
 

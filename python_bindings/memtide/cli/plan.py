@@ -11,7 +11,7 @@ import memtide
 from memtide import planning
 from memtide._memtide import POLICIES, format_bytes, format_count, format_duration_ns
 
-from ._common import (EXIT_FAILURE, RATE_FLAGS, add_rate_flags, error, fraction, param_count, positive_size, rate,
+from ._common import (EXIT_FAILURE, RATE_FLAGS, UsageError, add_rate_flags, error, fraction, param_count, positive_size, rate,
                       rate_or_zero, size, stride)
 
 
@@ -24,11 +24,31 @@ def _plan(args: argparse.Namespace) -> Dict[str, Any]:
         if value is not None:
             rates[key] = value * scale
             overridden.append("--" + flag.replace("_", "-"))
-    return planning.plan(
-        args.params, args.subgroup_size, args.gpu_mem, args.host_mem, args.margin, rates=rates, overridden=overridden,
-        nvme_read=None if args.nvme_read is None else args.nvme_read * 1e9,
-        nvme_write=None if args.nvme_write is None else args.nvme_write * 1e9,
-        static_fraction=args.static_fraction, k=args.k, policy=args.policy)
+    try:
+        return planning.plan(
+            args.params, args.subgroup_size, args.gpu_mem, args.host_mem, args.margin, rates=rates,
+            overridden=overridden, nvme_read=None if args.nvme_read is None else args.nvme_read * 1e9,
+            nvme_write=None if args.nvme_write is None else args.nvme_write * 1e9,
+            static_fraction=args.static_fraction, k=args.k, policy=args.policy)
+    except ValueError as e:
+        # A rate the PerfModel refuses came from one flag: name it, not the model's field.
+        for flag, (key, _) in flag_rates.items():
+            if f"rates.{key} " in str(e):
+                raise UsageError(f"--{flag.replace('_', '-')}: {e}") from None
+        raise
+
+
+def _stride_text(p: Dict[str, Any], subgroups: int) -> str:
+    """What the plan's stride k says; the planner gives k = 0 when no subgroup is streamed."""
+    if p["k"] > 0:
+        return f"k = {p['k']:.3f} (one in every k streamed subgroups updated on the GPU)"
+    if p["static_residents"] == subgroups:
+        where = "every subgroup stays on the GPU as a static resident"
+    elif p["static_residents"] == 0:
+        where = "every subgroup is updated on the CPU"
+    else:
+        where = f"the {subgroups - p['static_residents']} subgroups that are not static residents are updated on the CPU"
+    return f"no stride k: no subgroup is streamed to the GPU, {where}"
 
 
 def _print_plan(result: Dict[str, Any]) -> None:
@@ -71,7 +91,7 @@ def _print_plan(result: Dict[str, Any]) -> None:
               f"{format_count(p['throughput_params_per_s']) + ' params/s':>16}  {p['busiest']}{marker}")
     chosen = result["policies"][result["policy"]]
     print()
-    print(f"{result['policy']}: k = {chosen['k']:.3f} (one in every k streamed subgroups on the GPU), "
+    print(f"{result['policy']}: {_stride_text(chosen, result['subgroups'])}, "
           f"{chosen['static_residents']} static resident(s), {chosen['gpu_slots']} GPU slot(s); predicted update "
           f"{format_duration_ns(chosen['predicted_update_s'] * 1e9)}, {format_count(chosen['throughput_params_per_s'])}"
           f" params/s; busiest resource: {chosen['busiest']}")

@@ -12,7 +12,7 @@ import memtide
 from memtide._memtide import format_bytes, format_count
 
 from ._common import (RATE_FLAGS, UsageError, add_rate_flags, param_count, positive_int, positive_size, rate,
-                      window_arg)
+                      tflops, window_arg)
 
 # GPUs the simulator knows: memory, the achieved FLOP/s of the model's kernels (a tenth of the dense
 # bf16 peak, which makes ZeRO-3 reach the paper's ~30 TFLOP/s per H100 over whole iterations; see
@@ -67,6 +67,10 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
                                            checkpointing=not args.no_checkpointing, iterations=args.iterations,
                                            record_ops=record, window=args.window if name == "memtide" else None)
         except ValueError as e:
+            # A node figure the simulator refuses came from one flag: name it, not the key.
+            for flag, (key, _) in flags.items():
+                if str(e).startswith(f"node: {key} "):
+                    raise UsageError(f"--{flag.replace('_', '-')}: {e}") from None
             if "host budget" in str(e):
                 raise UsageError(f"--host-mem: {e}") from None
             if "layer window" in str(e):
@@ -250,7 +254,7 @@ def add_parser(sub) -> None:
                      help="the ZeRO-3 data-parallel degree (default: 4, as in the paper)")
     sim.add_argument("--gpu", choices=sorted(SIM_GPUS), default="h100", help="GPU figures (default: h100)")
     sim.add_argument("--gpu-mem", type=positive_size, default=None, metavar="SIZE", help="GPU memory")
-    sim.add_argument("--gpu-flops", type=rate, default=None, metavar="TFLOP/s", help="achieved dense bf16 FLOP/s")
+    sim.add_argument("--gpu-flops", type=tflops, default=None, metavar="TFLOP/s", help="achieved dense bf16 FLOP/s")
     sim.add_argument("--link", type=rate, default=None, metavar="GB/s", help="collective bandwidth per GPU")
     sim.add_argument("--flush", type=rate, default=None, metavar="GB/s",
                      help="ZeRO-3's pageable gradient flush (default: 2.5, the paper's Figure 6)")
