@@ -20,6 +20,7 @@ from memtide.optim import TieredAdamW
 WRAP, SCENARIO, OUT = sys.argv[1], sys.argv[2], sys.argv[3]  # fsdp2, ddp or ddp-view (gradient_as_bucket_view)
 STEPS, MICRO, SCALE = 5, 2, 1024.0
 CLIP = 0.05 if SCENARIO == "clip" else None
+EAGER = SCENARIO.endswith("+eager")  # updates during backward too
 # At this step of the scaled scenario rank 1 meets an inf: under FSDP2 in one gradient element after
 # the reduce-scatter (only that rank sees it: the ranks must agree to skip), under DDP in its input
 # (the all-reduce spreads it to every rank).
@@ -67,7 +68,8 @@ def train(tiered: bool):
     model = wrap(build())
     if tiered:
         opt = TieredAdamW(groups(model), lr=1e-2, policy="cpu", subgroup_size=64,
-                                  max_grad_norm=CLIP, loss_scale=None if SCENARIO == "clip" else SCALE)
+                                  max_grad_norm=CLIP, loss_scale=None if SCENARIO == "clip" else SCALE,
+                          update_during_backward=EAGER)
         if WRAP.startswith("ddp"):
             opt.register_ddp(model)
     else:
@@ -111,6 +113,9 @@ def train(tiered: bool):
         out["host_bytes"] = opt.buffers.nbytes()
         out["numel"] = opt._layout.numel
         out["regathered"] = opt.stats.regathered
+        if EAGER:
+            stats = opt._eager._native.stats
+            out["eager"] = {"speculated": stats.speculated, "kept": stats.kept, "rolled_back": stats.rolled_back}
     return out
 
 
@@ -126,7 +131,7 @@ def main() -> None:
         with open(OUT, "w") as f:
             json.dump({"max_diff": diff, "moved": moved, "skipped": [mine["skipped"], ref["skipped"]],
                        "numel_per_rank": [int(s) for s in sizes],
-                       "regathered": mine["regathered"], "host_bytes": mine["host_bytes"],
+                       "regathered": mine["regathered"], "eager": mine.get("eager"), "host_bytes": mine["host_bytes"],
                        "world": dist.get_world_size()}, f)
     dist.destroy_process_group()
 
