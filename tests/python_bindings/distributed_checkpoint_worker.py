@@ -9,7 +9,6 @@ computes the same update."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -67,10 +66,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    # Not the interpreter's shutdown: gloo's threads free the last collectives' Python tensors on
-    # their own and at times take the GIL while the interpreter shuts down, which aborts the
-    # process ("terminate called without an active exception") after the work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from torchrun_rank import run_and_exit
+
+    run_and_exit(main)
