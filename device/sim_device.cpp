@@ -492,18 +492,25 @@ double SimDevice::schedule_locked(SimStream& s, Engine& engine, double bytes, do
     const double length = bytes / rate * 1e9;
     start = std::max(s.ready_ns, host_now_ns_) + config_.op_latency_ns;
     double end = start + length;
+    // A kernel that started more than the longest one's length (twice, and a ns, against
+    // rounding) before `t` ended before it: the walks below start there, not at the first kernel
+    // the host queued, which made a phase of n kernels cost n^2.
+    const auto reach = [this](double t) { return compute_busy_.lower_bound(t - 2 * compute_longest_ns_ - 1); };
     for (int pass = 0; pass < 8; ++pass) {  // the stretch adds overlap of its own: a few rounds
       double shared = 0;
-      for (auto it = compute_busy_.begin(); it != compute_busy_.end() && it->first < end; ++it) {
+      for (auto it = reach(start); it != compute_busy_.end() && it->first < end; ++it) {
         shared += std::max(0.0, std::min(it->second, end) - std::max(it->first, start));
       }
       const double next = start + length + shared;
       if (next <= end * (1 + 1e-12)) break;
       end = next;
     }
-    compute_busy_.emplace(end - length, end);  // where this kernel's own work is counted
+    const auto own = compute_busy_.emplace(end - length, end);  // where this kernel's own work is counted
+    compute_longest_ns_ = std::max(compute_longest_ns_, own->second - own->first);
     // Nothing can start before the host's clock: work that ended before it is gone.
-    for (auto it = compute_busy_.begin(); it != compute_busy_.end();) {
+    const auto gone = reach(host_now_ns_);
+    compute_busy_.erase(compute_busy_.begin(), gone);
+    for (auto it = gone; it != compute_busy_.end() && it->first < host_now_ns_;) {
       it = it->second < host_now_ns_ ? compute_busy_.erase(it) : std::next(it);
     }
     engine.free_ns = std::max(engine.free_ns, end);

@@ -187,6 +187,7 @@ class SimDevice final : public Device {
   Engine h2d_{"h2d"}, d2h_{"d2h"}, compute_{"compute"}, link_{"link"},
       storage_{"storage"};
   std::multimap<double, double> compute_busy_;  // the compute engine's kernels not yet done: start -> end
+  double compute_longest_ns_ = 0;                // the longest of them (end - start): how far back one reaches
   bool recording_ = false;
   std::vector<SimOp> ops_;
   DramTimeline dram_;
