@@ -1,8 +1,18 @@
-"""What the bench scripts share: their plots and their Markdown reports."""
+"""What the bench scripts share: their plots, their Markdown reports and the machine they name."""
 
 from __future__ import annotations
 
+import platform
 import sys
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for the machine line of a report."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def pyplot():

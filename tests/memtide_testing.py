@@ -48,6 +48,19 @@ def run_python(args: Sequence[str], env: Optional[Dict[str, str]] = None,
     )
 
 
+def direct_io_dir(path):
+    """`path` when its file system takes O_DIRECT (the NVMe tier's I/O), else the test is
+    skipped (tmpfs has none)."""
+    probe = os.path.join(path, "probe")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        pytest.skip(f"{path} has no direct I/O (tmpfs?)")
+    os.close(fd)
+    os.unlink(probe)
+    return path
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
     """torch on one thread for the module that imports this: bitwise comparisons need the same

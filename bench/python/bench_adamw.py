@@ -18,6 +18,9 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: plotting
+from plotting import cpu_model  # noqa: E402
+
 # torch's OpenMP threads (libgomp) spin for a while after every parallel region; on a machine with
 # as many cores as threads they steal the cores memtide's pool (and DeepSpeed's) is about to use,
 # which made memtide's in-cache (1M) step 1.6x slower here. Passive waiting must be chosen before torch loads.
@@ -63,15 +66,6 @@ def paired(num, den):
     return statistics.median(q), min(q), max(q)
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main():

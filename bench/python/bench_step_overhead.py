@@ -28,6 +28,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: plotting
+from plotting import cpu_model  # noqa: E402
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 MODELS = {
@@ -103,12 +106,6 @@ def child(model: str, policy: str, steps: int) -> dict:
     return {"params": params, "tensors": len(list(net.parameters())), "rows": rows}
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def _shown(argv):
@@ -166,7 +163,7 @@ def main() -> None:
         "",
         "`python bench/python/bench_step_overhead.py " + " ".join(_shown(sys.argv[1:])) + "`",
         "",
-        f"- {time.strftime('%Y-%m-%d')}: {_cpu_model()}, {os.cpu_count()} cores, no GPU used, "
+        f"- {time.strftime('%Y-%m-%d')}: {cpu_model()}, {os.cpu_count()} cores, no GPU used, "
         f"{platform.system()} {platform.release()}, Python {platform.python_version()}",
         f"- policy {args.policy}; CPU tensors, so the engine runs on the simulated device (its 'GPU' updates run on "
         "the host); torch intra-op threads 1; medians over every timed step of every round",

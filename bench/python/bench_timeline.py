@@ -29,6 +29,9 @@ from datetime import date
 import memtide
 import memtide_timeline as timeline
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: plotting
+from plotting import cpu_model  # noqa: E402
+
 FAKE_CUDART = r"""
 #include <stdlib.h>
 int cudaMalloc(void** p, size_t n) { *p = malloc(n); return *p ? 0 : 2; }
@@ -54,15 +57,6 @@ int main(int argc, char** argv) {
 """
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _children_cpu_s() -> float:
@@ -158,7 +152,7 @@ def main() -> int:
         with open(args.out, "w") as f:
             f.write(f"# memtide timeline on a large trace ({date.today()})\n\n")
             f.write(f"Command: `{command} --out {args.out}`\n\n")
-            f.write(f"Machine: {_cpu()}, {os.cpu_count()} cores, {gpu}; {platform.system()} {platform.release()}, "
+            f.write(f"Machine: {cpu_model()}, {os.cpu_count()} cores, {gpu}; {platform.system()} {platform.release()}, "
                     f"memtide {memtide.__version__}, Python {platform.python_version()}.\n\n{line}.\n")
     return 0
 

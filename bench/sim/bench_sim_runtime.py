@@ -7,10 +7,14 @@ subgroups get smaller and more numerous: the simulator's own cost per subgroup.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: plotting
+from plotting import cpu_model  # noqa: E402
 
 SIZES = (20_000, 10_000, 5_000, 2_500, 1_000)
 MODEL = ["--model", "custom", "--layers", "8", "--hidden", "1024", "--heads", "8"]
@@ -37,7 +41,7 @@ def main() -> None:
     lines = ["# memtide simulate: its own run time against the subgroup count", "",
              "Command: `python bench/sim/bench_sim_runtime.py` (each row: `memtide simulate " + " ".join(MODEL) +
              " --subgroup-size N`, whole process, best of " + str(args.repeats) + ")", "",
-             f"Machine: {platform.processor() or platform.machine()}, {platform.system()}; no GPU (simulated time does "
+             f"Machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()}; no GPU (simulated time does "
              "not depend on it, this wall time does)", "",
              "| subgroup size | subgroups per rank | wall s |", "|---:|---:|---:|"]
     lines += [f"| {size:,} | {int(-(-shard // size)):,} | {t:.2f} |" for size, t in rows]

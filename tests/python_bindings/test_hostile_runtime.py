@@ -6,7 +6,6 @@ checkpoints with the wrong shapes or numbers (issue 27)."""
 from __future__ import annotations
 
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -20,23 +19,16 @@ torch = pytest.importorskip("torch")
 import memtide  # noqa: E402
 from memtide.optim import TieredAdamW  # noqa: E402
 from memtide.window import LayerWindow  # noqa: E402
-from memtide_testing import clean_env, one_torch_thread, run_python  # noqa: E402,F401
+from memtide_testing import clean_env, direct_io_dir, one_torch_thread, run_python  # noqa: E402,F401
 
 SUBGROUP = 8192
 
 
 @pytest.fixture
 def spill_dir(tmp_path):
-    probe = tmp_path / "probe"
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
-    except OSError:
-        pytest.skip(f"{tmp_path} has no direct I/O (tmpfs?)")
-    os.close(fd)
-    probe.unlink()
     if not memtide._memtide.HAVE_NVME:
         pytest.skip("memtide was built without the NVMe tier")
-    return tmp_path
+    return direct_io_dir(tmp_path)
 
 
 def spills(folder):

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import memtide  # noqa: E402,F401
 from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
 from memtide.optim import LossScaler, TieredAdamW  # noqa: E402
-from memtide_testing import everything, on_sized_device, one_torch_thread, same, sized_device  # noqa: E402,F401
+from memtide_testing import direct_io_dir, everything, on_sized_device, one_torch_thread, same, sized_device  # noqa: E402,F401
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
 SUBGROUP = 10_000  # ~110k params: 12 subgroups
@@ -47,14 +47,7 @@ DATA = [arithmetic_batch(torch.Generator().manual_seed(1 + i), BATCH, SEQ, VOCAB
 
 @pytest.fixture
 def spill_dir(tmp_path):
-    probe = tmp_path / "probe"
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
-    except OSError:
-        pytest.skip(f"{tmp_path} has no direct I/O (tmpfs?)")
-    os.close(fd)
-    probe.unlink()
-    return tmp_path
+    return direct_io_dir(tmp_path)
 
 
 def train(model, opt, data, accumulate=1):
