@@ -115,11 +115,12 @@ def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
     store = dist.distributed_c10d._get_default_store()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     prefix = f"memtide/agreement/{_agreements}/{'-'.join(map(str, ranks))}/"
-    store.set(prefix + str(dist.get_rank()), json.dumps(settings, sort_keys=True, default=repr))
+    text = json.dumps(settings, sort_keys=True, default=repr)
+    store.set(prefix + str(dist.get_rank()), text)
     keys = [prefix + str(r) for r in ranks]
     store.wait(keys)
     gathered = [json.loads(store.get(k)) for k in keys]
-    mine = json.loads(json.dumps(settings, sort_keys=True, default=repr))
+    mine = json.loads(text)  # as the others see it (tuples become lists)
     for key in mine:
         values = [g.get(key) for g in gathered]
         if any(v != values[0] for v in values):

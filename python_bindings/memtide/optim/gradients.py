@@ -47,15 +47,19 @@ class GradientPath:
         self.flushed: List[Optional[_Flushed]] = [None] * len(params)
         self.index = {id(p): i for i, p in enumerate(params)}
         #: Params whose gradients come reduced from DDP's bucket hook (register_ddp), not the hooks.
-        ddp = getattr(opt, "_ddp", None)
-        self.reduced_by_ddp: Set[int] = set() if ddp is None else {i for i, p in enumerate(params)
-                                                                     if id(p) in ddp.params}
+        self.reduced_by_ddp: Set[int] = set()
+        self.follow_ddp(getattr(opt, "_ddp", None))
         #: Params whose gradient step() had to copy itself (changed after its hook ran).
         self.stale: Set[int] = set()
         me = weakref.ref(self)
         # Frozen params get none (step() gathers whatever gradient they have later).
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, me, i))
                        for i, p in enumerate(params) if p.requires_grad and p.is_leaf]
+
+    def follow_ddp(self, ddp: Any) -> None:
+        """The params of DDP's model (a DdpGradients, or None) take their gradients from its
+        bucket hook from now on."""
+        self.reduced_by_ddp = set() if ddp is None else {i for p, i in self.index.items() if p in ddp.params}
 
     @property
     def opt(self) -> Any:

@@ -376,7 +376,7 @@ class TieredAdamW(torch.optim.Optimizer):
         ddp = DdpGradients(self, model)
         model.register_comm_hook(None, ddp.hook)
         self._ddp = ddp
-        self._grads.reduced_by_ddp = {i for i, p in enumerate(self._layout.params) if id(p) in ddp.params}
+        self._grads.follow_ddp(ddp)
 
     def _settings(self) -> Dict[str, Any]:
         """What every rank's optimizer must agree on (compared across ranks at construction)."""
