@@ -135,7 +135,8 @@ def test_plan_gpu_memory_sets_slots_and_static_limit(cli):
     assert small["gpu"]["slot_limit"] == 2
     assert small["gpu"]["static_limit"] == 0
     assert small["policies"]["auto"]["gpu_slots"] <= 2
-    big = _plan_json(cli, *base, "--gpu-mem", str(4 * 10**9 + 8 * 1_600_000_000))
+    # A resident's block takes a segment of its own, rounded to 2 MiB: 5 need 5 x 2 MiB more.
+    big = _plan_json(cli, *base, "--gpu-mem", str(4 * 10**9 + 8 * 1_600_000_000 + 5 * 2**21))
     assert big["gpu"]["slot_limit"] == 8
     assert big["gpu"]["static_limit"] == 5
     assert big["policies"]["auto"]["static_residents"] <= 5

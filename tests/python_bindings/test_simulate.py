@@ -36,6 +36,19 @@ def test_the_20b_model_json_has_every_contender_with_times_and_peaks_under_capac
         r["speedup"]["from_backward"] * (1 + r["speedup"]["update_adds"]))
 
 
+@pytest.mark.parametrize("size", ["300K", "500K", "800K"])
+def test_residents_of_a_few_mib_keep_the_update_phase_near_its_bound(size):
+    # One block per resident (7.6 MiB at 500K) took more device memory than the plan counted:
+    # the plan overran the device, its residents were given back, and the update ran at 61% of
+    # its bound (800K: 1.10 s). Packed, every size stays near the bound with residents on the GPU.
+    p = cli("--subgroup-size", size, "--json")
+    assert p.returncode == 0, p.stderr
+    m = json.loads(p.stdout)["contenders"]["memtide"]
+    assert m["plan"]["static_residents"] > 0, m["plan"]
+    assert m["update_vs_bound"] > 0.9, (size, m["update_s"], m["update_bound_s"])
+    assert m["update_s"] < 0.8, m["update_s"]
+
+
 def test_text_output_names_the_contenders_and_the_papers_figures():
     p = cli("--model", "7B")
     assert p.returncode == 0, p.stderr

@@ -350,7 +350,7 @@ EnginePlan UpdateEngine::plan_subset(Policy policy, double static_fraction, std:
   }
   const std::size_t largest = *std::max_element(w.subgroup_params.begin(), w.subgroup_params.end());
   out.budget.slots_taken = out.plan.gpu_slots * gpu_slot_bytes(largest, w.grads_on_host);
-  out.budget.residents_taken = out.plan.static_residents * out.budget.slot_bytes;
+  out.budget.residents_taken = resident_packs(largest).bytes_for(out.plan.static_residents);
   // Gradients kept on the GPU live from backward through the update phase, beside the slots:
   // they get what both phases leave, and nothing while no backward has been measured.
   last_placement_ = out.plan.placement;

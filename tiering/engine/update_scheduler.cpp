@@ -84,6 +84,8 @@ UpdateScheduler::UpdateScheduler(OptimizerState& state, CachingAllocator& alloca
   host_counter_ = PinnedBuffer(device_, 64, staging_slabs);
   device_counter_ = static_cast<unsigned int*>(allocator_.allocate(sizeof(unsigned int), config_.main_stream));
   residents_.assign(state_.size(), Arrays{});
+  packs_ = resident_packs(state_.largest_subgroup());
+  pack_blocks_.assign((state_.size() + packs_.per_pack - 1) / packs_.per_pack, nullptr);
 }
 
 UpdateScheduler::~UpdateScheduler() {
@@ -162,40 +164,65 @@ std::size_t UpdateScheduler::resident_count() const {
 
 std::uint64_t UpdateScheduler::held_bytes() const {
   std::uint64_t total = allocator_.allocation_size(device_counter_).value_or(0);
-  for (std::size_t i = 0; i < residents_.size(); ++i) {
-    if (residents_[i].block != nullptr) total += 4 * round_up(state_[i].n * sizeof(float), kDeviceAlign);
-  }
+  for (void* block : pack_blocks_) total += block == nullptr ? 0 : allocator_.allocation_size(block).value_or(0);
   return total;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Static residents: moved in when a plan first makes a subgroup gpu_static, out when one stops.
+// They live in packs (resident_packs()): one device block for the residents among a run of
+// consecutive subgroups. A pack whose members change is moved out whole and in again, sized to
+// its new members: the plans' residents are the last subgroups, so at most the one pack at the
+// boundary changes when their count does.
+
+std::pair<std::size_t, std::size_t> UpdateScheduler::pack_members(std::size_t j) const {
+  const std::size_t n = state_.size();
+  const std::size_t last = n - j * packs_.per_pack;
+  return {last > packs_.per_pack ? last - packs_.per_pack : 0, last};
+}
 
 void UpdateScheduler::place_residents(const std::vector<Placement>& placement) {
-  bool moved = false;
   for (std::size_t i = 0; i < state_.size(); ++i) {
-    const bool want = placement[i] == Placement::gpu_static;
-    Arrays& r = residents_[i];
     const Subgroup& g = state_[i];
-    if (want && g.on_nvme() && g.nvme_offset != 0) {
+    if (placement[i] == Placement::gpu_static && g.on_nvme() && g.nvme_offset != 0) {
       throw InvalidArgument("UpdateScheduler::run: part of spilled subgroup " + std::to_string(g.nvme_subgroup) +
                             " cannot be a static GPU resident (only a whole one)");
     }
-    const std::size_t bytes = g.n * sizeof(float);
-    if (want && r.block == nullptr) {
-      void* block = allocator_.allocate(4 * round_up(bytes, kDeviceAlign), config_.main_stream);
-      r = carve(block, g.n, true);
+  }
+  bool moved = false;
+  for (std::size_t j = 0; j < pack_blocks_.size(); ++j) {
+    const auto [first, last] = pack_members(j);
+    bool same = true;
+    std::uint64_t want_bytes = 0;
+    for (std::size_t i = first; i < last; ++i) {
+      const bool want = placement[i] == Placement::gpu_static;
+      same = same && want == (residents_[i].block != nullptr);
+      if (want) want_bytes += 4 * round_up(state_[i].n * sizeof(float), kDeviceAlign);
+    }
+    if (same) continue;
+    if (pack_blocks_[j] != nullptr) {
+      for (std::size_t i = first; i < last; ++i) copy_back_async(i);
+      device_.stream_synchronize(config_.main_stream);
+      allocator_.deallocate(pack_blocks_[j], config_.main_stream);
+      pack_blocks_[j] = nullptr;
+      for (std::size_t i = first; i < last; ++i) residents_[i] = Arrays{};
+    }
+    if (want_bytes == 0) continue;
+    void* block = allocator_.allocate(want_bytes, config_.main_stream);
+    pack_blocks_[j] = block;
+    std::size_t offset = 0;
+    for (std::size_t i = first; i < last; ++i) {
+      if (placement[i] != Placement::gpu_static) continue;
+      const Subgroup& g = state_[i];
+      const std::size_t bytes = g.n * sizeof(float);
+      Arrays r = carve(static_cast<unsigned char*>(block) + offset, g.n, true);
+      r.block = block;
+      offset += 4 * round_up(bytes, kDeviceAlign);
       device_.copy_async(r.p, g.param, bytes, CopyKind::host_to_device, config_.main_stream);
       device_.copy_async(r.m, g.exp_avg, bytes, CopyKind::host_to_device, config_.main_stream);
       device_.copy_async(r.v, g.exp_avg_sq, bytes, CopyKind::host_to_device, config_.main_stream);
+      residents_[i] = r;
       moved = true;
-    } else if (!want && r.block != nullptr) {
-      device_.copy_async(g.param, r.p, bytes, CopyKind::device_to_host, config_.main_stream);
-      device_.copy_async(g.exp_avg, r.m, bytes, CopyKind::device_to_host, config_.main_stream);
-      device_.copy_async(g.exp_avg_sq, r.v, bytes, CopyKind::device_to_host, config_.main_stream);
-      device_.stream_synchronize(config_.main_stream);
-      allocator_.deallocate(r.block, config_.main_stream);
-      r = Arrays{};
     }
   }
   if (moved) device_.stream_synchronize(config_.main_stream);
@@ -224,16 +251,14 @@ void UpdateScheduler::sync_to_host(std::size_t i) {
 void UpdateScheduler::release_residents() { place_residents(std::vector<Placement>(state_.size(), Placement::cpu)); }
 
 void UpdateScheduler::discard_residents() {
-  bool any = false;
-  for (const Arrays& r : residents_) any = any || r.block != nullptr;
-  if (!any) return;
+  if (std::all_of(pack_blocks_.begin(), pack_blocks_.end(), [](void* b) { return b == nullptr; })) return;
   // Work queued on the resident arrays (the last sync_to_host) must finish before they are reused.
   device_.stream_synchronize(config_.main_stream);
-  for (Arrays& r : residents_) {
-    if (r.block == nullptr) continue;
-    allocator_.deallocate(r.block, config_.main_stream);
-    r = Arrays{};
+  for (void*& block : pack_blocks_) {
+    if (block != nullptr) allocator_.deallocate(block, config_.main_stream);
+    block = nullptr;
   }
+  residents_.assign(state_.size(), Arrays{});
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -43,6 +43,18 @@ std::uint64_t gpu_slot_bytes(std::size_t largest, bool with_grad) {
   return (with_grad ? 4 : 3) * array;
 }
 
+ResidentPacks resident_packs(std::size_t largest) {
+  constexpr std::uint64_t kPackAtLeast = 256ULL << 20;
+  constexpr std::uint64_t kSegmentRound = 2ULL << 20;  // a request over 10 MiB: its own segment, rounded so
+  const std::uint64_t one = gpu_slot_bytes(largest, true);
+  ResidentPacks p;
+  if (one == 0) return p;
+  p.slot_bytes = one;
+  p.per_pack = static_cast<std::size_t>((kPackAtLeast + one - 1) / one);
+  p.pack_bytes = (p.per_pack * one + kSegmentRound - 1) / kSegmentRound * kSegmentRound;
+  return p;
+}
+
 void fit_gpu_budget(Workload& work, const GpuBudget& budget) {
   std::size_t largest = 0;
   for (std::size_t n : work.subgroup_params) largest = std::max(largest, n);
@@ -56,8 +68,11 @@ void fit_gpu_budget(Workload& work, const GpuBudget& budget) {
   const std::uint64_t slots = std::min<std::uint64_t>(work.gpu_slot_limit, kUsefulSlots) * slot;
   const std::uint64_t left = budget.update_bytes > slots ? budget.update_bytes - slots : 0;
   // A resident keeps a gradient array whatever the gradient path (the scheduler allocates it).
-  work.gpu_static_limit =
-      static_cast<std::size_t>(std::min(std::min(left, budget.resident_bytes) / gpu_slot_bytes(largest, true), n));
+  // Whole packs, then what the rest holds of a last, partial one (a block of its own size).
+  const ResidentPacks packs = resident_packs(largest);
+  const std::uint64_t room = std::min(left, budget.resident_bytes);
+  const std::uint64_t partial = std::min<std::uint64_t>((room % packs.pack_bytes) / packs.slot_bytes, packs.per_pack - 1);
+  work.gpu_static_limit = static_cast<std::size_t>(std::min(room / packs.pack_bytes * packs.per_pack + partial, n));
 }
 
 std::size_t fit_host_budget(Workload& work, std::uint64_t host_budget_bytes) {

@@ -207,6 +207,25 @@ TYPED_TEST(UpdateSchedulerTest, PlanChangesMoveStaticResidentsInAndOut) {
   this->expect_matches_reference("plan sequence");
 }
 
+// Residents share one block per pack; a count that shrinks or grows inside a pack moves the
+// pack out and in again, and no step's result may be lost on the way.
+TYPED_TEST(UpdateSchedulerTest, ResidentCountsThatChangeInsideAPackKeepEveryStep) {
+  this->make_problem(5, 512, 512 * 8 + 19);
+  UpdateScheduler sched(*this->state_, *this->allocator_, this->pool_.get());
+  std::int64_t step = 1;
+  for (std::size_t statics : {3, 2, 5, 1, 4, 0, 6}) {
+    StepParams p;
+    p.step = step++;
+    this->reference_step(p);
+    sched.run(this->plan_for(Pattern{"statics", 0, statics, 0}), p);
+    EXPECT_EQ(sched.resident_count(), statics);
+    const std::size_t n = this->state_->size();
+    for (std::size_t i = 0; i < n; ++i) EXPECT_EQ(sched.is_resident(i), i >= n - statics) << statics << " " << i;
+  }
+  sched.release_residents();
+  this->expect_matches_reference("resident counts 3 2 5 1 4 0 6");
+}
+
 TYPED_TEST(UpdateSchedulerTest, DiscardedResidentsComeBackFromTheHostArrays) {
   this->make_problem(11, 512, 512 * 5 + 31);
   UpdateScheduler sched(*this->state_, *this->allocator_, this->pool_.get());
@@ -356,6 +375,47 @@ TEST(UpdateSchedulerPhantom, TwentyBillionParamsWithoutHostBytes) {
   std::printf("phantom 20B plan: simulated %.3f s, wall %.3f s\n", r.phase_ns / 1e9, wall_s);
   sched.release_residents();
   allocator.deallocate(model, Stream{});
+}
+
+// 7.6 MiB residents (500K params) one block each took 20 MiB per two (the plan counted 15.3),
+// so the plan overran the device. In packs they reserve what resident_packs() counts.
+TEST(UpdateSchedulerPhantom, ResidentsReserveWhatThePlanCounts) {
+  SimConfig config;
+  config.phantom = true;
+  SimDevice dev(config);
+  const std::size_t n = 500'000;
+  auto state = OptimizerState::phantom(dev, 200 * n, n);
+  const ResidentPacks packs = resident_packs(n);
+  ASSERT_GT(packs.per_pack, 2U);
+  const std::size_t counts[] = {2 * packs.per_pack + 3, packs.per_pack, packs.per_pack + 1, 7};
+  for (std::size_t statics : counts) {  // each count from an empty allocator: what it reserves
+    CachingAllocator allocator(dev);
+    UpdateScheduler sched(*state, allocator, nullptr);
+    const auto base = static_cast<std::uint64_t>(allocator.stats().reserved_bytes[0].current);
+    Plan plan;
+    plan.placement = interleave(state->size(), 0, statics);
+    plan.static_residents = statics;
+    (void)sched.run(plan, StepParams{});
+    ASSERT_EQ(sched.resident_count(), statics);
+    const auto reserved = static_cast<std::uint64_t>(allocator.stats().reserved_bytes[0].current) - base;
+    // Whole packs at their rounded size; the partial one shares a 20 MiB segment at worst.
+    EXPECT_LE(reserved, packs.bytes_for(statics) + (20ULL << 20)) << statics << " residents";
+    sched.release_residents();
+  }
+  // One after the other in one allocator: the blocks held are the plan's count, no more.
+  CachingAllocator allocator(dev);
+  UpdateScheduler sched(*state, allocator, nullptr);
+  for (std::size_t statics : counts) {
+    Plan plan;
+    plan.placement = interleave(state->size(), 0, statics);
+    plan.static_residents = statics;
+    (void)sched.run(plan, StepParams{});
+    ASSERT_EQ(sched.resident_count(), statics);
+    EXPECT_GE(sched.held_bytes(), statics * packs.slot_bytes) << statics << " residents";
+    EXPECT_LE(sched.held_bytes(), packs.bytes_for(statics) + (1ULL << 20)) << statics << " residents";
+  }
+  sched.release_residents();
+  EXPECT_LT(sched.held_bytes(), 1ULL << 20);  // the device counter alone
 }
 
 TEST(OptimizerStateTest, SubgroupsCoverTheParametersAndRejectBadInput) {

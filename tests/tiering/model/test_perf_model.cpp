@@ -523,6 +523,29 @@ TEST(PerfModel, FitGpuBudgetIsTheOneHomeOfSlotSizing) {
   EXPECT_EQ(w.gpu_slot_limit, 4U);
 }
 
+// Residents share blocks of at least 256 MiB (a segment of their own, rounded to 2 MiB): the
+// budget counts whole packs at what they reserve, then a partial one at its members' bytes.
+TEST(PerfModel, ResidentsAreCountedInPacks) {
+  const std::size_t n = 500'000;  // 7.6 MiB residents: two would share a 20 MiB segment alone
+  const ResidentPacks packs = resident_packs(n);
+  const std::uint64_t one = gpu_slot_bytes(n, true);
+  EXPECT_EQ(packs.slot_bytes, one);
+  EXPECT_GE(packs.per_pack * one, 256ULL << 20);
+  EXPECT_LT((packs.per_pack - 1) * one, 256ULL << 20);
+  EXPECT_EQ(packs.pack_bytes % (2ULL << 20), 0U);
+  EXPECT_LT(packs.pack_bytes - packs.per_pack * one, 2ULL << 20);
+  EXPECT_EQ(packs.bytes_for(2 * packs.per_pack + 3), 2 * packs.pack_bytes + 3 * one);
+  Workload w = uniform(1000, n);
+  for (std::size_t want : {std::size_t{0}, std::size_t{1}, packs.per_pack - 1, packs.per_pack, 3 * packs.per_pack + 2}) {
+    // Exactly what `want` residents reserve fits `want`; a byte less fits one fewer.
+    fit_gpu_budget(w, GpuBudget{1ULL << 40, packs.bytes_for(want)});
+    EXPECT_EQ(w.gpu_static_limit, want);
+    if (want == 0) continue;
+    fit_gpu_budget(w, GpuBudget{1ULL << 40, packs.bytes_for(want) - 1});
+    EXPECT_EQ(w.gpu_static_limit, want - 1);
+  }
+}
+
 TEST(PerfModel, AbsurdlySmallSubgroupsAreRefusedWithTheCount) {
   const PerfModel model;
   Workload w = uniform(kMaxSubgroups + 1, 1000);

@@ -122,6 +122,8 @@ class UpdateScheduler {
                 double params, Work&& work);
 
   void place_residents(const std::vector<Placement>& placement);
+  /// Subgroups [first, last) of pack j.
+  [[nodiscard]] std::pair<std::size_t, std::size_t> pack_members(std::size_t j) const;
   void copy_back_async(std::size_t i);  ///< resident i's state D2H into its host arrays, queued
   Arrays carve(void* block, std::size_t n, bool with_grad) const;
   AdamwArgs args_for(const StepParams& params, std::size_t i) const;
@@ -147,7 +149,9 @@ class UpdateScheduler {
   PinnedBuffer host_counter_;
   unsigned int* device_counter_ = nullptr;
 
-  std::vector<Arrays> residents_;  ///< per subgroup; block != null when GPU-resident
+  std::vector<Arrays> residents_;  ///< per subgroup; block (its pack's) != null when GPU-resident
+  ResidentPacks packs_;            ///< how residents share device blocks
+  std::vector<void*> pack_blocks_;  ///< per pack, counted from the last subgroup; null when empty
   std::vector<Arrays> slots_;
   std::vector<Event> slot_free_;
   std::vector<std::size_t> streamed_;  ///< subgroups placed Placement::gpu, in order

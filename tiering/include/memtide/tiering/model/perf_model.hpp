@@ -86,10 +86,29 @@ struct GpuBudget {
 /// p, m, v arrays and, when it comes from the host, the gradient, each 512-byte aligned.
 std::uint64_t gpu_slot_bytes(std::size_t largest, bool with_grad = true);
 
+/// How static residents share device blocks. A resident of a few MiB alone would take part of a
+/// shared 20 MiB allocator segment (PyTorch's CUDACachingAllocator, and memtide's, share one
+/// among requests under 10 MiB), and the rest of it holds nothing the plan counted: at 500K params
+/// per subgroup two 7.6 MiB residents took 20 MiB, the plan overran the device, and its residents
+/// were given back. So `per_pack` consecutive subgroups (counted from the last) share one block of
+/// at least 256 MiB, which gets a segment of its own rounded to 2 MiB (under 1% more): `pack_bytes`
+/// is what a full pack reserves.
+struct ResidentPacks {
+  std::size_t per_pack = 1;
+  std::uint64_t pack_bytes = 0;
+  std::uint64_t slot_bytes = 0;  ///< one resident's arrays, gpu_slot_bytes(largest, true)
+  /// Device bytes `residents` residents hold: whole packs, and a last one sized to its members.
+  [[nodiscard]] std::uint64_t bytes_for(std::size_t residents) const {
+    return residents / per_pack * pack_bytes + residents % per_pack * slot_bytes;
+  }
+};
+ResidentPacks resident_packs(std::size_t largest);
+
 /// The one place that turns device memory into what a plan may hold: sets
 /// `work.gpu_slot_limit` (slots that fit `budget.update_bytes`) and `work.gpu_static_limit`
-/// (residents, with their gradient, that fit `budget.resident_bytes` and what the useful slots
-/// leave of the update budget). Both at most the number of subgroups.
+/// (residents, with their gradient, packed as resident_packs() says, that fit
+/// `budget.resident_bytes` and what the useful slots leave of the update budget). Both at most
+/// the number of subgroups.
 void fit_gpu_budget(Workload& work, const GpuBudget& budget);
 
 /// The one place that decides which subgroups live on NVMe: the fewest that bring the host state
