@@ -9,6 +9,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 #include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <iterator>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -307,6 +310,96 @@ Topology live_topology() {
   return Topology("none", {node}, {});
 }
 
+// hwloc reads the numbers of its XML with strtoul and friends: os_index="-1" wraps to 4294967295
+// and "1.5" reads as 1, so such a file would load with numbers it does not hold. The attributes
+// of hwloc's XML format that hold counts, indices and sizes are checked here first, each named
+// with its line and the file. (Numbers in element text, distance matrices, are not checked:
+// memtide does not read them.)
+[[maybe_unused]] void check_xml_numbers(const std::string& path) {
+  constexpr std::uintmax_t kMaxFileBytes = 256ULL << 20;  // lstopo writes a few MiB for the largest machines
+  std::error_code ec;
+  if (const std::uintmax_t size = fs::file_size(path, ec); !ec && size > kMaxFileBytes) {
+    throw ConfigError("topology file \"" + path + "\" is " + std::to_string(size) +
+                      " bytes; an hwloc XML topology is at most a few MiB");
+  }
+  std::ifstream in(path, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  struct Rule {
+    std::string_view name;
+    std::uint64_t max;
+  };
+  constexpr std::uint64_t kInt = 0x7fffffff;  // indices memtide keeps as int
+  constexpr std::uint64_t kU64 = ~std::uint64_t{0};
+  static constexpr Rule kRules[] = {{"os_index", kInt}, {"gp_index", kU64}, {"depth", kInt},
+                                    {"local_memory", kU64}, {"cache_size", kU64}, {"cache_linesize", kInt},
+                                    {"size", kU64}, {"count", kU64}, {"nbobjs", kInt}, {"length", kInt}};
+  std::size_t line = 1;
+  auto refuse = [&](std::string_view name, std::string_view value, const std::string& why) {
+    throw ConfigError("topology file \"" + path + "\" line " + std::to_string(line) + ": " + std::string(name) + "=\"" +
+                      std::string(value.substr(0, 40)) + "\" " + why);
+  };
+  const std::size_t n = text.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    if (text[i] == '\n') ++line;
+    if (text[i] != '<') continue;
+    if (i + 1 < n && (text[i + 1] == '!' || text[i + 1] == '?')) {  // a comment, DOCTYPE or declaration
+      const std::string_view end = text.compare(i, 4, "<!--") == 0 ? "-->" : ">";
+      const std::size_t stop = std::min(text.find(end, i), n);
+      line += static_cast<std::size_t>(std::count(text.begin() + static_cast<std::ptrdiff_t>(i),
+                                                  text.begin() + static_cast<std::ptrdiff_t>(stop), '\n'));
+      i = stop;
+      continue;
+    }
+    // A tag: its attributes, name="value" or name='value', up to the closing '>'.
+    std::size_t j = i + 1;
+    while (j < n && text[j] != '>') {
+      if (text[j] == '\n') ++line;
+      if (text[j] != '=') {
+        ++j;
+        continue;
+      }
+      std::size_t name_end = j;
+      while (name_end > i && std::isspace(static_cast<unsigned char>(text[name_end - 1]))) --name_end;
+      std::size_t name_start = name_end;
+      while (name_start > i && (std::isalnum(static_cast<unsigned char>(text[name_start - 1])) ||
+                                text[name_start - 1] == '_')) {
+        --name_start;
+      }
+      std::size_t q = j + 1;
+      while (q < n && std::isspace(static_cast<unsigned char>(text[q]))) ++q;
+      if (q >= n || (text[q] != '"' && text[q] != '\'')) {
+        j = q;
+        continue;
+      }
+      const std::size_t close = text.find(text[q], q + 1);
+      if (close == std::string::npos) break;  // unterminated: hwloc's parser refuses the file
+      const std::string_view name(text.data() + name_start, name_end - name_start);
+      const std::string_view value(text.data() + q + 1, close - q - 1);
+      for (const Rule& rule : kRules) {
+        if (name != rule.name) continue;
+        std::uint64_t v = 0;
+        const auto [end, err] = std::from_chars(value.data(), value.data() + value.size(), v);
+        if (value.empty() || !std::isdigit(static_cast<unsigned char>(value.front())) ||
+            end != value.data() + value.size()) {
+          refuse(name, value, "is not a whole number of 0 or more");
+        }
+        if (err != std::errc{} || v > rule.max) refuse(name, value, "is out of range (at most " + std::to_string(rule.max) + ")");
+      }
+      if (name == "pci_link_speed") {
+        double v = 0;
+        const auto [end, err] = std::from_chars(value.data(), value.data() + value.size(), v);
+        if (value.empty() || err != std::errc{} || end != value.data() + value.size() || !std::isfinite(v) || v < 0) {
+          refuse(name, value, "is not a link speed in GB/s of 0 or more");
+        }
+      }
+      line += static_cast<std::size_t>(std::count(text.begin() + static_cast<std::ptrdiff_t>(j),
+                                                  text.begin() + static_cast<std::ptrdiff_t>(close), '\n'));
+      j = close + 1;
+    }
+    i = j;
+  }
+}
+
 }  // namespace
 
 bool hwloc_available() noexcept {
@@ -473,6 +566,7 @@ Topology Topology::from_xml(const std::string& path) {
   }
   if (std::ifstream probe(path); !probe) throw IoError("topology file \"" + path + "\" cannot be opened for reading");
 #ifdef MEMTIDE_HAVE_HWLOC
+  check_xml_numbers(path);
   auto load = [&](HwlocTopology& h) {
     // I/O objects are filtered out by default, from XML too: keep them all, they are the point.
     hwloc_topology_set_io_types_filter(h.t, HWLOC_TYPE_FILTER_KEEP_ALL);

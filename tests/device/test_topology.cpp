@@ -4,7 +4,10 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <iterator>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -254,6 +257,57 @@ TEST(Topology, BadFilesAreNamed) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find(junk), std::string::npos) << e.what();
   }
+}
+
+// hwloc would wrap os_index="-1" and truncate "1.5": every such number is refused first, naming
+// the attribute, its line and the file.
+TEST(Topology, NumbersInTheXmlAreCheckedBeforeHwlocReadsThem) {
+  REQUIRE_HWLOC();
+  std::ifstream in(kData + "two_socket_4gpu.xml");
+  const std::string good((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_NE(good.find("local_memory=\"68719476736\""), std::string::npos);
+  struct Case {
+    const char* from;
+    const char* to;
+    const char* named;
+  };
+  const Case cases[] = {
+      {"<object type=\"NUMANode\" os_index=\"0\"", "<object type=\"NUMANode\" os_index=\"-1\"", "os_index=\"-1\""},
+      {"<object type=\"NUMANode\" os_index=\"0\"", "<object type=\"NUMANode\" os_index=\"1.5\"", "os_index=\"1.5\""},
+      {"<object type=\"NUMANode\" os_index=\"0\"", "<object type=\"NUMANode\" os_index=\"4294967296\"",
+       "out of range"},
+      {"<object type=\"NUMANode\" os_index=\"0\"", "<object type=\"NUMANode\" os_index = '+3'", "os_index=\"+3\""},
+      {"local_memory=\"68719476736\"", "local_memory=\"-68719476736\"", "local_memory"},
+      {"local_memory=\"68719476736\"", "local_memory=\"99999999999999999999999\"", "out of range"},
+      {"local_memory=\"68719476736\"", "local_memory=\"\"", "local_memory=\"\""},
+      {"pci_link_speed=\"31.507692\"", "pci_link_speed=\"-31.5\"", "pci_link_speed"},
+      {"pci_link_speed=\"31.507692\"", "pci_link_speed=\"nan\"", "pci_link_speed"},
+  };
+  const std::string dir = ::testing::TempDir();
+  for (const Case& c : cases) {
+    std::string text = good;
+    const std::size_t at = text.find(c.from);
+    ASSERT_NE(at, std::string::npos) << c.from;
+    text.replace(at, std::strlen(c.from), c.to);
+    const std::size_t line = 1 + static_cast<std::size_t>(std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(at), '\n'));
+    const std::string path = dir + "/bad_numbers.xml";
+    std::ofstream(path) << text;
+    try {
+      (void)Topology::from_xml(path);
+      ADD_FAILURE() << "loaded a file with " << c.to;
+    } catch (const ConfigError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(path), std::string::npos) << what;
+      EXPECT_NE(what.find(c.named), std::string::npos) << what;
+      EXPECT_NE(what.find("line " + std::to_string(line) + ":"), std::string::npos) << what;
+    }
+  }
+  // The same numbers inside a comment or an info value are text, not numbers: the file loads.
+  std::string text = good;
+  text.replace(text.find("<topology version"), 0, "<!-- os_index=\"-1\" -->\n");
+  const std::string path = dir + "/commented.xml";
+  std::ofstream(path) << text;
+  EXPECT_EQ(Topology::from_xml(path).gpus().size(), Topology::from_xml(kData + "two_socket_4gpu.xml").gpus().size());
 }
 
 TEST(Topology, GpuIndexOutOfRange) {
