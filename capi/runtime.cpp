@@ -4,6 +4,7 @@
 #include <string>
 
 #include "memtide/core/error.hpp"
+#include "memtide/core/job.hpp"
 #include "memtide/core/log.hpp"
 #include "memtide/core/no_destructor.hpp"
 #include "memtide/core/options.hpp"
@@ -71,16 +72,7 @@ int Runtime::host_node(int device) const {
 
 int Runtime::ranks_on_node() const {
   if (options().local_ranks > 0) return options().local_ranks;
-  const char* torchrun = std::getenv("LOCAL_WORLD_SIZE");
-  if (torchrun == nullptr) return 1;
-  char* end = nullptr;
-  const long n = std::strtol(torchrun, &end, 10);
-  if (end == torchrun || *end != '\0' || n < 1 || n > 4096) {
-    MEMTIDE_LOG(warn, std::string("LOCAL_WORLD_SIZE=") + torchrun + " is not a rank count (1 to 4096); each rank "
-                      "takes its GPU's local cpus whole");
-    return 1;
-  }
-  return static_cast<int>(n);
+  return job_local_world_size().value_or(1);
 }
 
 ThreadPool& Runtime::host_pool(int device) {

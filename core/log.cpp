@@ -1,5 +1,7 @@
 #include "memtide/core/log.hpp"
 
+#include "memtide/core/job.hpp"
+
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -36,7 +38,12 @@ void set_log_level(LogLevel level) noexcept { g_level.store(static_cast<int>(lev
 
 void log_message(LogLevel level, const std::string& message) noexcept {
   static const char* names[] = {"error", "warn", "info", "debug"};
-  std::fprintf(stderr, "memtide [%s] %s\n", names[static_cast<int>(level)], message.c_str());
+  // The ranks of a job share one terminal: each line says whose it is.
+  if (const std::optional<int> rank = job_rank()) {
+    std::fprintf(stderr, "memtide [%s] rank %d: %s\n", names[static_cast<int>(level)], *rank, message.c_str());
+  } else {
+    std::fprintf(stderr, "memtide [%s] %s\n", names[static_cast<int>(level)], message.c_str());
+  }
 }
 
 }  // namespace memtide

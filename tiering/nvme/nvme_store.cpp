@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "memtide/core/error.hpp"
+#include "memtide/core/job.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"
 
@@ -69,7 +70,12 @@ SpillDir::SpillDir(const fs::path& parent) {
   // Absolute: the folder is removed at exit, and the process may have changed directory by then.
   const fs::path base = fs::absolute(parent, ec);
   if (ec) throw IoError("spill directory " + parent.string() + ": " + ec.message());
-  std::string templ = (base / (std::string(kPrefix) + std::to_string(::getpid()) + "-XXXXXX")).string();
+  // memtide-spill-PID[-rankR]-XXXXXX: the pid first (a leftover's owner is found by it), the rank
+  // for the user who looks at the folders of a job's ranks side by side.
+  const std::optional<int> rank = job_rank();
+  std::string templ = (base / (std::string(kPrefix) + std::to_string(::getpid()) +
+                               (rank ? "-rank" + std::to_string(*rank) : std::string()) + "-XXXXXX"))
+                          .string();
   if (::mkdtemp(templ.data()) == nullptr) {  // mode 0700, a fresh unpredictable name
     throw IoError("spill directory " + parent.string() + ": cannot create a private folder: " + errno_text(errno));
   }

@@ -266,3 +266,27 @@ TEST_F(NvmeTest, StaleSpillsOfDeadProcessesAreFound) {
   EXPECT_EQ(found[0].path, stale);
   EXPECT_EQ(found[0].bytes, 12345U);
 }
+
+// The ranks of a torchrun job spill side by side: each folder says whose it is, and a dead
+// rank's is still found by its pid.
+TEST_F(NvmeTest, SpillFoldersAreNamedByRankAndStillFoundByPid) {
+  ASSERT_EQ(::setenv("RANK", "3", 1), 0);
+  {
+    SpillDir mine(parent);
+    const std::string name = fs::path(mine.path()).filename().string();
+    EXPECT_EQ(name.rfind("memtide-spill-" + std::to_string(::getpid()) + "-rank3-", 0), 0U) << name;
+    EXPECT_TRUE(SpillDir::find_stale(parent).empty()) << "alive: not stale";
+  }
+  ASSERT_EQ(::setenv("RANK", "not-a-rank", 1), 0);
+  {
+    SpillDir mine(parent);  // a bad RANK is taken as unset
+    const std::string name = fs::path(mine.path()).filename().string();
+    EXPECT_EQ(name.find("rank"), std::string::npos) << name;
+  }
+  ::unsetenv("RANK");
+  const fs::path stale = parent / "memtide-spill-999999999-rank7-abcdef";
+  fs::create_directory(stale);
+  const auto found = SpillDir::find_stale(parent);
+  ASSERT_EQ(found.size(), 1U);
+  EXPECT_EQ(found[0].path, stale);
+}
