@@ -160,6 +160,9 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
   d["backward_update_busy_s"] = r.backward_update_busy_s;
   d["phase_start_s"] = nb::make_tuple(r.phase_start_s[0], r.phase_start_s[1], r.phase_start_s[2]);
   d["end_s"] = r.end_s;
+  nb::list spans;
+  for (const auto& span : r.spans) spans.append(nb::make_tuple(memtide::phase_name(span.phase), span.start_s, span.end_s));
+  d["phase_spans"] = spans;
   if (record_ops) {
     nb::list ops;
     for (const SimOp& op : r.ops) ops.append(nb::make_tuple(op.engine, op.start_ns / 1e9, op.end_ns / 1e9, op.bytes));

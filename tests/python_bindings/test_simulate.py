@@ -134,6 +134,35 @@ def test_the_python_api_is_deterministic_and_records_ops_on_request():
     assert t_forward < t_backward < t_update < a["end_s"]
 
 
+def test_micro_batches_run_forward_and_backward_in_turn_so_memory_does_not_grow():
+    # Every forward first, then every backward, kept all micro-batches' activations at once:
+    # --micro-batches 64 ran out of memory in forward. Gradient accumulation as ZeRO-3 runs it
+    # holds one micro-batch's.
+    few = cli("--micro-batches", "2", "--json")
+    many = cli("--micro-batches", "64", "--json")
+    assert few.returncode == 0 and many.returncode == 0, many.stderr
+    a, b = json.loads(few.stdout)["contenders"], json.loads(many.stdout)["contenders"]
+    for name in a:
+        for phase in ("forward", "backward"):
+            assert b[name]["peak_bytes"][phase] <= a[name]["peak_bytes"][phase] * 1.01, (name, phase)
+        assert b[name]["forward_s"] == pytest.approx(32 * a[name]["forward_s"], rel=0.02), name
+        assert b[name]["update_s"] == pytest.approx(a[name]["update_s"], rel=0.02), name
+
+
+def test_each_micro_batch_is_a_forward_and_a_backward_span_and_the_window_turns_at_each():
+    shape = dict(SMALL, micro_batches=3)
+    one = memtide.simulate_iteration(shape=SMALL, node=SMALL_NODE, window=1, contender="memtide")
+    three = memtide.simulate_iteration(shape=shape, node=SMALL_NODE, window=1, contender="memtide")
+    phases = [p for p, _, _ in three["phase_spans"]]
+    assert phases == ["forward", "backward"] * 3 + ["update"]
+    ends = [t for _, a, b in three["phase_spans"] for t in (a, b)]
+    assert ends == sorted(ends) and ends[-1] == three["end_s"]
+    forward = sum(b - a for p, a, b in three["phase_spans"] if p == "forward")
+    assert three["simulated"]["forward_s"] == pytest.approx(forward)
+    # The window copies each micro-batch's blocks in, keeping the last one at each turn.
+    assert three["window_h2d_bytes"] == pytest.approx(3 * one["window_h2d_bytes"])
+
+
 def test_the_python_api_refuses_unknown_keys_and_contenders():
     with pytest.raises(ValueError, match="warp"):
         memtide.simulate_iteration(shape=SMALL, node={"warp": 1})

@@ -142,28 +142,48 @@ class Rank {
 
     window_h2d_bytes_ = 0;
     if (window_ > 0 && next_fetch_ == 0) prefetch_window();  // the first iteration: no update before it
+    // Gradient accumulation as ZeRO-3 runs it: each micro-batch's forward, then its backward, so
+    // one micro-batch's activations are alive at a time; the update follows the last.
     const double t0 = now_s();
-    allocator_.mark_phase(Phase::forward);
-    sample();
     PassWork forward, backward;
-    std::vector<std::vector<void*>> kept(static_cast<std::size_t>(model_.micro_batches));
-    for (int mb = 0; mb < model_.micro_batches; ++mb) this->forward(kept[mb], forward);
-    device_.synchronize();
-    const double t1 = now_s();
-    allocator_.mark_phase(Phase::backward);
-    sample();
-    begin_backward_updates();
+    double forward_s = 0, backward_s = 0, t1 = t0, last_backward_start = t0;
+    out.spans.clear();
     for (int mb = 0; mb < model_.micro_batches; ++mb) {
-      backward_updates_on_ = bwd_enabled_ && mb + 1 == model_.micro_batches;  // the accumulation boundary
-      this->backward(kept[mb], backward);
+      const bool last = mb + 1 == model_.micro_batches;
+      const double f0 = now_s();
+      allocator_.mark_phase(Phase::forward);
+      sample();
+      std::vector<void*> kept;
+      this->forward(kept, forward);
+      device_.synchronize();
+      const double b0 = now_s();
+      if (mb == 0) t1 = b0;
+      forward_s += b0 - f0;
+      out.spans.push_back({Phase::forward, f0, b0});
+      allocator_.mark_phase(Phase::backward);
+      sample();
+      if (last) {
+        last_backward_start = b0;
+        begin_backward_updates();
+        backward_updates_on_ = bwd_enabled_;  // the accumulation boundary
+      }
+      this->backward(kept, backward);
+      backward_updates_on_ = false;
+      if (last) {
+        work_until(device_.stream_ready_ns(compute_));  // the host keeps updating while the GPU ends backward
+        if (pushed_) (void)engine_->finish_grads();
+        pushed_ = false;
+        device_.synchronize();
+      } else {
+        // The next forward starts when this backward's compute has; its gradients drain meanwhile.
+        device_.stream_synchronize(compute_);
+      }
+      const double e = now_s();
+      backward_s += e - b0;
+      out.spans.push_back({Phase::backward, b0, e});
     }
-    backward_updates_on_ = false;
-    work_until(device_.stream_ready_ns(compute_));  // the host keeps updating while the GPU ends backward
-    if (pushed_) (void)engine_->finish_grads();
-    pushed_ = false;
-    device_.synchronize();
     const double t2 = now_s();
-    last_backward_ns_ = (t2 - t1) * 1e9;
+    last_backward_ns_ = (t2 - last_backward_start) * 1e9;
 
     allocator_.mark_phase(Phase::update);
     sample();
@@ -204,7 +224,8 @@ class Rank {
     sample();
     last_placement_ = plan.plan.placement;
 
-    out.simulated = PhaseTimes{t1 - t0, t2 - t1, t3 - t2, t3 - t0};
+    out.simulated = PhaseTimes{forward_s, backward_s, t3 - t2, t3 - t0};
+    out.spans.push_back({Phase::update, t2, t3});
     const IterationPrediction predicted = PerfModel{}.predict_iteration(forward, backward, plan.plan.prediction);
     out.predicted = PhaseTimes{predicted.forward_ns / 1e9, predicted.backward_ns / 1e9, predicted.update_ns / 1e9,
                                predicted.total_ns / 1e9};
@@ -461,21 +482,24 @@ class Rank {
     }
     for (int mb = 0; mb < model_.micro_batches; ++mb) {
       for (int u = 0; u < model_.layers; ++u) order_.push_back(u);
-    }
-    turn_ = order_.size();
-    for (int mb = 0; mb < model_.micro_batches; ++mb) {
       for (int u = model_.layers - 1; u >= 0; --u) order_.push_back(u);
     }
-    // At the turn from forward to backward the last m blocks stay (STRONGHOLD): the first m
+    // At each turn from forward to backward the last m blocks stay (STRONGHOLD): the first m
     // gathers of backward read the buffers the last m of forward filled.
     for (std::size_t k = 0; k < order_.size(); ++k) {
-      if (!turn_kept(k) || k < turn_) fetches_.push_back(k);
+      if (!turn_kept(k) || k < turn_of(k)) fetches_.push_back(k);
     }
   }
-  // Whether use k is one of the last m of forward or the first m of backward.
+  // The first use of backward in the micro-batch of use k.
+  [[nodiscard]] std::size_t turn_of(std::size_t k) const {
+    const auto pass = static_cast<std::size_t>(model_.layers);
+    return k / (2 * pass) * (2 * pass) + pass;
+  }
+  // Whether use k is one of the last m of its forward or the first m of its backward.
   [[nodiscard]] bool turn_kept(std::size_t k) const {
     const auto m = static_cast<std::size_t>(window_);
-    return k + m >= turn_ && k < turn_ + m;
+    const std::size_t turn = turn_of(k);
+    return k + m >= turn && k < turn + m;
   }
   void close_window() {
     if (home_ == nullptr) return;
@@ -514,7 +538,7 @@ class Rank {
   void take_from_window(int u) {
     if (order_[next_use_] != u) throw Error("iteration simulator: the window's order lost its place");
     taken_use_ = next_use_++;
-    if (turn_kept(taken_use_) && taken_use_ >= turn_) {  // still there from forward
+    if (turn_kept(taken_use_) && taken_use_ >= turn_of(taken_use_)) {  // still there from forward
       taken_slot_ = kept_slot_.at(u);
       return;
     }
@@ -526,7 +550,7 @@ class Rank {
     taken_slot_ = slot;
   }
   void release_to_window() {
-    if (turn_kept(taken_use_) && taken_use_ < turn_) {
+    if (turn_kept(taken_use_) && taken_use_ < turn_of(taken_use_)) {
       kept_slot_[order_[taken_use_]] = taken_slot_;  // backward reads it again
     } else {
       Event done = device_.create_event();
@@ -659,7 +683,6 @@ class Rank {
   std::vector<void*> slots_;
   void* head_ = nullptr;
   std::vector<int> order_;                      // blocks in the order their gathers come
-  std::size_t turn_ = 0;                        // the first use of backward in order_
   std::vector<std::size_t> fetches_;            // the uses that copy their shard in
   std::map<int, int> kept_slot_;                // block -> its buffer across the turn
   std::size_t next_fetch_ = 0, next_use_ = 0;   // places in fetches_ and order_

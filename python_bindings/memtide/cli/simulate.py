@@ -144,8 +144,8 @@ def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, 
     trace = files["trace"]
     with timeline.TraceWriter(trace, source="memtide simulate", clock="virtual", model=r["model"],
                               contender="memtide", capacity_bytes=r["capacity_bytes"]) as w:
-        for t, phase in zip(r["phase_start_s"], ("forward", "backward", "update")):
-            w.phase(t, phase)
+        for phase, start, _end in r["phase_spans"]:  # with micro-batches: each one's forward and backward
+            w.phase(start, phase)
         w.phase(r["end_s"], "other")
         for t, allocated, reserved in r["memory"]:
             w.memory(t, allocated, reserved)

@@ -145,9 +145,18 @@ struct IterationResult {
   /// Params updated during backward (NodeSpec::updates_during_backward), and the host's time on them then.
   double backward_update_params = 0;
   double backward_update_busy_s = 0;
-  /// When forward, backward and update began and when the update ended, in s on the virtual clock.
+  /// When the first forward, the first backward and the update began and when the update ended,
+  /// in s on the virtual clock.
   double phase_start_s[3] = {};
   double end_s = 0;
+  /// Every phase in the order it ran: with micro-batches, each one's forward and backward, then
+  /// the update.
+  struct PhaseSpan {
+    Phase phase = Phase::forward;
+    double start_s = 0;
+    double end_s = 0;
+  };
+  std::vector<PhaseSpan> spans;
   std::vector<SimOp> ops;        ///< every operation of the iteration (SimulationOptions::record_ops)
   /// Device memory over the iteration (SimulationOptions::record_ops): sampled by the host at
   /// every phase mark and block, on the virtual clock.
