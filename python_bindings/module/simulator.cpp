@@ -160,6 +160,9 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
   d["backward_update_busy_s"] = r.backward_update_busy_s;
   d["phase_start_s"] = nb::make_tuple(r.phase_start_s[0], r.phase_start_s[1], r.phase_start_s[2]);
   d["end_s"] = r.end_s;
+  d["host_state_bytes"] = r.host_state_bytes;
+  d["nvme_staging_bytes"] = r.nvme_staging_bytes;
+  d["nvme_file_bytes"] = r.nvme_file_bytes;
   if (record_ops) {
     nb::list ops;
     for (const SimOp& op : r.ops) ops.append(nb::make_tuple(op.engine, op.start_ns / 1e9, op.end_ns / 1e9, op.bytes));
@@ -172,6 +175,7 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
       tiering.append(nb::make_tuple(op.what, op.subgroup, op.start_ns / 1e9, op.end_ns / 1e9, op.bytes));
     }
     d["tiering"] = tiering;
+    d["nvme_transfers"] = nvme_transfer_list(r.nvme_transfers);
   }
   return d;
 }

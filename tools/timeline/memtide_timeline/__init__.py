@@ -17,7 +17,18 @@ one). Times are seconds on the trace's clock. Event types:
 - ``alloc`` / ``free``: one allocation (``bytes``, ``addr``, ``stream``), as the observer logs them;
 - ``tiering``: one operation of the update phase for one optimizer subgroup (``what``: prefetch,
   gpu update, flush, cpu update, param upload, grad upload, grad to host; ``subgroup``; ``start``,
-  ``end``, ``bytes``).
+  ``end``, ``bytes``);
+- ``host``: the host tier at time t: the HostArena's ``reserved`` and ``allocated`` bytes, the
+  pinned ``staging`` the NVMe tier holds, the process's resident memory ``rss`` (each optional);
+- ``nvme``: one NVMe transfer (``what``: read, write) or one wait of the update for a read
+  (``what``: wait), of one ``subgroup``: ``queued`` when it was asked for, ``start`` to ``end``
+  when the drive served it (the wait: from when the update asked until the data was there),
+  ``bytes``. Reads queued and not yet taken are the read-ahead, writes queued and not yet done
+  the write-back queue;
+- ``spill``: the optimizer state on NVMe at time t (``bytes``: the spill file's).
+
+Header fields readers use: ``capacity_bytes`` (device memory), ``host_capacity_bytes`` (the host
+budget), ``nvme_capacity_bytes`` (the space reserved on the drive), each optional.
 
 Readers check every field they use and refuse the trace, naming the file, the line and the field,
 when one is out of range: times are numbers of seconds from 0 to 1e12, byte counts 0 to 2**63-1
