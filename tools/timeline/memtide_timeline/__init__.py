@@ -45,7 +45,8 @@ command).
 The modules: ``trace`` (the format, writer and reader), ``record`` (traces from the allocator's
 events and the observer's log), ``model`` (the Timeline a report draws), ``html_report`` (the
 HTML), ``export`` (Chrome trace, memory_viz pickle, PNG, and render() for all of them), ``files``
-(the report's files, written atomically).
+(the report's files, written atomically), ``snapshot`` (torch's memory snapshots, read without
+running code: ``memtide timeline snapshot.pickle``).
 """
 
 from .export import render, write_chrome, write_memory_viz, write_png
@@ -53,8 +54,10 @@ from .files import TraceError, check_outputs, check_report_target, companions
 from .html_report import write_html
 from .model import ENGINES, PHASES, Timeline
 from .record import trace_from_allocator, trace_from_observer
+from .snapshot import SnapshotView, looks_like_pickle, read_snapshot
 from .trace import VERSION, TraceWriter, read_trace
 
-__all__ = ["ENGINES", "PHASES", "VERSION", "Timeline", "TraceError", "TraceWriter", "check_outputs",
+__all__ = ["ENGINES", "PHASES", "VERSION", "SnapshotView", "Timeline", "TraceError", "TraceWriter", "check_outputs",
+           "looks_like_pickle", "read_snapshot",
            "check_report_target", "companions", "read_trace", "render", "trace_from_allocator", "trace_from_observer",
            "write_chrome", "write_html", "write_memory_viz", "write_png"]

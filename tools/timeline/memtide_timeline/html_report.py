@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import html
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 from memtide._memtide import format_bytes
 
@@ -65,7 +65,7 @@ def _legend(names) -> str:
     return " ".join(f'<span style="color:{COLORS[n]}">&#9632; {n}</span>' for n in names)
 
 
-def write_html(tl: Timeline, path: str, title: str = "memtide timeline") -> None:
+def write_html(tl: Timeline, path: str, title: str = "memtide timeline", extra: Sequence[str] = ()) -> None:
     """One HTML file with inline SVG: memory over time per tier (device, host, NVMe) against each
     tier's capacity, the PCIe lanes, the NVMe lanes, the engines as a Gantt chart, and a summary
     table per phase, the phase bands across all. No script, no network."""
@@ -184,7 +184,7 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline") -> None
                                     f"{html.escape(str(tl.header.get('cupti', 'not traced')))}).</p>"]), *schedule,
         "<h2>Per phase</h2>",
         "<table id='summary'><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr>",
-        *rows, "</table>", "</body></html>",
+        *rows, "</table>", *extra, "</body></html>",
     ]
     with AtomicFile(path) as f:
         f.write("\n".join(doc))
