@@ -161,3 +161,71 @@ def test_bad_tier_events_are_named(tmp_path):
         path.write_text(json.dumps({"memtide_trace": 1}) + "\n" + json.dumps(event) + "\n")
         with pytest.raises(timeline.TraceError, match=re.escape(str(path)) + ".*line 2.*" + re.escape(words)):
             list(timeline.read_trace(str(path))[1])
+
+
+def tiered_trace(path, steps=20):
+    """A trace with every tier: phases, device memory, PCIe ops, host samples, NVMe transfers."""
+    with timeline.TraceWriter(str(path), source="test", clock="virtual", capacity_bytes=8 << 30,
+                              host_capacity_bytes=4 << 30, nvme_capacity_bytes=16 << 30) as w:
+        t = 0.0
+        w.event(type="spill", t=0.0, bytes=12 << 30)
+        for s in range(steps):
+            for phase in ("forward", "backward", "update"):
+                w.phase(t, phase)
+                for i in range(10):
+                    w.memory(t + i * 1e-3, (1 << 30) + i * (16 << 20), 2 << 30)
+                    w.event(type="host", t=t + i * 1e-3, reserved=3 << 30, allocated=(2 << 30) + i * (8 << 20),
+                            staging=256 << 20, rss=(3 << 30) + i * (4 << 20))
+                    w.op(("h2d", "d2h")[i % 2], t + i * 1e-3, t + i * 1e-3 + 5e-4, 1 << 20)
+                    if phase == "update":
+                        a = t + i * 1e-3
+                        w.event(type="nvme", what="read", subgroup=i, queued=a, start=a, end=a + 4e-4, bytes=64 << 20)
+                        w.event(type="nvme", what="wait", subgroup=i, queued=a, start=a, end=a + 2e-4, bytes=64 << 20)
+                        w.event(type="nvme", what="write", subgroup=i, queued=a + 5e-4, start=a + 5e-4, end=a + 9e-4,
+                                bytes=64 << 20)
+                t += 10e-3
+    return path
+
+
+OFFLINE = ["--headless=new", "--no-sandbox", "--disable-gpu", "--host-resolver-rules=MAP * ~NOTFOUND",
+           "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=<-loopback>", "--window-size=1200,1000"]
+
+
+def _chromium():
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium (scripts/test.sh installs it from Debian)")
+    return chromium
+
+
+def test_a_headless_browser_draws_every_tier_with_the_network_off(tmp_path):
+    chromium = _chromium()
+    timeline.render(str(tiered_trace(tmp_path / "t.jsonl")), str(tmp_path / "r.html"))
+    dom = subprocess.run([chromium, *OFFLINE, "--dump-dom", (tmp_path / "r.html").as_uri()], capture_output=True,
+                         text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    drawn = charts(dom.stdout, "memory", "host", "nvme", "nvme-queues", "nvme-memory", "pcie")
+    assert drawn["memory"].count("<polyline") == 2  # device: allocated, reserved
+    assert drawn["host"].count("<polyline") == 4 and drawn["host"].count('class="capacity"') == 1
+    for lane in ("read", "write", "wait"):
+        assert drawn["nvme"].count(f"<title>{lane} ") >= 1, lane
+    assert drawn["nvme-queues"].count("<polyline") == 2 and drawn["nvme-memory"].count("<polyline") == 1
+    for chart in drawn.values():  # the phase bands run across every chart
+        assert chart.count('class="phase"') == 60
+
+
+def test_a_headless_browser_draws_a_torch_snapshot_with_the_network_off(tmp_path):
+    import os
+
+    chromium = _chromium()
+    snap = os.path.join(os.path.dirname(__file__), "..", "..", "data", "snapshots", "torch_2_1_snapshot.pickle")
+    timeline.render(snap, str(tmp_path / "s.html"))
+    dom = subprocess.run([chromium, *OFFLINE, "--dump-dom", (tmp_path / "s.html").as_uri()], capture_output=True,
+                         text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    drawn = charts(dom.stdout, "memory", "segments")
+    assert drawn["memory"].count("<polyline") == 2
+    assert drawn["segments"].count('class="segment"') == 3 and drawn["segments"].count('class="block"') == 3
+    assert dom.stdout.count("(train.py:") >= 4 * 3  # the frames of the blocks at the peak

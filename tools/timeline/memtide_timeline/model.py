@@ -108,8 +108,12 @@ class Timeline:
         memory.sort()
         host.sort()
         spill.sort()
-        times = [t for t, _ in phases] + [t for t, _, _ in memory] + [o[1] for o in ops] + [o[2] for o in ops]
-        times += [h[0] for h in host] + [n[2] for n in nvme] + [n[4] for n in nvme] + [s[0] for s in spill]
+        # The span: the ends of the sorted lists, and each interval's start (queued) and end.
+        times = [v for lst in (phases, memory, host, spill) if lst for v in (lst[0][0], lst[-1][0])]
+        if ops:
+            times += [min(o[1] for o in ops), max(o[2] for o in ops)]
+        if nvme:
+            times += [min(n[2] for n in nvme), max(n[4] for n in nvme)]
         self.t0 = min(times) if times else 0.0
         self.t1 = max(times) if times else 1.0
         if self.t1 <= self.t0:
@@ -144,12 +148,18 @@ class Timeline:
             per_phase[phase]["peak_allocated"] = max(per_phase[phase]["peak_allocated"], alloc)
         # The host tier: per series its peak, overall and per phase.
         self.host_peak = {s: max((h[1 + j] for h in host), default=-1) for j, s in enumerate(HOST_SERIES)}
-        for h in host:
-            i = bisect.bisect_right(starts, h[0]) - 1
-            p = per_phase[spans[i][2] if i >= 0 else "other"]
+        # Samples are sorted: each phase's are one run of them, its peaks taken per series at once.
+        bounds = [bisect.bisect_left(host, (a,)) for a in starts] + [len(host)]
+        runs = [(0, bounds[0], "other")] if starts else [(0, len(host), "other")]
+        runs += [(bounds[i], bounds[i + 1], spans[i][2]) for i in range(len(spans))]
+        for lo, hi, name in runs:
+            if hi <= lo:
+                continue
+            p = per_phase[name]
             for j, s in enumerate(HOST_SERIES):
-                if h[1 + j] > p["host_" + s]:
-                    p["host_" + s] = h[1 + j]
+                top = max(h[1 + j] for h in host[lo:hi])
+                if top > p["host_" + s]:
+                    p["host_" + s] = top
         self.host = _thin(host, (1, 2, 3, 4), self.t0, width, bins)
         self.host_samples = len(host)
         # The NVMe tier: busy time per lane, bytes per phase (by when each transfer began), the
