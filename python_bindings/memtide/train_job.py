@@ -75,11 +75,12 @@ def choose_device(requested: str) -> Dict[str, Any]:
 def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_size: int, k: Optional[int],
           gpu_static_fraction: float, progress: Callable[[str], None],
           nvme: Optional[Dict[str, Any]] = None, window: Any = None,
-          update_during_backward: bool = False) -> Dict[str, Any]:
+          update_during_backward: bool = False, on_optimizer: Optional[Callable[[Any], None]] = None) -> Dict[str, Any]:
     """`nvme`: TieredAdamW's host_budget and nvme_dir (the model is then bf16 on the CPU too: the
     fp32 masters that spill must not have a host copy in the model). `window`: a LayerWindow over
     the transformer blocks (a number of blocks or "auto"). `update_during_backward`: TieredAdamW
-    updates CPU subgroups while backward goes on."""
+    updates CPU subgroups while backward goes on. `on_optimizer`: called with the TieredAdamW once
+    made (memtide run --timeline records it)."""
     import torch
 
     from .gpt import TinyGPT, arithmetic_batch
@@ -112,6 +113,8 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
                       **nvme_kw)
     if layer_window is not None:
         layer_window.attach_optimizer(opt)
+    if on_optimizer is not None:
+        on_optimizer(opt)
     if opt.spilled_subgroups:
         info = opt.nvme_info()
         progress(f"nvme: {info['spilled']} of {len(opt.plan.subgroups)} subgroups ({info['spilled_params']:,} params) "

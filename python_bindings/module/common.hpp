@@ -18,6 +18,7 @@
 #include "memtide/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
 #include "memtide/tiering/model/perf_model.hpp"
+#include "memtide/tiering/nvme/nvme_staging.hpp"
 #include "memtide/cupti_tracer/tracer.hpp"
 
 namespace nb = nanobind;
@@ -82,5 +83,7 @@ const char* policy_key(tiering::Policy p);
 std::string placement_string(const std::vector<tiering::Placement>& placement);
 nb::dict prediction_dict(const tiering::Prediction& p);
 nb::dict plan_dict(const tiering::Plan& p);
+/// The NVMe tier's transfers and waits as (what, subgroup, queued_s, start_s, end_s, bytes).
+nb::list nvme_transfer_list(const std::vector<tiering::NvmeTransfer>& transfers);
 
 }  // namespace memtide::bindings

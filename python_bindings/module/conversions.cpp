@@ -96,6 +96,14 @@ nb::dict prediction_dict(const tiering::Prediction& p) {
   return d;
 }
 
+nb::list nvme_transfer_list(const std::vector<tiering::NvmeTransfer>& transfers) {
+  nb::list out;
+  for (const tiering::NvmeTransfer& t : transfers) {
+    out.append(nb::make_tuple(t.what, t.subgroup, t.queued_ns / 1e9, t.start_ns / 1e9, t.end_ns / 1e9, t.bytes));
+  }
+  return out;
+}
+
 nb::dict plan_dict(const tiering::Plan& p) {
   nb::dict d;
   d["policy"] = policy_key(p.policy);

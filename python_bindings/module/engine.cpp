@@ -450,7 +450,10 @@ void bind_results(nb::module_& m) {
       .def_prop_ro("params_gpu_static", [](const Step& s) { return s.total.params_gpu_static; })
       .def_prop_ro("loop_allocations", [](const Step& s) { return s.total.loop_allocations; })
       .def_prop_ro("loop_device_allocs", [](const Step& s) { return s.total.loop_device_allocs; })
-      .def_prop_ro("nvme", [](const Step& s) { return s.total.nvme; });
+      .def_prop_ro("nvme", [](const Step& s) { return s.total.nvme; })
+      .def_prop_ro("nvme_transfers", [](const Step& s) { return nvme_transfer_list(s.total.nvme_transfers); },
+                   "The NVMe tier's transfers and waits: (what, subgroup, queued_s, start_s, end_s, bytes), what\n"
+                   "\"read\", \"write\" or \"wait\" (for a read), in s on the steady clock (time.monotonic()).");
 }
 }  // namespace
 

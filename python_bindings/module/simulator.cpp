@@ -163,6 +163,9 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
   nb::list spans;
   for (const auto& span : r.spans) spans.append(nb::make_tuple(memtide::phase_name(span.phase), span.start_s, span.end_s));
   d["phase_spans"] = spans;
+  d["host_state_bytes"] = r.host_state_bytes;
+  d["nvme_staging_bytes"] = r.nvme_staging_bytes;
+  d["nvme_file_bytes"] = r.nvme_file_bytes;
   if (record_ops) {
     nb::list ops;
     for (const SimOp& op : r.ops) ops.append(nb::make_tuple(op.engine, op.start_ns / 1e9, op.end_ns / 1e9, op.bytes));
@@ -175,6 +178,7 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
       tiering.append(nb::make_tuple(op.what, op.subgroup, op.start_ns / 1e9, op.end_ns / 1e9, op.bytes));
     }
     d["tiering"] = tiering;
+    d["nvme_transfers"] = nvme_transfer_list(r.nvme_transfers);
   }
   return d;
 }

@@ -527,6 +527,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     t.loop_allocations += r.loop_allocations;
     t.loop_device_allocs += r.loop_device_allocs;
     t.nvme += r.nvme;
+    t.nvme_transfers.insert(t.nvme_transfers.end(), r.nvme_transfers.begin(), r.nvme_transfers.end());
   }
   if (nvme_) nvme_->after_step(out.total.nvme);
   if (sink_ && sink_->kept_bytes() > 0) sink_->release();  // read by this step; gone before the next forward

@@ -555,6 +555,7 @@ StepReport UpdateScheduler::end_phase(double phase_start_ns) {
     } catch (...) {
       nvme_error = std::current_exception();
     }
+    r.nvme_transfers = nvme_->take_transfers();
   }
   r.phase_ns = host_now_ns() - phase_start_ns;
   const AllocatorStats after = allocator_.stats();

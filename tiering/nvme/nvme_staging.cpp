@@ -101,6 +101,8 @@ NvmeStaging::~NvmeStaging() {
   for (Event e : read_done_) {
     if (e.valid()) device_.destroy_event(e);
   }
+  for (Event e : transfer_done_) device_.destroy_event(e);
+  if (phase_mark_.valid()) device_.destroy_event(phase_mark_);
   device_.destroy_stream(storage_);
 }
 
@@ -179,6 +181,16 @@ void NvmeStaging::begin(const std::vector<std::size_t>& order, std::size_t buffe
   for (Buffer& b : buffers_) b.owner = kNone;
   use_ = NvmeUse{};
   phase_start_ns_ = device_.host_now_ns();
+  {
+    std::lock_guard lock(mutex_);
+    transfers_.clear();
+    transfers_.reserve(3 * order_.size());  // a read, a wait and a write-back per subgroup
+  }
+  timed_transfers_ = 0;
+  if (phantom_) {
+    if (!phase_mark_.valid()) phase_mark_ = device_.create_event(true);
+    device_.record_event(phase_mark_, storage_);  // idle since the last finish(): now
+  }
   if (timed_storage_) {
     read_done_.resize(sizes_.size());
     for (Event& e : read_done_) {
@@ -205,8 +217,11 @@ void NvmeStaging::set_rates(double read_bytes_per_s, double write_bytes_per_s) {
   timed_write_rate_ = write_bytes_per_s;
 }
 
+double NvmeStaging::clock_ns() const { return phantom_ ? device_.host_now_ns() : wall_ns(); }
+
 void NvmeStaging::queue(Job job) {
   const double bytes = 3.0 * sizeof(float) * static_cast<double>(sizes_[job.subgroup]);
+  job.queued_ns = clock_ns();
   if (timed_storage_ && timed_read_rate_ > 0 && timed_write_rate_ > 0) {
     // On a SimDevice the transfers also take their time on its storage engine, in queue order
     // as one drive serves them, so the virtual clock shows the drive (in data mode the
@@ -220,6 +235,10 @@ void NvmeStaging::queue(Job job) {
       (read ? use_.read_busy_ns : use_.write_busy_ns) += bytes / rate * 1e9;
       (read ? use_.read_bytes : use_.write_bytes) += bytes;
       ++(read ? use_.reads : use_.writes);
+      // Its end is read at finish(); it began bytes / rate before (one drive, one at a time).
+      if (timed_transfers_ == transfer_done_.size()) transfer_done_.push_back(device_.create_event(true));
+      device_.record_event(transfer_done_[timed_transfers_++], storage_);
+      transfers_.push_back(NvmeTransfer{read ? "read" : "write", job.subgroup, job.queued_ns, 0, 0, bytes});
     }
   }
   if (phantom_) return;
@@ -258,6 +277,12 @@ NvmeStaging::Staged NvmeStaging::acquire(std::size_t i) {
   // wall clock.
   use_.stall_ns += device_.host_now_ns() - t0;
   if (!phantom_) use_.stall_wall_ns += wall_ns() - w0;
+  {
+    const double started = phantom_ ? t0 : w0;
+    std::lock_guard lock(mutex_);
+    transfers_.push_back(NvmeTransfer{"wait", i, started, started, clock_ns(),
+                                      3.0 * sizeof(float) * static_cast<double>(sizes_[i])});
+  }
   return view(b, i);
 }
 
@@ -283,6 +308,14 @@ NvmeUse NvmeStaging::finish() {
   if (timed_storage_) device_.stream_synchronize(storage_);
   if (phantom_) {
     for (Buffer& b : buffers_) b.owner = kNone;
+    std::size_t k = 0;
+    for (NvmeTransfer& t : transfers_) {
+      if (t.what[0] == 'w' && t.what[1] == 'a') continue;  // a wait: timed when it happened
+      if (k >= timed_transfers_) break;
+      const double rate = t.what[0] == 'r' ? timed_read_rate_ : timed_write_rate_;
+      t.end_ns = phase_start_ns_ + static_cast<double>(device_.event_elapsed_ms(phase_mark_, transfer_done_[k++])) * 1e6;
+      t.start_ns = std::max(t.queued_ns, t.end_ns - t.bytes / rate * 1e9);
+    }
     return use_;
   }
   std::unique_lock lock(mutex_);
@@ -292,6 +325,11 @@ NvmeUse NvmeStaging::finish() {
   }
   if (error_ != nullptr) std::rethrow_exception(std::exchange(error_, nullptr));
   return use_;
+}
+
+std::vector<NvmeTransfer> NvmeStaging::take_transfers() {
+  std::lock_guard lock(mutex_);
+  return std::exchange(transfers_, {});
 }
 
 void NvmeStaging::abandon() noexcept {
@@ -344,6 +382,7 @@ void NvmeStaging::serve(Kind kind) {
         buffers_[job.buffer].held = true;
       }
     } else if (!skip) {
+      transfers_.push_back(NvmeTransfer{kind == Kind::read ? "read" : "write", job.subgroup, job.queued_ns, t0, t1, bytes});
       if (kind == Kind::read) {
         ready_[job.subgroup] = 1;
         use_.read_bytes += bytes;

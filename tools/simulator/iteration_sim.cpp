@@ -239,6 +239,19 @@ class Rank {
     out.update_bound_s = plan.plan.prediction.bound_ns / 1e9;
     out.nvme_subgroups = engine_->nvme_info().spilled;
     out.nvme_bytes = step.total.nvme.read_bytes + step.total.nvme.write_bytes;
+    {
+      const NvmeTierInfo nvme = engine_->nvme_info();
+      const auto spilled = static_cast<double>(nvme.spilled_params);
+      // A phantom device has no staging buffers to count: the read-ahead's, as the budget counts them.
+      double largest = 0;
+      for (std::size_t g = 0; g < engine_->on_nvme().size(); ++g) {
+        const std::size_t lo = g * node_.subgroup_params;
+        if (engine_->on_nvme()[g]) largest = std::max(largest, static_cast<double>(std::min(n_, lo + node_.subgroup_params) - lo));
+      }
+      out.nvme_staging_bytes = nvme.spilled ? static_cast<double>(EngineConfig{}.nvme.read_ahead) * 12.0 * largest : 0.0;
+      out.nvme_file_bytes = 12.0 * spilled;
+      out.host_state_bytes = 16.0 * (static_cast<double>(n_) - spilled) + 4.0 * spilled + out.nvme_staging_bytes;
+    }
     out.grad_bytes_to_host = engine_->grad_bytes_to_host() - bytes_before + blocking_bytes_;
     blocking_bytes_ = 0;
     out.window_blocks = window_ > 0 ? window_ : 0;
@@ -258,6 +271,7 @@ class Rank {
         op.end_ns += step.total.phase_start_ns;
         out.tiering.push_back(op);
       }
+      out.nvme_transfers = step.total.nvme_transfers;
     }
     recording_ = false;
     device_.record_ops(false);

@@ -104,26 +104,33 @@ def _cmd_train(args: argparse.Namespace) -> int:
     progress(f"training a {shape['layers']}-layer GPT-style model (hidden {shape['hidden']}, heads {shape['heads']}, "
              f"seq {shape['seq']}, batch {shape['batch']}, vocab {shape['vocab']}) for {shape['iterations']} steps "
              f"with memtide.optim.TieredAdamW(policy={args.policy}) on {where} ...")
-    base = cupti = None  # the allocator's counters and CUPTI's state when the timeline's recording began
-    if args.timeline:
-        import memtide_timeline as timeline
-
-        try:
-            timeline.check_report_target(args.timeline)  # refused before training, not after
-        except timeline.TraceError as e:
-            raise UsageError(str(e)) from None
-        memtide.record_history(True)
-        base = memtide.stats()
-        cupti = memtide._memtide.device_trace_start()
-        progress(f"timeline: CUPTI tracing {cupti['status']}" + (f" ({cupti['detail']})" if cupti["detail"] else ""))
     if (args.host_budget is None) != (args.nvme_dir is None):
         raise UsageError("--host-budget and --nvme-dir go together: the state that does not fit the budget goes "
                           "to the folder")
     nvme = None if args.host_budget is None else {"host_budget": args.host_budget, "nvme_dir": args.nvme_dir}
+    recorder = None  # device memory, the host and NVMe tiers (memtide.timeline.record)
+    if args.timeline:
+        import memtide_timeline as timeline
+
+        from memtide.timeline import Recorder
+
+        try:
+            recorder = Recorder(args.timeline, source="memtide run")  # a bad target is refused before training
+        except timeline.TraceError as e:
+            raise UsageError(str(e)) from None
+        cupti = recorder.start()._cupti
+        progress(f"timeline: CUPTI tracing {cupti['status']}" + (f" ({cupti['detail']})" if cupti["detail"] else ""))
     try:
-        result = train_job.train(shape, device, args.policy, args.subgroup_size, args.k, args.gpu_static_fraction,
-                                 progress, nvme=nvme, window=args.window or None,  # 0: none, as simulate
-                                 update_during_backward=args.updates_during_backward)
+        try:
+            result = train_job.train(shape, device, args.policy, args.subgroup_size, args.k,
+                                     args.gpu_static_fraction, progress, nvme=nvme,
+                                     window=args.window or None,  # 0: none, as simulate
+                                     update_during_backward=args.updates_during_backward,
+                                     on_optimizer=recorder.watch if recorder else None)
+        except BaseException:
+            if recorder is not None:
+                recorder.stop(write=False)  # nothing trained: no report
+            raise
     except KeyboardInterrupt:
         # Before the first step: nothing to report (the spill folder goes at exit).
         progress("memtide run: interrupted (Ctrl-C) before training began")
@@ -133,7 +140,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise
         raise UsageError(f"--host-budget/--nvme-dir: {e}") from None
     try:
-        _report_train(args, result, device, progress, base, cupti)
+        _report_train(args, result, progress, recorder)
     except KeyboardInterrupt:
         progress("memtide run: interrupted (Ctrl-C) while writing the report")
         return EXIT_INTERRUPTED
@@ -144,29 +151,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_train(args: argparse.Namespace, result: Dict[str, Any], device: Dict[str, Any], progress,
-                  base: Any, cupti: Any) -> None:
-    if args.timeline:
-        import memtide_timeline as timeline
-
-        files = timeline.companions(args.timeline)
-        trace = files["trace"]
-        if device["kind"] == "cuda":
-            import torch
-
-            torch.cuda.synchronize()  # CUPTI's last records are flushed after the device is idle
-        activities = memtide._memtide.device_trace_stop()
-        timeline.trace_from_allocator(memtide.allocator_events(), trace,
-                                      base_allocated=base.get("allocated_bytes.all.current", 0),
-                                      base_reserved=base.get("reserved_bytes.all.current", 0),
-                                      activities=activities, source="memtide run", device=result["device"]["kind"],
-                                      cupti=cupti["status"])
-        memtide.dump_snapshot(files["pickle"])  # for torch's memory_viz
-        report = timeline.render(trace, args.timeline, chrome=files["chrome"], png=files["png"])
-        result["timeline"] = {"html": args.timeline, "trace": trace, "memory_viz": files["pickle"],
+def _report_train(args: argparse.Namespace, result: Dict[str, Any], progress, recorder: Any) -> None:
+    if recorder is not None:
+        recorder.header["device"] = result["device"]["kind"]
+        report = recorder.stop()
+        result["timeline"] = {"html": args.timeline, "trace": report["trace"], "memory_viz": report["memory_viz"],
                               "events": report["events"]}
-        progress(f"timeline: {args.timeline} ({report['events']:,} events; trace {trace}, memory_viz pickle "
-                 f"{files['pickle']})")
+        progress(f"timeline: {args.timeline} ({report['events']:,} events; trace {report['trace']}, memory_viz "
+                 f"pickle {report['memory_viz']})")
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         print()

@@ -142,11 +142,25 @@ def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, 
     html_path = args.timeline
     files = timeline.companions(html_path)
     trace = files["trace"]
+    tiers = {}
+    if r["nvme_subgroups"]:
+        tiers = dict(host_capacity_bytes=int(args.host_mem), nvme_capacity_bytes=int(r["nvme_file_bytes"]))
+    elif args.host_mem is not None:
+        tiers = dict(host_capacity_bytes=int(args.host_mem))
     with timeline.TraceWriter(trace, source="memtide simulate", clock="virtual", model=r["model"],
-                              contender="memtide", capacity_bytes=r["capacity_bytes"]) as w:
+                              contender="memtide", capacity_bytes=r["capacity_bytes"], **tiers) as w:
         for phase, start, _end in r["phase_spans"]:  # with micro-batches: each one's forward and backward
             w.phase(start, phase)
         w.phase(r["end_s"], "other")
+        if args.host_mem is not None:
+            # The host tier as the host budget counts it (the simulator has no process to
+            # measure): the state kept in host memory and the read-ahead's staging, at every phase.
+            for t in (*(start for _, start, _ in r["phase_spans"]), r["end_s"]):
+                w.event(type="host", t=t, allocated=int(r["host_state_bytes"]), staging=int(r["nvme_staging_bytes"]))
+        if r["nvme_subgroups"]:
+            w.event(type="spill", t=r["phase_start_s"][0], bytes=int(r["nvme_file_bytes"]))
+        for what, subgroup, queued, start, end, nbytes in r["nvme_transfers"]:
+            w.event(type="nvme", what=what, subgroup=subgroup, queued=queued, start=start, end=end, bytes=nbytes)
         for t, allocated, reserved in r["memory"]:
             w.memory(t, allocated, reserved)
         for engine, start, end, nbytes in r["ops"]:

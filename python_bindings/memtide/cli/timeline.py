@@ -17,7 +17,10 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     files = timeline.companions(args.output)
     chrome = args.chrome or files["chrome"]
     png = args.png or files["png"]
-    viz = args.memory_viz or files["pickle"]
+    snapshot = timeline.looks_like_pickle(args.trace)
+    if snapshot and args.memory_viz:
+        raise UsageError(f"--memory-viz: {args.trace} is a torch memory snapshot already (memory_viz reads it as it is)")
+    viz = None if snapshot else args.memory_viz or files["pickle"]
     try:
         # Named by their flags: the defaults are the report's companions, given or not.
         timeline.check_outputs(args.trace, {"-o/--output": args.output,
@@ -36,7 +39,13 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     print(f"wrote {report['chrome']} ({report['chrome_events']:,} Chrome trace events)")
     if report.get("png"):
         print(f"wrote {report['png']}")  # without matplotlib render() has said so on stderr
-    print(f"wrote {report['memory_viz']} ({report['memory_viz_entries']:,} allocations and frees for memory_viz)")
+    if report.get("memory_viz"):
+        print(f"wrote {report['memory_viz']} ({report['memory_viz_entries']:,} allocations and frees for memory_viz)")
+    snap = report.get("snapshot")
+    if snap:
+        print(f"  torch memory snapshot, device {snap['device']}: {snap['segments']:,} segments, "
+              f"{format_bytes(snap['reserved_bytes'])} reserved, {format_bytes(snap['allocated_bytes'])} allocated; "
+              f"{snap['trace_entries']:,} trace entries, peak allocated {format_bytes(snap['peak_allocated'])}")
     for r in report["summary"]:
         print(f"  {r['phase']:<9} {r['duration_s']:.4g} s, peak {format_bytes(int(r['peak_allocated']))}, "
               f"H2D {format_bytes(int(r['h2d_bytes']))} at {r['h2d_gbs']:.1f} GB/s, "
@@ -48,11 +57,13 @@ def add_parser(sub) -> None:
     tl = sub.add_parser(
         "timeline", help="render a memtide trace: an HTML report that opens offline, a Chrome trace, a PNG, a "
         "memory_viz pickle",
-        description="Reads a memtide trace (JSON Lines; see the memtide_timeline package for the format) and writes four "
+        description="Reads a memtide trace (JSON Lines; see the memtide_timeline package for the format), or a torch "
+        "memory snapshot pickle (its segments, allocations over time and the largest blocks at the peak), and writes four "
         "outputs: a single-file HTML report (memory over time per phase, the PCIe lanes, the engines as a Gantt "
         "chart, the update-phase schedule, a summary per phase) that opens offline, a Chrome/Perfetto trace, a PNG "
         "(with matplotlib) and the allocations as a snapshot pickle for torch's memory_viz.")
-    tl.add_argument("trace", help="the trace file (e.g. from memtide simulate --timeline)")
+    tl.add_argument("trace", help="the trace file (e.g. from memtide simulate --timeline), or a torch memory "
+                    "snapshot pickle (torch.cuda.memory._dump_snapshot; read without running any code in it)")
     tl.add_argument("-o", "--output", default="memtide_timeline.html", metavar="REPORT.html",
                     help="the HTML report (default: memtide_timeline.html)")
     tl.add_argument("--chrome", metavar="FILE.json",

@@ -17,7 +17,18 @@ one). Times are seconds on the trace's clock. Event types:
 - ``alloc`` / ``free``: one allocation (``bytes``, ``addr``, ``stream``), as the observer logs them;
 - ``tiering``: one operation of the update phase for one optimizer subgroup (``what``: prefetch,
   gpu update, flush, cpu update, param upload, grad upload, grad to host; ``subgroup``; ``start``,
-  ``end``, ``bytes``).
+  ``end``, ``bytes``);
+- ``host``: the host tier at time t: the HostArena's ``reserved`` and ``allocated`` bytes, the
+  pinned ``staging`` the NVMe tier holds, the process's resident memory ``rss`` (each optional);
+- ``nvme``: one NVMe transfer (``what``: read, write) or one wait of the update for a read
+  (``what``: wait), of one ``subgroup``: ``queued`` when it was asked for, ``start`` to ``end``
+  when the drive served it (the wait: from when the update asked until the data was there),
+  ``bytes``. Reads queued and not yet taken are the read-ahead, writes queued and not yet done
+  the write-back queue;
+- ``spill``: the optimizer state on NVMe at time t (``bytes``: the spill file's).
+
+Header fields readers use: ``capacity_bytes`` (device memory), ``host_capacity_bytes`` (the host
+budget), ``nvme_capacity_bytes`` (the space reserved on the drive), each optional.
 
 Readers check every field they use and refuse the trace, naming the file, the line and the field,
 when one is out of range: times are numbers of seconds from 0 to 1e12, byte counts 0 to 2**63-1
@@ -34,7 +45,8 @@ command).
 The modules: ``trace`` (the format, writer and reader), ``record`` (traces from the allocator's
 events and the observer's log), ``model`` (the Timeline a report draws), ``html_report`` (the
 HTML), ``export`` (Chrome trace, memory_viz pickle, PNG, and render() for all of them), ``files``
-(the report's files, written atomically).
+(the report's files, written atomically), ``snapshot`` (torch's memory snapshots, read without
+running code: ``memtide timeline snapshot.pickle``).
 """
 
 from .export import render, write_chrome, write_memory_viz, write_png
@@ -42,8 +54,10 @@ from .files import TraceError, check_outputs, check_report_target, companions
 from .html_report import write_html
 from .model import ENGINES, PHASES, Timeline
 from .record import trace_from_allocator, trace_from_observer
+from .snapshot import SnapshotView, looks_like_pickle, read_snapshot
 from .trace import VERSION, TraceWriter, read_trace
 
-__all__ = ["ENGINES", "PHASES", "VERSION", "Timeline", "TraceError", "TraceWriter", "check_outputs",
+__all__ = ["ENGINES", "PHASES", "VERSION", "SnapshotView", "Timeline", "TraceError", "TraceWriter", "check_outputs",
+           "looks_like_pickle", "read_snapshot",
            "check_report_target", "companions", "read_trace", "render", "trace_from_allocator", "trace_from_observer",
            "write_chrome", "write_html", "write_memory_viz", "write_png"]

@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterable, Optional
 from .files import AtomicFile, check_outputs
 from .html_report import write_html
 from .model import COLORS, ENGINES, Timeline
+from .snapshot import SnapshotView, looks_like_pickle, read_snapshot
 from .trace import VERSION, read_trace
 
 
@@ -110,10 +111,13 @@ def write_png(tl: Timeline, path: str) -> bool:
 
 def render(trace: str, html_path: str, chrome: Optional[str] = None, png: Optional[str] = None,
            progress: bool = False, memory_viz: Optional[str] = None) -> Dict[str, Any]:
-    """The report (and the Chrome trace, the PNG and the memory_viz pickle when asked) of a trace.
+    """The report (and the Chrome trace, the PNG and the memory_viz pickle when asked) of a trace,
+    or of a torch memory snapshot (a pickle: see snapshot.py; it is its own memory_viz pickle).
     A PNG asked for without matplotlib is skipped (``"png": None``), saying so on stderr."""
     check_outputs(trace, {"the report": html_path, "the Chrome trace": chrome, "the PNG": png,
                           "the memory_viz pickle": memory_viz})
+    if looks_like_pickle(trace):
+        return _render_snapshot(trace, html_path, chrome, png)
     header, events = read_trace(trace, progress=progress)
     tl = Timeline(header, events)
     write_html(tl, html_path, title=f"memtide timeline: {os.path.basename(trace)}")
@@ -130,4 +134,27 @@ def render(trace: str, html_path: str, chrome: Optional[str] = None, png: Option
         _, events3 = read_trace(trace)
         out["memory_viz"] = memory_viz
         out["memory_viz_entries"] = write_memory_viz(events3, memory_viz)
+    return out
+
+
+def _render_snapshot(path: str, html_path: str, chrome: Optional[str], png: Optional[str]) -> Dict[str, Any]:
+    from .html_report import _fmt_bytes
+
+    view = SnapshotView(read_snapshot(path))
+    header = view.header(os.path.basename(path))
+    tl = Timeline(header, view.events())
+    write_html(tl, html_path, title=f"memtide timeline: {os.path.basename(path)} (torch memory snapshot)",
+               extra=view.sections(_fmt_bytes))
+    out: Dict[str, Any] = {"html": html_path, "events": sum(tl.counts.values()), "summary": tl.summary(),
+                           "snapshot": {"segments": view.segment_count, "reserved_bytes": view.reserved_end,
+                                        "allocated_bytes": view.allocated_end, "peak_allocated": view.peak_allocated,
+                                        "trace_entries": len(view.snap["trace"]), "device": view.snap["device"]},
+                           "memory_viz": None}
+    if chrome:
+        out["chrome"] = chrome
+        out["chrome_events"] = write_chrome(header, view.events(), chrome)
+    if png:
+        out["png"] = png if write_png(tl, png) else None
+        if out["png"] is None:
+            print(f"timeline: {NO_PNG}", file=sys.stderr, flush=True)
     return out

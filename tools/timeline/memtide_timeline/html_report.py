@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import html
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 from memtide._memtide import format_bytes
 
 from .files import AtomicFile
-from .model import COLORS, ENGINES, PHASES, Timeline
+from .model import COLORS, ENGINES, HOST_SERIES, NVME_LANES, PHASES, Timeline
 
 
 def _fmt_bytes(n: float) -> str:
@@ -24,44 +24,61 @@ def _svg_phase_bands(tl: Timeline, x, height: int) -> List[str]:
     return out
 
 
-def write_html(tl: Timeline, path: str, title: str = "memtide timeline") -> None:
-    """One HTML file with inline SVG: memory over time, the PCIe lanes, the engines as a Gantt
-    chart, and a summary table per phase. No script, no network."""
-    W, L = 1100, 90
-    width = W - L - 10
+W, L = 1100, 90
+WIDTH = W - L - 10
 
-    def x(t: float) -> float:
-        return L + (t - tl.t0) / (tl.t1 - tl.t0) * width
 
-    cap = tl.header.get("capacity_bytes") or 0
-    used = max([m[2] for m in tl.memory] + [m[1] for m in tl.memory] + [1])
+def _memory_chart(tl: Timeline, x, svg_id: str, samples: List[Tuple], series: List[Tuple[int, str]], cap: float,
+                  cap_name: str, H: int = 220) -> List[str]:
+    """Bytes over time, one polyline per series (`samples`' column, its name; -1 in a sample: not
+    recorded), against a capacity (dashed), with the phase bands."""
+    used = max([m[i] for m in samples for i, _ in series] + [1])
     # The scale follows what was used; a capacity far above it is named, not drawn (it would
     # flatten the curves into the axis).
     cap_drawn = bool(cap) and cap <= 1.5 * used
     peak = max(used * 1.1, cap if cap_drawn else 0, 1)
-    H = 220
 
     def y(v: float) -> float:
         return 10 + (1 - v / peak) * (H - 30)
 
-    mem = [f'<svg id="memory" width="{W}" height="{H}" xmlns="http://www.w3.org/2000/svg">']
-    mem += _svg_phase_bands(tl, x, H - 20)
-    for idx, label in ((1, "allocated"), (2, "reserved")):
-        pts = " ".join(f"{x(m[0]):.1f},{y(m[idx]):.1f}" for m in tl.memory)
-        color = "#1f4e8c" if idx == 1 else "#999999"
-        mem.append(f'<polyline class="series" points="{pts}" fill="none" stroke="{color}" stroke-width="1.5">'
-                   f'<title>{label}</title></polyline>')
+    out = [f'<svg id="{svg_id}" width="{W}" height="{H}" xmlns="http://www.w3.org/2000/svg">']
+    out += _svg_phase_bands(tl, x, H - 20)
+    for idx, label in series:
+        pts = " ".join(f"{x(m[0]):.1f},{y(m[idx]):.1f}" for m in samples if m[idx] >= 0)
+        if not pts:
+            continue
+        out.append(f'<polyline class="series" points="{pts}" fill="none" stroke="{COLORS[label]}" '
+                   f'stroke-width="1.5"><title>{label}</title></polyline>')
     if cap_drawn:
-        mem.append(f'<line class="capacity" x1="{L}" x2="{W - 10}" y1="{y(cap):.1f}" y2="{y(cap):.1f}" stroke="#c00" '
-                   f'stroke-dasharray="4 3"><title>capacity {_fmt_bytes(cap)}</title></line>')
+        out.append(f'<line class="capacity" x1="{L}" x2="{W - 10}" y1="{y(cap):.1f}" y2="{y(cap):.1f}" stroke="#c00" '
+                   f'stroke-dasharray="4 3"><title>{cap_name} {_fmt_bytes(cap)}</title></line>')
     elif cap:
-        mem.append(f'<text x="{W - 12}" y="22" font-size="11" text-anchor="end" fill="#c00">capacity '
+        out.append(f'<text x="{W - 12}" y="22" font-size="11" text-anchor="end" fill="#c00">{cap_name} '
                    f'{_fmt_bytes(cap)}: far above what was used</text>')
     for frac in (0, 0.5, 1):
-        mem.append(f'<text x="4" y="{y(peak * frac) + 4:.1f}" font-size="11">{_fmt_bytes(peak * frac)}</text>')
-    mem.append("</svg>")
+        out.append(f'<text x="4" y="{y(peak * frac) + 4:.1f}" font-size="11">{_fmt_bytes(peak * frac)}</text>')
+    out.append("</svg>")
+    return out
 
-    def lanes(svg_id: str, engines: Tuple[str, ...]) -> List[str]:
+
+def _legend(names) -> str:
+    return " ".join(f'<span style="color:{COLORS[n]}">&#9632; {n}</span>' for n in names)
+
+
+def write_html(tl: Timeline, path: str, title: str = "memtide timeline", extra: Sequence[str] = ()) -> None:
+    """One HTML file with inline SVG: memory over time per tier (device, host, NVMe) against each
+    tier's capacity, the PCIe lanes, the NVMe lanes, the engines as a Gantt chart, and a summary
+    table per phase, the phase bands across all. No script, no network."""
+    width = WIDTH
+
+    def x(t: float) -> float:
+        return L + (t - tl.t0) / (tl.t1 - tl.t0) * width
+
+    mem = _memory_chart(tl, x, "memory", tl.memory, [(1, "allocated"), (2, "reserved")],
+                        tl.header.get("capacity_bytes") or 0, "capacity")
+
+    def lanes(svg_id: str, engines: Tuple[str, ...], busy=None) -> List[str]:
+        busy = tl.busy if busy is None else busy
         row_h = 26
         h = row_h * len(engines) + 20
         out = [f'<svg id="{svg_id}" width="{W}" height="{h}" xmlns="http://www.w3.org/2000/svg">']
@@ -71,7 +88,7 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline") -> None
         for r, engine in enumerate(engines):
             top = 5 + r * row_h
             out.append(f'<text x="4" y="{top + 15}" font-size="12">{engine}</text>')
-            row = tl.busy[engine]
+            row = busy[engine]
             k = 0
             while k < tl.bins:  # merge neighbouring columns of similar load into one rect
                 if row[k] <= 0:
@@ -118,11 +135,37 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline") -> None
         schedule.append("</svg>")
         schedule.insert(0, f"<h2>Update-phase schedule per subgroup ({len(tl.tiering):,} operations, "
                            f"{(a1 - a0) * 1e3:.1f} ms; hover for the subgroup)</h2>")
+    host: List[str] = []
+    if tl.host_samples:
+        recorded = [(1 + j, s) for j, s in enumerate(HOST_SERIES) if tl.host_peak[s] >= 0]
+        host = [f"<h2>Host memory ({_legend(s for _, s in recorded)}; dashed: the host budget)</h2>",
+                *_memory_chart(tl, x, "host", tl.host, recorded, tl.header.get("host_capacity_bytes") or 0,
+                               "host budget")]
+    nvme: List[str] = []
+    if tl.nvme_transfers:
+        t = tl.nvme_totals
+        nvme = [f"<h2>NVMe: {t['reads']:,} reads ({_fmt_bytes(t['read_bytes'])}), {t['writes']:,} write-backs "
+                f"({_fmt_bytes(t['write_bytes'])}), {t['waits']:,} waits for a read ({t['wait_s'] * 1e3:.3g} ms)</h2>",
+                *lanes("nvme", NVME_LANES, tl.nvme_busy)]
+        nvme += _queue_chart(tl, x)
+    if tl.spill:
+        nvme += ["<h2>State on NVMe (dashed: the space reserved on the drive)</h2>",
+                 *_memory_chart(tl, x, "nvme-memory", [(t, b) for t, b in tl.spill] + [(tl.t1, tl.spill[-1][1])],
+                                [(1, "nvme")], tl.header.get("nvme_capacity_bytes") or 0, "reserved", H=120)]
     rows = []
+    host_cols = [c for c in HOST_SERIES if tl.host_samples and tl.host_peak[c] >= 0]
     for r in tl.summary():
-        rows.append(f"<tr><td>{r['phase']}</td><td>{r['duration_s']:.4g} s</td><td>{_fmt_bytes(r['peak_allocated'])}</td>"
-                    f"<td>{_fmt_bytes(r['h2d_bytes'])} at {r['h2d_gbs']:.1f} GB/s</td>"
-                    f"<td>{_fmt_bytes(r['d2h_bytes'])} at {r['d2h_gbs']:.1f} GB/s</td></tr>")
+        cells = [r["phase"], f"{r['duration_s']:.4g} s", _fmt_bytes(r["peak_allocated"]),
+                 f"{_fmt_bytes(r['h2d_bytes'])} at {r['h2d_gbs']:.1f} GB/s",
+                 f"{_fmt_bytes(r['d2h_bytes'])} at {r['d2h_gbs']:.1f} GB/s"]
+        cells += [_fmt_bytes(r["host_" + c + "_peak"]) for c in host_cols]
+        if tl.nvme_transfers:
+            cells += [_fmt_bytes(r["nvme_read_bytes"]), _fmt_bytes(r["nvme_write_bytes"]),
+                      f"{r['nvme_wait_s'] * 1e3:.3g} ms"]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    heads = ["phase", "time", "peak allocated", "H2D", "D2H", *(f"host {c} peak" for c in host_cols)]
+    if tl.nvme_transfers:
+        heads += ["NVMe read", "NVMe written", "waits for NVMe"]
     meta = ", ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in tl.header.items()
                      if k not in ("memtide_trace",) and not isinstance(v, (dict, list)))
     legend = " ".join(f'<span style="background:{COLORS[p]};padding:0 6px">{p}</span>' for p in PHASES[:3])
@@ -135,13 +178,40 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline") -> None
         f"<p style='font-size:12px'>{meta}; {tl.ops:,} operations, {tl.samples:,} memory samples, "
         f"{tl.t1 - tl.t0:.4g} s. Phases: {legend}</p>",
         "<h2>Device memory (allocated, reserved; dashed: capacity)</h2>", *mem,
-        "<h2>PCIe lanes</h2>", *lanes("pcie", ("h2d", "d2h")),
+        *host, "<h2>PCIe lanes</h2>", *lanes("pcie", ("h2d", "d2h")), *nvme,
         "<h2>Engines</h2>", *(lanes("gantt", active) if (active := tuple(e for e in ENGINES if any(tl.busy[e])))
                               else [f"<p style='font-size:12px'>No device activity in this trace (CUPTI: "
                                     f"{html.escape(str(tl.header.get('cupti', 'not traced')))}).</p>"]), *schedule,
         "<h2>Per phase</h2>",
-        "<table id='summary'><tr><th>phase</th><th>time</th><th>peak allocated</th><th>H2D</th><th>D2H</th></tr>",
-        *rows, "</table>", "</body></html>",
+        "<table id='summary'><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr>",
+        *rows, "</table>", *extra, "</body></html>",
     ]
     with AtomicFile(path) as f:
         f.write("\n".join(doc))
+
+
+def _queue_chart(tl: Timeline, x) -> List[str]:
+    """The read-ahead (reads queued and not yet taken by the update) and the write-back queue,
+    their highest depth per column, as step lines."""
+    series = [(name, row) for name, row in (("read-ahead", tl.nvme_ahead), ("write-back queue", tl.nvme_behind)) if row]
+    if not series:
+        return []
+    top = max(max(row) for _, row in series) or 1
+    H = 100
+    col = WIDTH / tl.bins
+
+    def y(v: float) -> float:
+        return 8 + (1 - v / top) * (H - 20)
+
+    out = [f'<svg id="nvme-queues" width="{W}" height="{H}" xmlns="http://www.w3.org/2000/svg">']
+    out += _svg_phase_bands(tl, x, H - 10)
+    for (name, row), color in zip(series, (COLORS["read"], COLORS["write"])):
+        pts = " ".join(f"{L + k * col:.1f},{y(v):.1f} {L + (k + 1) * col:.1f},{y(v):.1f}" for k, v in enumerate(row))
+        out.append(f'<polyline class="series" points="{pts}" fill="none" stroke="{color}" stroke-width="1.5">'
+                   f'<title>{name}: up to {max(row)} subgroups</title></polyline>')
+    out.append(f'<text x="4" y="{y(top) + 4:.1f}" font-size="11">{top} subgroups</text>')
+    out.append(f'<text x="4" y="{y(0) + 4:.1f}" font-size="11">0</text>')
+    out.append("</svg>")
+    return ["<h2>NVMe queues (" + " ".join(
+        f'<span style="color:{c}">&#9632; {n}</span>' for (n, _), c in zip(series, (COLORS["read"], COLORS["write"])))
+        + ")</h2>", *out]

@@ -9,9 +9,60 @@ from typing import Any, Dict, Iterable, List, Tuple
 
 ENGINES = ("compute", "link", "h2d", "d2h", "host", "nvme")
 PHASES = ("forward", "backward", "update", "other")
+#: The NVMe tier's lanes: its reads, its write-backs and the update's waits for a read.
+NVME_LANES = ("read", "write", "wait")
+#: The host tier's series (a ``host`` event's fields): the HostArena's reserved and allocated bytes,
+#: the pinned staging in use, the process's resident memory.
+HOST_SERIES = ("reserved", "allocated", "staging", "rss")
 COLORS = {"forward": "#dbe7f6", "backward": "#fbe3d2", "update": "#dcefdc", "other": "#eeeeee",
           "compute": "#4c72b0", "link": "#8172b3", "h2d": "#dd8452", "d2h": "#c44e52", "host": "#55a868",
-          "nvme": "#937860"}
+          "nvme": "#937860", "read": "#937860", "write": "#c44e52", "wait": "#e5ae38",
+          "reserved": "#999999", "allocated": "#1f4e8c", "staging": "#dd8452", "rss": "#55a868"}
+
+
+def _bin_busy(intervals, t0: float, width: float, bins: int) -> List[float]:
+    """Busy seconds per column of `intervals` ((start, end), ...)."""
+    row = [0.0] * bins
+    for a, b in intervals:
+        lo = int((a - t0) / width)
+        hi = int((b - t0) / width)
+        for k in range(max(lo, 0), min(hi, bins - 1) + 1):
+            c0 = t0 + k * width
+            row[k] += max(0.0, min(b, c0 + width) - max(a, c0))
+    return row
+
+
+def _thin(samples: List[Tuple], keys: Tuple[int, ...], t0: float, width: float, bins: int) -> List[Tuple]:
+    """At most two samples per column and series (its lowest and highest by each of `keys`), so
+    that a chart's size does not grow with the trace's and no peak is lost; every sample when
+    there are few."""
+    if len(samples) <= 2 * bins:
+        return samples
+    columns: Dict[int, List[Tuple]] = defaultdict(list)
+    for m in samples:
+        columns[min(int((m[0] - t0) / width), bins - 1)].append(m)
+    drawn: List[Tuple] = []
+    for k in sorted(columns):
+        col = columns[k]
+        kept = {id(m): m for key in keys for m in (min(col, key=lambda m: m[key]), max(col, key=lambda m: m[key]))}
+        drawn += sorted(kept.values())
+    return drawn
+
+
+def _depth(changes: List[Tuple[float, int]], t0: float, width: float, bins: int) -> List[int]:
+    """The highest level per column of a count that changes by +1 or -1 at the given times."""
+    changes.sort()
+    out = [0] * bins
+    level, i, n = 0, 0, len(changes)
+    for k in range(bins):
+        c1 = t0 + (k + 1) * width
+        top = level
+        while i < n and (changes[i][0] < c1 or k == bins - 1):
+            level += changes[i][1]
+            top = max(top, level)
+            i += 1
+        out[k] = top
+    return out
 
 
 class Timeline:
@@ -28,6 +79,9 @@ class Timeline:
         memory: List[Tuple[float, int, int]] = []
         ops: List[Tuple[str, float, float, float]] = []
         tiering: List[Tuple[str, int, float, float]] = []
+        host: List[Tuple[float, int, int, int, int]] = []  # t and HOST_SERIES (-1: not recorded)
+        nvme: List[Tuple[str, int, float, float, float, float]] = []  # what, subgroup, queued, start, end, bytes
+        spill: List[Tuple[float, int]] = []
         self.counts: Dict[str, int] = defaultdict(int)
         # Two passes over memory would double the reading time: keep the ops compactly, bin later.
         for ev in events:
@@ -41,9 +95,25 @@ class Timeline:
                 ops.append((str(ev["engine"]), float(ev["start"]), float(ev["end"]), float(ev.get("bytes", 0))))
             elif kind == "tiering" and len(tiering) < self.MAX_TIERING:
                 tiering.append((str(ev["what"]), int(ev.get("subgroup", -1)), float(ev["start"]), float(ev["end"])))
+            elif kind == "host":
+                host.append((float(ev["t"]), int(ev.get("reserved", -1)), int(ev.get("allocated", -1)),
+                             int(ev.get("staging", -1)), int(ev.get("rss", -1))))
+            elif kind == "nvme":
+                start = float(ev["start"])
+                nvme.append((str(ev["what"]), int(ev.get("subgroup", -1)), float(ev.get("queued", start)), start,
+                             float(ev["end"]), float(ev.get("bytes", 0))))
+            elif kind == "spill":
+                spill.append((float(ev["t"]), int(ev["bytes"])))
         phases.sort()
         memory.sort()
-        times = [t for t, _ in phases] + [t for t, _, _ in memory] + [o[1] for o in ops] + [o[2] for o in ops]
+        host.sort()
+        spill.sort()
+        # The span: the ends of the sorted lists, and each interval's start (queued) and end.
+        times = [v for lst in (phases, memory, host, spill) if lst for v in (lst[0][0], lst[-1][0])]
+        if ops:
+            times += [min(o[1] for o in ops), max(o[2] for o in ops)]
+        if nvme:
+            times += [min(n[2] for n in nvme), max(n[4] for n in nvme)]
         self.t0 = min(times) if times else 0.0
         self.t1 = max(times) if times else 1.0
         if self.t1 <= self.t0:
@@ -76,18 +146,54 @@ class Timeline:
             i = bisect.bisect_right(starts, t) - 1
             phase = spans[i][2] if i >= 0 else "other"
             per_phase[phase]["peak_allocated"] = max(per_phase[phase]["peak_allocated"], alloc)
-        # Drawn: at most two points per column (its lowest and highest allocation), so the chart's
-        # size does not grow with the trace's.
-        if len(memory) > 2 * bins:
-            columns: Dict[int, List[Tuple[float, int, int]]] = defaultdict(list)
-            for m in memory:
-                columns[min(int((m[0] - self.t0) / width), bins - 1)].append(m)
-            drawn = []
-            for k in sorted(columns):
-                col = columns[k]
-                lo, hi = min(col, key=lambda m: m[1]), max(col, key=lambda m: m[1])
-                drawn += sorted({lo, hi})
-            self.memory = drawn
+        # The host tier: per series its peak, overall and per phase.
+        self.host_peak = {s: max((h[1 + j] for h in host), default=-1) for j, s in enumerate(HOST_SERIES)}
+        # Samples are sorted: each phase's are one run of them, its peaks taken per series at once.
+        bounds = [bisect.bisect_left(host, (a,)) for a in starts] + [len(host)]
+        runs = [(0, bounds[0], "other")] if starts else [(0, len(host), "other")]
+        runs += [(bounds[i], bounds[i + 1], spans[i][2]) for i in range(len(spans))]
+        for lo, hi, name in runs:
+            if hi <= lo:
+                continue
+            p = per_phase[name]
+            for j, s in enumerate(HOST_SERIES):
+                top = max(h[1 + j] for h in host[lo:hi])
+                if top > p["host_" + s]:
+                    p["host_" + s] = top
+        self.host = _thin(host, (1, 2, 3, 4), self.t0, width, bins)
+        self.host_samples = len(host)
+        # The NVMe tier: busy time per lane, bytes per phase (by when each transfer began), the
+        # read-ahead (reads queued and not yet taken by the update) and the write-back queue.
+        by_lane: Dict[str, List[Tuple[float, float]]] = {lane: [] for lane in NVME_LANES}
+        self.nvme_totals = {"read_bytes": 0.0, "write_bytes": 0.0, "reads": 0, "writes": 0, "wait_s": 0.0, "waits": 0}
+        ahead: List[Tuple[float, int]] = []
+        behind: List[Tuple[float, int]] = []
+        for what, sg, queued, a, b, nbytes in nvme:
+            if what not in by_lane:
+                continue
+            by_lane[what].append((a, b))
+            i = bisect.bisect_right(starts, a) - 1
+            p = per_phase[spans[i][2] if i >= 0 else "other"]
+            if what == "wait":
+                self.nvme_totals["wait_s"] += b - a
+                self.nvme_totals["waits"] += 1
+                p["nvme_wait_s"] += b - a
+                ahead.append((b, -1))  # taken by the update
+            else:
+                self.nvme_totals[what + "_bytes"] += nbytes
+                self.nvme_totals[what + "s"] += 1
+                p["nvme_" + what + "_bytes"] += nbytes
+                if what == "read":
+                    ahead.append((queued, 1))
+                else:
+                    behind += [(queued, 1), (b, -1)]
+        self.nvme_busy = {lane: _bin_busy(iv, self.t0, width, bins) for lane, iv in by_lane.items()}
+        self.nvme_ahead = _depth(ahead, self.t0, width, bins) if ahead else []
+        self.nvme_behind = _depth(behind, self.t0, width, bins) if behind else []
+        self.nvme_transfers = len(nvme)
+        self.spill = spill
+        # Drawn: at most two points per column (its lowest and highest allocation).
+        self.memory = _thin(memory, (1,), self.t0, width, bins)
         self.samples = len(memory)
         for a, b, name in spans:
             per_phase[name]["duration"] += b - a
@@ -106,5 +212,13 @@ class Timeline:
                 row[e + "_bytes"] = nbytes
                 row[e + "_busy_s"] = busy
                 row[e + "_gbs"] = nbytes / busy / 1e9 if busy > 0 else 0.0
+            if self.host_samples:
+                for s in HOST_SERIES:
+                    if self.host_peak[s] >= 0:
+                        row["host_" + s + "_peak"] = int(p["host_" + s])
+            if self.nvme_transfers:
+                row["nvme_read_bytes"] = p["nvme_read_bytes"]
+                row["nvme_write_bytes"] = p["nvme_write_bytes"]
+                row["nvme_wait_s"] = p["nvme_wait_s"]
             rows.append(row)
         return rows

@@ -10,12 +10,15 @@ from .trace import TraceWriter
 
 
 def trace_from_allocator(events: Dict[str, Any], path: str, base_allocated: int = 0, base_reserved: int = 0,
-                         activities: Iterable[Tuple] = (), **header: Any) -> int:
+                         activities: Iterable[Tuple] = (), extra: Iterable[Dict[str, Any]] = (), **header: Any) -> int:
     """`memtide.allocator_events()` as a trace: the phase marks, every allocation and completed
     free, and the device memory they add up to (from `base_*`, what was in use when recording
     began); plus the device's activities from CUPTI (`device_trace_stop()`: engine, start, end,
-    bytes, ...) on the same clock. Returns the number of events written."""
+    bytes, ...) and `extra` events (the host and NVMe tiers' from memtide.timeline.record) on the
+    same clock. Returns the number of events written."""
     with TraceWriter(path, clock="steady", capacity_bytes=events.get("limit_bytes"), **header) as w:
+        for ev in extra:
+            w.event(**ev)
         for t, phase in events["phases"]:
             w.phase(t, phase)
         for engine, start, end, nbytes, *_ in activities:

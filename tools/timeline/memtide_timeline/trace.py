@@ -68,13 +68,18 @@ _SPEC = {
     "free": (("t", "time", True), ("bytes", "size", False), ("addr", "address", False),
              ("stream", "address", False)),
     "oom": (("t", "time", True), ("bytes", "size", False), ("stream", "address", False)),
+    "host": (("t", "time", True), ("reserved", "size", False), ("allocated", "size", False), ("staging", "size", False),
+             ("rss", "size", False)),
+    "nvme": (("what", "text", True), ("subgroup", "index", False), ("queued", "time", False), ("start", "time", True),
+             ("end", "time", True), ("bytes", "amount", False)),
+    "spill": (("t", "time", True), ("bytes", "size", True)),
 }
 # type -> ((field, test, required), ...), and how many fields an event has when it has no others.
 _FIELDS = {kind: tuple((field, _KINDS[k][1], required) for field, k, required in spec) for kind, spec in _SPEC.items()}
 _KNOWN = {kind: 1 + len(spec) for kind, spec in _SPEC.items()}
 _MISSING = object()
 # Header fields readers use (null: not known).
-_HEADER_FIELDS = (("capacity_bytes", "size"),)
+_HEADER_FIELDS = (("capacity_bytes", "size"), ("host_capacity_bytes", "size"), ("nvme_capacity_bytes", "size"))
 
 
 class _NotJsonNumber(ValueError):

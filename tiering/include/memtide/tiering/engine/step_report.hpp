@@ -50,6 +50,9 @@ struct StepReport {
   ResourceUse cpu, gpu, h2d, d2h;
   double h2d_d2h_overlap_ns = 0;  ///< time both PCIe directions were busy at once
   NvmeUse nvme;                   ///< the NVMe tier's reads and write-backs (none without one)
+  /// Each of them, and each wait for a read, with its times (NvmeTransfer: absolute, on the
+  /// transfers' own clock) and the engine's subgroup.
+  std::vector<NvmeTransfer> nvme_transfers;
   std::size_t params_cpu = 0;
   std::size_t params_gpu = 0;
   std::size_t params_gpu_static = 0;

@@ -59,6 +59,21 @@ struct NvmeUse {
   }
 };
 
+/// One transfer of a phase, or one wait for a read, for the timeline: `what` is "read", "write"
+/// or "wait" (the scheduler asked for a subgroup and waited from `start_ns` until its read was
+/// done; 0 ns when it was already there). `queued_ns`: when the transfer was queued (a read
+/// ahead, a write-back behind); `start_ns` to `end_ns`: when the drive served it. Absolute times:
+/// the steady clock (std::chrono::steady_clock, as the allocator's events) for real transfers,
+/// the device's virtual host clock on a phantom device.
+struct NvmeTransfer {
+  const char* what = "";
+  std::size_t subgroup = 0;
+  double queued_ns = 0;
+  double start_ns = 0;
+  double end_ns = 0;
+  double bytes = 0;
+};
+
 class NvmeStaging {
  public:
   /// `sizes[i]`: params of subgroup i; `spilled[i]`: its state lives on NVMe. `store` holds an
@@ -92,6 +107,8 @@ class NvmeStaging {
   void release(std::size_t i, Event after = {});
   /// Waits for every queued transfer; throws the phase's first IoError (after all are done).
   NvmeUse finish();
+  /// The transfers and waits of the phase finish() ended (once: they are moved out).
+  std::vector<NvmeTransfer> take_transfers();
   /// After an error: waits for the queue (write-backs complete), never throws; buffers not
   /// released are dropped (their NVMe copy is still the subgroup's state).
   void abandon() noexcept;
@@ -118,6 +135,7 @@ class NvmeStaging {
     std::size_t subgroup;
     std::size_t buffer;
     Event after;
+    double queued_ns = 0;  // on the transfers' clock (NvmeTransfer)
   };
   struct Buffer {
     PinnedBuffer memory;
@@ -157,6 +175,14 @@ class NvmeStaging {
   Stream storage_{};                    // the storage transfers' stream
   double phase_start_ns_ = 0;
   NvmeUse use_;
+  // The phase's transfers and waits (under mutex_: the I/O threads add theirs). On a phantom
+  // device each transfer's end is an event on the storage stream, read at finish() against
+  // phase_mark_ (recorded at begin(), when the stream is idle).
+  std::vector<NvmeTransfer> transfers_;
+  std::vector<Event> transfer_done_;
+  std::size_t timed_transfers_ = 0;
+  Event phase_mark_{};
+  [[nodiscard]] double clock_ns() const;  // the transfers' clock (NvmeTransfer)
 
   // The I/O threads.
   mutable std::mutex mutex_;

@@ -169,6 +169,14 @@ struct IterationResult {
   /// The update phase's operations with their subgroups (record_ops), start and end in ns on the
   /// virtual clock.
   std::vector<TieringOp> tiering;
+  /// The NVMe tier's transfers and waits in the update phase (record_ops), on the virtual clock.
+  std::vector<NvmeTransfer> nvme_transfers;
+  /// The rank's host memory as the host budget counts it (NodeSpec::host_budget_bytes): the fp32
+  /// state of the subgroups kept in host memory (16 B/param), the gradients of those on NVMe
+  /// (4 B/param) and the read-ahead's staging; and the spill file's bytes (12 B/param spilled).
+  double host_state_bytes = 0;
+  double nvme_staging_bytes = 0;
+  double nvme_file_bytes = 0;
 };
 
 struct SimulationOptions {
