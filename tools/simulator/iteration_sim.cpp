@@ -35,9 +35,9 @@ struct Units {
   [[nodiscard]] double params(int u) const {
     return head(u) ? static_cast<double>(m.vocab) * m.hidden : m.layer_params();
   }
-  // This rank's share of a unit (ZeRO-3 cuts every parameter N ways), in elements.
+  // This rank's share of a unit (ZeRO-3 cuts every parameter over all ranks), in elements.
   [[nodiscard]] std::size_t shard(int u) const {
-    return static_cast<std::size_t>(std::ceil(params(u) / node.gpus));
+    return static_cast<std::size_t>(std::ceil(params(u) / (static_cast<double>(node.gpus) * node.nodes)));
   }
   // Forward FLOPs: 2 per weight per token for the matmuls, plus attention's two s x s products.
   [[nodiscard]] double forward_flops(int u) const {
@@ -58,9 +58,20 @@ struct Units {
     return node.checkpointing ? static_cast<std::size_t>(tokens * m.hidden * 2) : activation_bytes(u);
   }
   [[nodiscard]] double ns(double flops) const { return flops / node.gpu_flops * 1e9; }
-  // A ring collective moves (N - 1) / N of the full unit's fp16 bytes through each GPU.
+  // A ring collective moves (N - 1) / N of the full unit's fp16 bytes through each GPU's links.
   [[nodiscard]] double collective_bytes(int u) const {
     return params(u) * 2 * (node.gpus - 1) / static_cast<double>(node.gpus);
+  }
+  // How long an all-gather or reduce-scatter of unit u takes, in ns. Across M nodes (modelled,
+  // not simulated): a ring among the M ranks of each local index over their own NICs first,
+  // (M - 1) / (M N) of the unit each way plus a hop's latency per step, then the node's ring.
+  [[nodiscard]] double collective_ns(int u) const {
+    const double intra = collective_bytes(u) / node.link_bytes_per_s * 1e9;
+    if (node.nodes == 1) return intra;
+    const double nodes = node.nodes;
+    const double inter = params(u) * 2 * (nodes - 1) / (nodes * node.gpus) / node.inter_node_bytes_per_s * 1e9 +
+                         (nodes - 1) * node.inter_node_latency_s * 1e9;
+    return intra + inter;
   }
 };
 
@@ -141,6 +152,7 @@ class Rank {
     const std::int64_t retries_before = allocator_.stats().num_alloc_retries;
 
     window_h2d_bytes_ = 0;
+    collective_ns_ = 0;
     if (window_ > 0 && next_fetch_ == 0) prefetch_window();  // the first iteration: no update before it
     // Gradient accumulation as ZeRO-3 runs it: each micro-batch's forward, then its backward, so
     // one micro-batch's activations are alive at a time; the update follows the last.
@@ -258,6 +270,7 @@ class Rank {
     out.backward_update_params = bwd_params_;
     out.backward_update_busy_s = bwd_busy_ns_ / 1e9;
     out.window_h2d_bytes = window_h2d_bytes_;
+    out.collective_s = collective_ns_ / 1e9;
     out.alloc_retries = allocator_.stats().num_alloc_retries - retries_before;
     out.phase_start_s[0] = t0;
     out.phase_start_s[1] = t1;
@@ -306,16 +319,26 @@ class Rank {
   Gathered gather(int u, PassWork& work) {
     const auto bytes = static_cast<std::size_t>(units_.params(u) * 2);
     void* buffer = take(bytes, comm_);
-    const double t = units_.collective_bytes(u) / node_.link_bytes_per_s * 1e9;
+    const double t = units_.collective_ns(u);
     const bool windowed = window_ > 0 && !units_.head(u);
     if (windowed) take_from_window(u);  // the all-gather reads the shard from its window buffer
-    device_.enqueue_collective(comm_, units_.collective_bytes(u), node_.link_bytes_per_s);
+    enqueue_collective(u);
     if (windowed) release_to_window();
     work.comm_ns += t;
     if (work.lead_ns == 0) work.lead_ns = t;
     Event ready = device_.create_event();
     device_.record_event(ready, comm_);
     return {buffer, ready};
+  }
+  void enqueue_collective(int u) {
+    const double ns = units_.collective_ns(u);
+    collective_ns_ += ns;
+    if (node_.nodes == 1) {
+      device_.enqueue_collective(comm_, units_.collective_bytes(u), node_.link_bytes_per_s);
+      return;
+    }
+    // Across nodes the link engine is busy for the modelled time (in the node ring's bytes).
+    device_.enqueue_collective(comm_, ns / 1e9 * node_.link_bytes_per_s, node_.link_bytes_per_s);
   }
   // After the compute stream's last use of a gathered unit (it waited for g.ready).
   void release(Gathered g, std::size_t bytes) {
@@ -414,8 +437,8 @@ class Rank {
     device_.destroy_event(done);
     const std::size_t n = units_.shard(u);
     void* shard = take(n * 2, comm_);
-    const double rs_ns = units_.collective_bytes(u) / node_.link_bytes_per_s * 1e9;
-    device_.enqueue_collective(comm_, units_.collective_bytes(u), node_.link_bytes_per_s);
+    const double rs_ns = units_.collective_ns(u);
+    enqueue_collective(u);
     work.comm_ns += rs_ns;
     allocator_.record_stream(grad, comm_);
     give(grad, full_bytes, compute_);
@@ -715,6 +738,7 @@ class Rank {
   std::vector<Pending> bwd_pending_;
   std::size_t bwd_frontier_ = 0;
   double bwd_params_ = 0, bwd_busy_ns_ = 0;
+  double collective_ns_ = 0;  // the iteration's all-gathers and reduce-scatters, one after another
 };
 
 }  // namespace
@@ -725,7 +749,7 @@ std::vector<BlockProfile> window_profiles(const ModelShape& model, const NodeSpe
   const Units units{model, node, double(model.seq) * model.micro_batch};
   std::vector<BlockProfile> out;
   for (int u = 0; u < model.layers; ++u) {
-    const double gather_ns = units.collective_bytes(u) / node.link_bytes_per_s * 1e9;
+    const double gather_ns = units.collective_ns(u);
     const double fwd = units.ns(units.forward_flops(u)) * model.micro_batches;
     const double bwd = units.ns((node.checkpointing ? 3 : 2) * units.forward_flops(u)) * model.micro_batches;
     BlockProfile b;

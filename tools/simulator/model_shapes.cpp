@@ -78,6 +78,11 @@ const std::vector<std::string>& ModelShape::table2_names() {
 
 void NodeSpec::validate() const {
   require(gpus >= 1 && gpus <= 1024, "node: gpus must be 1 to 1024, got " + std::to_string(gpus));
+  require(nodes >= 1 && nodes <= 65536, "node: nodes must be 1 to 65536, got " + std::to_string(nodes));
+  require(inter_node_bytes_per_s > 0 && std::isfinite(inter_node_bytes_per_s),
+          "node: inter_node_bytes_per_s must be a positive rate, got " + std::to_string(inter_node_bytes_per_s));
+  require(inter_node_latency_s >= 0 && inter_node_latency_s <= 1,
+          "node: inter_node_latency_s must be 0 to 1 s, got " + std::to_string(inter_node_latency_s));
   const std::pair<const char*, double> rates[] = {{"gpu_flops", gpu_flops},
                                                   {"link_bytes_per_s", link_bytes_per_s},
                                                   {"pageable_flush_bytes_per_s", pageable_flush_bytes_per_s},

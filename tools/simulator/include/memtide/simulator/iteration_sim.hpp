@@ -60,7 +60,14 @@ struct ModelShape {
 
 /// The node, and what is assumed of it. The defaults are the paper's 4 x H100 testbed.
 struct NodeSpec {
-  int gpus = 4;  ///< the ZeRO-3 data-parallel degree: GPUs per node
+  int gpus = 4;  ///< GPUs per node, one rank each
+  /// Nodes in the job: the ZeRO-3 data-parallel degree is nodes x gpus. Above one, each
+  /// collective is modelled as two rings (docs/simulator.md): inside the node over the GPU links,
+  /// and across nodes over each GPU's own NIC (a rail-optimised network), one hop's latency per
+  /// step of the inter-node ring.
+  int nodes = 1;
+  double inter_node_bytes_per_s = 50e9;  ///< each GPU's NIC, each way (400 Gb/s InfiniBand NDR)
+  double inter_node_latency_s = 5e-6;    ///< one step of the inter-node ring
   /// Achieved FLOP/s of the model's kernels per GPU. 100 TFLOP/s (a tenth of an H100 SXM's dense
   /// bf16 peak: micro-batch 1 keeps the GEMMs small, and ZeRO-3's fetch hooks sit between them)
   /// makes the simulated ZeRO-3 baseline reach the ~30 TFLOP/s per GPU over whole iterations that
@@ -142,6 +149,9 @@ struct IterationResult {
   int window_blocks = 0;
   std::string window_why;
   double window_h2d_bytes = 0;   ///< parameter bytes the window copied in during the iteration
+  /// The iteration's all-gathers and reduce-scatters end to end (they overlap compute), in s:
+  /// across nodes, the modelled hierarchical rings (NodeSpec::nodes).
+  double collective_s = 0;
   /// Params updated during backward (NodeSpec::updates_during_backward), and the host's time on them then.
   double backward_update_params = 0;
   double backward_update_busy_s = 0;
