@@ -78,7 +78,7 @@ __version__ = version()
 
 # The iteration simulator is an extension of its own (memtide._sim, over libmemtide_sim.so), so
 # that importing memtide does not load it: it is imported the first time one of these is asked for.
-_SIMULATOR = ("simulate_iteration", "simulate_update_sweep", "simulation_defaults")
+_SIMULATOR = ("simulate_iteration", "simulate_node", "simulate_update_sweep", "simulation_defaults")
 
 
 def __getattr__(name: str) -> Any:
@@ -126,6 +126,7 @@ __all__ = [
     "reset_peak_stats",
     "resolve_backend",
     "simulate_iteration",
+    "simulate_node",
     "simulate_update_sweep",
     "simulation_defaults",
     "stats",

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "memtide/simulator/iteration_sim.hpp"
+#include "memtide/simulator/node_sim.hpp"
 #include "memtide/simulator/update_sweep.hpp"
 #include "common.hpp"
 
@@ -26,6 +27,9 @@ struct NodeField {
   {key, [](const NodeSpec& n) { return static_cast<double>(n.expr); }, [](NodeSpec& n, double v) { n.expr = static_cast<decltype(n.expr)>(v); }}
 const NodeField kNodeFields[] = {
     MEMTIDE_NODE_FIELD("gpus", gpus),
+    MEMTIDE_NODE_FIELD("nodes", nodes),
+    MEMTIDE_NODE_FIELD("inter_node_bytes_per_s", inter_node_bytes_per_s),
+    MEMTIDE_NODE_FIELD("inter_node_latency_s", inter_node_latency_s),
     MEMTIDE_NODE_FIELD("gpu_flops", gpu_flops),
     MEMTIDE_NODE_FIELD("link_bytes_per_s", link_bytes_per_s),
     MEMTIDE_NODE_FIELD("pageable_flush_bytes_per_s", pageable_flush_bytes_per_s),
@@ -87,9 +91,7 @@ Contender contender_arg(const std::string& name) {
   value_error("contender \"" + name + "\" is not accepted: expected zero3_offload, twinflow or memtide");
 }
 
-nb::dict simulate(const std::optional<std::string>& model, const std::optional<nb::dict>& shape,
-                  const std::string& contender, const std::optional<nb::dict>& node, bool checkpointing,
-                  int iterations, bool record_ops, const nb::object& window) {
+ModelShape model_arg(const std::optional<std::string>& model, const std::optional<nb::dict>& shape) {
   ModelShape m;
   if (model) m = ModelShape::table2(*model);
   if (shape) {
@@ -115,8 +117,12 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
     }
     if (!model) m.name = "custom";
   }
-  NodeSpec n = node_arg(node, checkpointing);
-  if (!window.is_none()) {
+  return m;
+}
+
+void window_arg(NodeSpec& n, const nb::object& window) {
+  if (window.is_none()) return;
+  {
     if (nb::isinstance<nb::str>(window) && nb::cast<std::string>(window) == "auto") {
       n.window_blocks = NodeSpec::kWindowAuto;
     } else if (long long blocks = -1; nb::isinstance<nb::int_>(window) && !nb::isinstance<nb::bool_>(window) &&
@@ -127,12 +133,10 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
                   " is not accepted: expected None, a number of blocks >= 0 (0: no window) or \"auto\"");
     }
   }
-  const Contender c = contender_arg(contender);
-  tiering::IterationResult r;
-  {
-    nb::gil_scoped_release nogil;
-    r = tiering::simulate_iteration(m, n, c, tiering::SimulationOptions{iterations, record_ops});
-  }
+}
+
+nb::dict result_dict(const tiering::IterationResult& r, const ModelShape& m, const std::string& contender,
+                     bool record_ops) {
   nb::dict d;
   d["contender"] = contender;
   d["model"] = m.name;
@@ -155,6 +159,7 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
   d["window"] = r.window_blocks;
   d["window_why"] = r.window_why;
   d["window_h2d_bytes"] = r.window_h2d_bytes;
+  d["collective_s"] = r.collective_s;
   d["alloc_retries"] = r.alloc_retries;
   d["backward_update_params"] = r.backward_update_params;
   d["backward_update_busy_s"] = r.backward_update_busy_s;
@@ -181,6 +186,99 @@ nb::dict simulate(const std::optional<std::string>& model, const std::optional<n
     d["nvme_transfers"] = nvme_transfer_list(r.nvme_transfers);
   }
   return d;
+}
+
+nb::dict simulate(const std::optional<std::string>& model, const std::optional<nb::dict>& shape,
+                  const std::string& contender, const std::optional<nb::dict>& node, bool checkpointing,
+                  int iterations, bool record_ops, const nb::object& window) {
+  const ModelShape m = model_arg(model, shape);
+  NodeSpec n = node_arg(node, checkpointing);
+  window_arg(n, window);
+  const Contender c = contender_arg(contender);
+  tiering::IterationResult r;
+  {
+    nb::gil_scoped_release nogil;
+    r = tiering::simulate_iteration(m, n, c, tiering::SimulationOptions{iterations, record_ops});
+  }
+  return result_dict(r, m, contender, record_ops);
+}
+
+// A node of ranks (tiering::simulate_node): per placement, per contender, the node's iteration
+// (its slowest rank) and every rank's share of the host and result.
+nb::dict simulate_node(const std::optional<std::string>& model, const std::optional<nb::dict>& shape,
+                       const std::optional<nb::dict>& node, bool checkpointing, int iterations, const nb::object& window,
+                       const std::optional<std::string>& host, const std::optional<std::string>& topology, int gpus,
+                       const std::vector<std::string>& placements, const std::vector<std::string>& contenders) {
+  const ModelShape m = model_arg(model, shape);
+  NodeSpec n = node_arg(node, checkpointing);
+  window_arg(n, window);
+  if (host && topology) value_error("give host or topology, not both");
+  tiering::HostSpec h;
+  if (topology) {
+    h = tiering::HostSpec::from_topology(Topology::from_xml(*topology),
+                                         host ? tiering::HostSpec::preset(*host) : tiering::HostSpec::preset("4xh100-2s"));
+  } else if (host) {
+    h = tiering::HostSpec::preset(*host);
+  } else {
+    h = tiering::HostSpec::two_sockets(gpus);
+  }
+  std::vector<tiering::HostPlacement> where;
+  for (const std::string& p : placements) where.push_back(tiering::host_placement(p));
+  std::vector<Contender> who;
+  for (const std::string& c : contenders) who.push_back(contender_arg(c));
+  tiering::NodeSimulation sim;
+  {
+    nb::gil_scoped_release nogil;
+    sim = tiering::simulate_node(m, n, h, where, who, tiering::SimulationOptions{iterations, false});
+  }
+  nb::dict out;
+  out["model"] = m.name;
+  out["params"] = m.params();
+  out["host"] = h.name;
+  out["nodes"] = sim.nodes;
+  out["gpus_per_node"] = static_cast<int>(h.gpus.size());
+  nb::list sockets;
+  for (const tiering::HostSocket& k : h.sockets) {
+    nb::dict d;
+    d["cores"] = k.cores;
+    d["dram_bytes_per_s"] = k.dram_bytes_per_s;
+    d["memory_bytes"] = k.memory_bytes;
+    sockets.append(d);
+  }
+  out["sockets"] = sockets;
+  nb::list gpu_list;
+  for (const tiering::HostGpu& g : h.gpus) gpu_list.append(nb::make_tuple(g.socket, g.uplink));
+  out["gpus"] = gpu_list;
+  nb::list runs;
+  for (const tiering::NodeRun& run : sim.runs) {
+    nb::dict d;
+    d["contender"] = tiering::to_string(run.contender);
+    d["placement"] = tiering::to_string(run.placement);
+    d["iteration_s"] = run.iteration_s;
+    d["slowest_rank"] = run.slowest_rank;
+    nb::list ranks;
+    for (const tiering::RankRun& rank : run.ranks) {
+      nb::dict r = result_dict(rank.result, m, tiering::to_string(run.contender), false);
+      const tiering::RankShare& s = rank.share;
+      nb::dict share;
+      share["gpu"] = s.gpu;
+      share["socket"] = s.socket;
+      share["cores"] = s.cores;
+      share["cpu_update_params_per_s"] = s.cpu_update_params_per_s;
+      share["host_dram_bytes_per_s"] = s.host_dram_bytes_per_s;
+      share["h2d_bytes_per_s"] = s.h2d_bytes_per_s;
+      share["d2h_bytes_per_s"] = s.d2h_bytes_per_s;
+      share["nvme_read_bytes_per_s"] = s.nvme_read_bytes_per_s;
+      share["nvme_write_bytes_per_s"] = s.nvme_write_bytes_per_s;
+      share["busiest"] = s.busiest;
+      r["share"] = share;
+      ranks.append(r);
+    }
+    d["ranks"] = ranks;
+    runs.append(d);
+  }
+  out["runs"] = runs;
+  return out;
 }
 
 nb::dict simulation_defaults() {
@@ -294,6 +392,16 @@ NB_MODULE(_sim, m) {
         "sweep of k, and the automatic plan against the best k, per Table 2 model (default 7B to 20B).\n"
         "Returns {rows, verdicts, tolerance}: one row per simulated phase, one verdict per model and\n"
         "gradient placement.");
+  m.def("simulate_node", &simulate_node, "model"_a = nb::none(), "shape"_a = nb::none(), "node"_a = nb::none(),
+        "checkpointing"_a = true, "iterations"_a = 3, "window"_a = nb::none(), "host"_a = nb::none(),
+        "topology"_a = nb::none(), "gpus"_a = 4,
+        "placements"_a = std::vector<std::string>{"memtide", "node0", "interleave", "first_touch"},
+        "contenders"_a = std::vector<std::string>{"zero3_offload", "twinflow", "memtide"},
+        "Every rank of one node (tiering::simulate_node), each on its share of the host while the others\n"
+        "run: `host` a preset (4xh100-2s, 8xh100-2s-switches), `topology` an hwloc XML file (its sockets\n"
+        "and GPUs; the rates of `host`, default 4xh100-2s), else `gpus` GPUs on the paper's two sockets.\n"
+        "`node` as simulate_iteration's (its `nodes` adds nodes joined by modelled rings). Returns the\n"
+        "node's iteration (its slowest rank) per placement and contender, and each rank's share and result.");
   m.def("simulation_defaults", &simulation_defaults,
         "The node the simulator assumes unless told otherwise (the paper's 4 x H100), and the Table 2 models.");
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -268,3 +269,58 @@ def test_the_cli_reports_updates_during_backward():
     assert mt["backward_update_params"] > 0 and mt["backward_update_busy_s"] > 0
     text = cli("--updates-during-backward")
     assert "during backward" in text.stdout
+
+
+def test_a_node_of_ranks_on_128_nodes_reports_each_placement_and_the_modelled_collectives():
+    one = cli("--gpus-per-node", "8", "--host", "8xh100-2s-switches", "--model", "20B", "--json")
+    many = cli("--nodes", "128", "--gpus-per-node", "8", "--host", "8xh100-2s-switches", "--model", "20B", "--json")
+    assert one.returncode == 0 and many.returncode == 0, many.stderr
+    a, b = json.loads(one.stdout), json.loads(many.stdout)
+    assert b["nodes"] == 128 and b["gpus_per_node"] == 8
+    assert set(b["placements"]) == {"memtide", "node0", "interleave", "first_touch"}
+    for name, row in b["placements"].items():
+        assert row["memtide"]["iteration_s"] > 0 and row["speedup_memtide_over_zero3"] > 0, name
+    for run in b["runs"]:  # the slowest rank sets the node's iteration
+        assert len(run["ranks"]) == 8
+        assert max(r["simulated"]["iteration_s"] for r in run["ranks"]) == run["iteration_s"]
+    # 128 nodes: the rings across nodes add to every collective; each rank's state is 128x smaller.
+    assert b["collective_s"] > a["collective_s"] > 0
+    assert b["placements"]["memtide"]["memtide"]["update_s"] < a["placements"]["memtide"]["memtide"]["update_s"]
+
+
+def test_a_node_whose_host_path_runs_is_fastest_with_memtides_placement():
+    p = cli("--host", "4xh100-2s", "--model", "20B", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    mine = r["placements"]["memtide"]
+    for name, row in r["placements"].items():
+        for contender in ("zero3_offload", "memtide"):
+            assert row[contender]["iteration_s"] >= mine[contender]["iteration_s"] * (1 - 1e-9), (name, contender)
+    assert r["placements"]["node0"]["memtide"]["iteration_s"] > 1.2 * mine["memtide"]["iteration_s"]
+    shares = [rank["share"] for run in r["runs"] if run["placement"] == "memtide" for rank in run["ranks"]]
+    assert all(s["busiest"] for s in shares)
+
+
+def test_a_node_from_an_hwloc_xml_file(tmp_path):
+    xml = Path(__file__).parent.parent / "data" / "topology" / "two_socket_8gpu_switches.xml"
+    p = cli("--topology", str(xml), "--model", "7B", "--placement", "node0", "--json")
+    if p.returncode != 0 and "without hwloc" in p.stderr:
+        pytest.skip("built without hwloc")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["gpus_per_node"] == 8 and len(r["sockets"]) == 2
+    assert set(r["placements"]) == {"memtide", "node0"}  # memtide's is always the yardstick
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--nodes", "2", "--placement", "numa"], "--placement 'numa'"),
+    (["--host", "16xb200"], "--host"),
+    (["--topology", "/nonexistent/topo.xml"], "--topology"),
+    (["--nodes", "2", "--h2d", "20"], "--h2d sets one rank's rate"),
+    (["--nodes", "2", "--inter-node-latency", "5e6"], "--inter-node-latency"),
+    (["--nodes", "0"], "--nodes"),
+])
+def test_bad_node_flags_are_named_without_a_traceback(args, words):
+    p = cli(*args)
+    assert p.returncode == 2, p.stdout
+    assert words in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 import memtide
 from memtide._memtide import format_bytes, format_count
 
 from ._common import (RATE_FLAGS, UsageError, add_rate_flags, param_count, positive_int, positive_size, rate,
-                      tflops, window_arg)
+                      rate_or_zero, tflops, window_arg)
 
 # GPUs the simulator knows: memory, the achieved FLOP/s of the model's kernels (a tenth of the dense
 # bf16 peak, which makes ZeRO-3 reach the paper's ~30 TFLOP/s per H100 over whole iterations; see
@@ -30,7 +30,18 @@ SIM_GPUS = {
 _CONTENDERS = ("zero3_offload", "twinflow", "memtide")
 
 
-def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
+# The flags that set a node figure: flag -> (simulate_iteration's node key, scale).
+NODE_FLAGS = dict(RATE_FLAGS, gpu_mem=("capacity_bytes", 1), gpu_flops=("gpu_flops", 1e12),
+                  link=("link_bytes_per_s", 1e9), flush=("pageable_flush_bytes_per_s", 1e9),
+                  subgroup_size=("subgroup_params", 1), host_mem=("host_budget_bytes", 1),
+                  nvme_read=("nvme_read_bytes_per_s", 1e9), nvme_write=("nvme_write_bytes_per_s", 1e9),
+                  nodes=("nodes", 1), inter_node=("inter_node_bytes_per_s", 1e9),
+                  inter_node_latency=("inter_node_latency_s", 1e-6))
+
+
+def model_and_node(args: argparse.Namespace) -> Tuple[Optional[str], Dict[str, int], Dict[str, Any]]:
+    """The model (a Table 2 name or None for a custom shape), its shape overrides and the node's
+    figures the flags give."""
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "micro_batch", "micro_batches", "vocab")
              if getattr(args, k) is not None}
     model = args.model if args.model is not None else "20B"
@@ -40,11 +51,7 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         raise UsageError("--model custom needs --layers, --hidden and --heads")
     node = dict(SIM_GPUS[args.gpu])
     node["gpus"] = args.gpus_per_node
-    flags = dict(RATE_FLAGS, gpu_mem=("capacity_bytes", 1), gpu_flops=("gpu_flops", 1e12),
-                 link=("link_bytes_per_s", 1e9), flush=("pageable_flush_bytes_per_s", 1e9),
-                 subgroup_size=("subgroup_params", 1), host_mem=("host_budget_bytes", 1),
-                 nvme_read=("nvme_read_bytes_per_s", 1e9), nvme_write=("nvme_write_bytes_per_s", 1e9))
-    for flag, (key, scale) in flags.items():
+    for flag, (key, scale) in NODE_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
             node[key] = value * scale
@@ -54,6 +61,23 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         defaults = memtide.simulation_defaults()
         for key in ("nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
             node.setdefault(key, defaults[key])
+    return model, shape, node
+
+
+def usage_error_for(e: ValueError) -> Optional[UsageError]:
+    """The flag behind a node figure the simulator refused, named instead of its key."""
+    for flag, (key, _) in NODE_FLAGS.items():
+        if str(e).startswith(f"node: {key} "):
+            return UsageError(f"--{flag.replace('_', '-')}: {e}")
+    if "host budget" in str(e):
+        return UsageError(f"--host-mem: {e}")
+    if "layer window" in str(e):
+        return UsageError(f"--window: {e}")
+    return None
+
+
+def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
+    model, shape, node = model_and_node(args)
     results = {}
     failed = {}
     checkpoint = not args.no_checkpointing
@@ -68,13 +92,9 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
                                            record_ops=record, window=args.window if name == "memtide" else None)
         except ValueError as e:
             # A node figure the simulator refuses came from one flag: name it, not the key.
-            for flag, (key, _) in flags.items():
-                if str(e).startswith(f"node: {key} "):
-                    raise UsageError(f"--{flag.replace('_', '-')}: {e}") from None
-            if "host budget" in str(e):
-                raise UsageError(f"--host-mem: {e}") from None
-            if "layer window" in str(e):
-                raise UsageError(f"--window: {e}") from None
+            named = usage_error_for(e)
+            if named is not None:
+                raise named from None
             raise
         except MemoryError as e:
             # With the layer window, the baselines (which keep every parameter on the GPU) may not
@@ -178,6 +198,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     for flag in ("csv", "slots"):
         if getattr(args, flag) is not None:
             raise UsageError(f"--{flag} belongs to --update-sweep")
+    if any(getattr(args, f) is not None for f in ("nodes", "host", "topology", "placement")):
+        from . import node_sim
+
+        return node_sim.run(args)
     if args.timeline:
         import memtide_timeline as timeline
 
@@ -298,6 +322,23 @@ def add_parser(sub) -> None:
                      help="also write memtide's simulated iteration as a trace (REPORT.trace.jsonl) and its "
                      "timeline report (REPORT.html, REPORT.chrome.json, and REPORT.png with matplotlib)")
     sim.add_argument("--json", action="store_true", help="print JSON instead of text")
+    node = sim.add_argument_group(
+        "a whole node of ranks, and many nodes (any of these flags; docs/simulator.md, \"A node of ranks\")")
+    node.add_argument("--nodes", type=positive_int, default=None, metavar="M",
+                      help="nodes in the job: ZeRO-3 over M x --gpus-per-node ranks, collectives across nodes modelled "
+                      "(default: 1)")
+    node.add_argument("--host", default=None, metavar="NAME",
+                      help="the node's host: 4xh100-2s (the paper's testbed), 8xh100-2s-switches (DGX-H100-like) "
+                      "(default: --gpus-per-node GPUs on the paper's two sockets)")
+    node.add_argument("--topology", default=None, metavar="FILE.xml",
+                      help="the node's sockets and GPUs from an hwloc XML file (lstopo --of xml); rates from --host")
+    node.add_argument("--placement", default=None, metavar="LIST",
+                      help="where ranks' state and CPU threads go, compared: memtide (each GPU's socket), node0, "
+                      "interleave, first_touch (default: all four)")
+    node.add_argument("--inter-node", type=rate, default=None, metavar="GB/s",
+                      help="each GPU's network bandwidth to other nodes, each way (default: 50, 400 Gb/s NDR)")
+    node.add_argument("--inter-node-latency", type=rate_or_zero, default=None, metavar="US",
+                      help="one hop of the inter-node ring, in microseconds (default: 5)")
     sweep = sim.add_argument_group("the update phase alone (--update-sweep)")
     sweep.add_argument("--update-sweep", action="store_true",
                        help="simulate the update phase alone: all-CPU, static 20%% and interleaved placement over a "
