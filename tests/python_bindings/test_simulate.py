@@ -272,6 +272,9 @@ def test_the_cli_reports_updates_during_backward():
 
 
 def test_a_node_of_ranks_on_128_nodes_reports_each_placement_and_the_modelled_collectives():
+    plain = cli("--nodes", "128", "--gpus-per-node", "8", "--model", "20B", "--json")  # the command
+    assert plain.returncode == 0, plain.stderr
+    assert json.loads(plain.stdout)["gpus_per_node"] == 8
     one = cli("--gpus-per-node", "8", "--host", "8xh100-2s-switches", "--model", "20B", "--json")
     many = cli("--nodes", "128", "--gpus-per-node", "8", "--host", "8xh100-2s-switches", "--model", "20B", "--json")
     assert one.returncode == 0 and many.returncode == 0, many.stderr
@@ -319,6 +322,8 @@ def test_a_node_from_an_hwloc_xml_file(tmp_path):
     (["--nodes", "2", "--h2d", "20"], "--h2d sets one rank's rate"),
     (["--nodes", "2", "--inter-node-latency", "5e6"], "--inter-node-latency"),
     (["--nodes", "0"], "--nodes"),
+    (["--host", "4xh100-2s", "--gpus-per-node", "8"], "--gpus-per-node 8: the host (4xh100-2s) has 4 GPUs"),
+    (["--nodes", "2", "--gpus-per-node", "2000"], "--gpus-per-node"),
 ])
 def test_bad_node_flags_are_named_without_a_traceback(args, words):
     p = cli(*args)

@@ -54,14 +54,17 @@ def simulate(args: argparse.Namespace) -> Dict[str, Any]:
         if named is not None:
             raise named from None
         text = str(e)
+        if text.startswith("host: gpus must be"):
+            raise UsageError(f"--gpus-per-node: {text}") from None
+        if text.startswith("host: topology"):
+            raise UsageError(f"--topology: {text}") from None
         if text.startswith("host "):
             raise UsageError(f"--host: {text}") from None
         raise UsageError(text) from None
     except OSError as e:  # the topology file
         raise UsageError(f"--topology: {e}") from None
-    if (args.host is not None or args.topology is not None) and gpus != r["gpus_per_node"] \
-            and args.gpus_per_node != 4:
-        raise UsageError(f"--gpus-per-node {gpus}: the host has {r['gpus_per_node']} GPUs")
+    if args.gpus_per_node is not None and args.gpus_per_node != r["gpus_per_node"]:
+        raise UsageError(f"--gpus-per-node {args.gpus_per_node}: the host ({r['host']}) has {r['gpus_per_node']} GPUs")
     r["wall_s"] = time.monotonic() - started
     # Per placement: each contender's node iteration and memtide's speed-up over ZeRO-3 offload.
     table: Dict[str, Dict[str, Any]] = {}

@@ -50,7 +50,7 @@ def model_and_node(args: argparse.Namespace) -> Tuple[Optional[str], Dict[str, i
     if model is None and not {"layers", "hidden", "heads"} <= shape.keys():
         raise UsageError("--model custom needs --layers, --hidden and --heads")
     node = dict(SIM_GPUS[args.gpu])
-    node["gpus"] = args.gpus_per_node
+    node["gpus"] = args.gpus_per_node or 4
     for flag, (key, scale) in NODE_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
@@ -288,8 +288,9 @@ def add_parser(sub) -> None:
                        ("seq", "sequence length (default 2048)"), ("micro-batch", "micro-batch (default 1)"),
                        ("micro-batches", "micro-batches per step (default 1)"), ("vocab", "vocabulary (default 50304)")):
         sim.add_argument("--" + flag, type=positive_int, default=None, metavar="N", help=what)
-    sim.add_argument("--gpus-per-node", type=positive_int, default=4, metavar="N",
-                     help="the ZeRO-3 data-parallel degree (default: 4, as in the paper)")
+    sim.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="N",
+                     help="the ZeRO-3 data-parallel degree (default: 4, as in the paper; with --host or "
+                     "--topology, the host's GPUs)")
     sim.add_argument("--gpu", choices=sorted(SIM_GPUS), default="h100", help="GPU figures (default: h100)")
     sim.add_argument("--gpu-mem", type=positive_size, default=None, metavar="SIZE", help="GPU memory")
     sim.add_argument("--gpu-flops", type=tflops, default=None, metavar="TFLOP/s", help="achieved dense bf16 FLOP/s")

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     models = [args.model] if args.model is not None else []
     slots = args.slots if args.slots is not None else 4
     try:
-        sweep = memtide.simulate_update_sweep(host_dram_bytes_per_s=dram, gpus=args.gpus_per_node,
+        sweep = memtide.simulate_update_sweep(host_dram_bytes_per_s=dram, gpus=args.gpus_per_node or 4,
                                               gpu_slots=slots, models=models)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--csv {args.csv}: {e.strerror or e}") from None
     else:
         write_csv(sweep["rows"], sys.stdout)
-    print(f"phantom SimDevice: host DRAM {dram / 1e9:.0f} GB/s per GPU, {slots} slots, {args.gpus_per_node} GPUs, "
+    print(f"phantom SimDevice: host DRAM {dram / 1e9:.0f} GB/s per GPU, {slots} slots, {args.gpus_per_node or 4} GPUs, "
           "100M-param subgroups", file=sys.stderr)
     misses = 0
     for v in sweep["verdicts"]:
