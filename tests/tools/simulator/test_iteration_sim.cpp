@@ -9,29 +9,15 @@
 
 #include "memtide/core/error.hpp"
 #include "memtide/simulator/iteration_sim.hpp"
+#include "sim_fixtures.hpp"
 
 using namespace memtide;
 using namespace memtide::tiering;
 
 namespace {
 
-ModelShape small() {
-  ModelShape m;
-  m.name = "small";
-  m.layers = 6;
-  m.hidden = 1024;
-  m.heads = 8;
-  m.seq = 512;
-  m.vocab = 8192;
-  return m;
-}
-
-NodeSpec small_node() {
-  NodeSpec n;
-  n.subgroup_params = 2'000'000;  // a few dozen subgroups for a small model
-  n.device.capacity = 8ULL << 30;
-  return n;
-}
+ModelShape small() { return test::small_model(); }
+using test::small_node;
 
 double op_bytes(const IterationResult& r, const char* engine, double from_s, double to_s) {
   double bytes = 0;

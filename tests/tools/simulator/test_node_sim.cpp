@@ -7,6 +7,7 @@
 
 #include "memtide/core/error.hpp"
 #include "memtide/simulator/node_sim.hpp"
+#include "sim_fixtures.hpp"
 
 using namespace memtide;
 using namespace memtide::tiering;
@@ -15,23 +16,8 @@ namespace {
 
 constexpr double kCpuBytes = 30;  // adamw_bytes_per_param(fp32 grad, bf16 params)
 
-ModelShape small() {
-  ModelShape m;
-  m.name = "small";
-  m.layers = 4;
-  m.hidden = 1024;
-  m.heads = 8;
-  m.seq = 512;
-  m.vocab = 8192;
-  return m;
-}
-
-NodeSpec small_node() {
-  NodeSpec n;
-  n.subgroup_params = 2'000'000;
-  n.device.capacity = 8ULL << 30;
-  return n;
-}
+ModelShape small() { return test::small_model(4); }
+using test::small_node;
 
 // Three GPUs: two on socket 0, one alone on socket 1.
 HostSpec lopsided() {
