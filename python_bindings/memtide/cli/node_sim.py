@@ -14,7 +14,7 @@ import memtide
 from memtide._memtide import format_count
 
 from ._common import UsageError
-from .simulate import model_and_node, usage_error_for
+from .sim_inputs import model_and_node, usage_error_for
 
 PLACEMENTS = ("memtide", "node0", "interleave", "first_touch")
 CONTENDERS = ("zero3_offload", "twinflow", "memtide")
