@@ -16,9 +16,10 @@ import torch.distributed as dist
 
 from memtide.optim import TieredAdamW
 
-WRAP, SCENARIO, OUT = sys.argv[1], sys.argv[2], sys.argv[3]  # fsdp2, ddp or ddp-view (gradient_as_bucket_view)
+# fsdp2, fsdp2-mp (bf16 params, fp32 reduce), ddp or ddp-view (gradient_as_bucket_view)
+WRAP, SCENARIO, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
 STEPS, MICRO, SCALE = 5, 2, 1024.0
-CLIP = 0.05 if SCENARIO == "clip" else None
+CLIP = 0.05 if SCENARIO.split("+")[0] in ("clip", "frozen") else None
 EAGER = SCENARIO.endswith("+eager")  # updates during backward too
 # At this step of the scaled scenario rank 1 meets an inf: under FSDP2 in one gradient element after
 # the reduce-scatter (only that rank sees it: the ranks must agree to skip), under DDP in its input
@@ -26,24 +27,50 @@ EAGER = SCENARIO.endswith("+eager")  # updates during backward too
 INF_STEP = 2
 
 
+FROZEN = SCENARIO.startswith("frozen")  # the first block frozen, and a side branch used on even steps only
+
+
+class Net(torch.nn.Sequential):
+    """The blocks in a row; in the frozen scenario also a side branch, which only even steps use
+    (on odd steps its params have no gradient: torch.optim.AdamW leaves them, step count included)."""
+
+    def __init__(self) -> None:
+        # 61 and 13 rows do not divide by 2 (or 4) ranks: uneven shards, and an empty one at 4 ranks for the bias of 3.
+        super().__init__(torch.nn.Linear(7, 61), torch.nn.GELU(), torch.nn.Linear(61, 13), torch.nn.GELU(),
+                         torch.nn.Linear(13, 3))
+        if FROZEN:
+            self.side = torch.nn.Linear(7, 3)
+            self[0].requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, side: bool = False) -> torch.Tensor:
+        y = x
+        for layer in self:
+            if layer is not getattr(self, "side", None):
+                y = layer(y)
+        return y + self.side(x) if side else y
+
+
 def build() -> torch.nn.Module:
     torch.manual_seed(0)
-    # 61 and 13 rows do not divide by 2 (or 4) ranks: uneven shards, and an empty one at 4 ranks for the bias of 3.
-    return torch.nn.Sequential(torch.nn.Linear(7, 61), torch.nn.GELU(), torch.nn.Linear(61, 13), torch.nn.GELU(),
-                               torch.nn.Linear(13, 3))
+    return Net()
 
 
 def wrap(model: torch.nn.Module):
-    if WRAP == "fsdp2":
+    if WRAP.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        # fp32 sharded params (what the optimizer sees), bf16 unsharded ones (what computes).
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if WRAP == "fsdp2-mp"
+              else MixedPrecisionPolicy())
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=WRAP == "ddp-view")
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+        return fully_shard(model, mesh=mesh, mp_policy=mp)
+    # Params without a gradient in a step: DDP must be told (it then reduces none for them).
+    return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=WRAP == "ddp-view",
+                                                     find_unused_parameters=FROZEN)
 
 
 def groups(model: torch.nn.Module):
@@ -53,7 +80,7 @@ def groups(model: torch.nn.Module):
 
 
 def no_sync(model, first: bool):
-    if WRAP == "fsdp2":
+    if WRAP.startswith("fsdp2"):
         model.set_requires_gradient_sync(not first)
         return torch.enable_grad()
     return model.no_sync() if first else torch.enable_grad()
@@ -67,7 +94,7 @@ def train(tiered: bool):
     model = wrap(build())
     if tiered:
         opt = TieredAdamW(groups(model), lr=1e-2, policy="cpu", subgroup_size=64,
-                                  max_grad_norm=CLIP, loss_scale=None if SCENARIO == "clip" else SCALE,
+                          max_grad_norm=CLIP, loss_scale=None if CLIP is not None else SCALE,
                           update_during_backward=EAGER)
         if WRAP.startswith("ddp"):
             opt.register_ddp(model)
@@ -79,12 +106,14 @@ def train(tiered: bool):
     for step in range(STEPS):
         for mb in range(MICRO):
             x = torch.randn(4, 7, generator=gen)
+            if WRAP == "fsdp2-mp":
+                x = x.to(torch.bfloat16)
             if WRAP.startswith("ddp") and CLIP is None and step == INF_STEP and rank == 1 and mb + 1 == MICRO:
                 x[0, 0] = float("inf")
             with no_sync(model, mb + 1 < MICRO):
-                loss = model(x).square().mean()
+                loss = model(x, FROZEN and step % 2 == 0).float().square().mean()
                 (opt.scale_loss(loss) if tiered else loss * (SCALE if CLIP is None else 1.0)).backward()
-        if WRAP == "fsdp2" and CLIP is None and step == INF_STEP and rank == 1:
+        if WRAP.startswith("fsdp2") and CLIP is None and step == INF_STEP and rank == 1:
             g = next(model.parameters()).grad
             (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("inf")
         if tiered:
@@ -107,7 +136,15 @@ def train(tiered: bool):
             opt.step()
         sched.step()
         opt.zero_grad()
-    out = {"params": [full(p) for p in model.parameters()], "skipped": skipped}
+        if step == 0:
+            first = [full(p) for p in model.parameters()]
+    out = {"params": [full(p) for p in model.parameters()], "first": first, "skipped": skipped}
+    if FROZEN:
+        net = getattr(model, "module", model)  # DDP's inner model
+        out["frozen_moved"] = max(float((full(p) - full(q)).abs().max())
+                                  for p, q in zip(net[0].parameters(), build()[0].parameters()))
+        # Updated on the even steps only: torch.optim.AdamW counts 3 of 5.
+        out["side_steps"] = int(opt.state[net.side.weight]["step"])
     if tiered:
         out["host_bytes"] = opt.buffers.nbytes()
         out["numel"] = opt._layout.numel
@@ -122,6 +159,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     mine, ref = train(True), train(False)
     diff = max(float((a - b).abs().max()) for a, b in zip(mine["params"], ref["params"]))
+    first_diff = max(float((a - b).abs().max()) for a, b in zip(mine["first"], ref["first"]))
     moved = max(float((a - b).abs().max()) for a, b in zip(mine["params"], [full(p) for p in wrap(build()).parameters()]))
     numel = torch.tensor([mine["numel"]])
     sizes = [torch.zeros_like(numel) for _ in range(dist.get_world_size())]
@@ -131,7 +169,9 @@ def main() -> None:
             json.dump({"max_diff": diff, "moved": moved, "skipped": [mine["skipped"], ref["skipped"]],
                        "numel_per_rank": [int(s) for s in sizes],
                        "regathered": mine["regathered"], "eager": mine.get("eager"), "host_bytes": mine["host_bytes"],
-                       "world": dist.get_world_size()}, f)
+                       "world": dist.get_world_size(), "first_diff": first_diff,
+                       "frozen_moved": mine.get("frozen_moved"),
+                       "side_steps": [mine.get("side_steps"), ref.get("side_steps")]}, f)
     dist.destroy_process_group()
 
 
