@@ -42,6 +42,16 @@ if ! .venv/bin/python -c "import torch, numpy, pytest, nanobind, scikit_build_co
   .venv/bin/python -m pip install -q --progress-bar off "${PIP_PACKAGES[@]}"
   log "Python packages installed in $(( $(date +%s) - start )) s"
 fi
+# What only one script needs (scripts/test.sh: accelerate, for the test of Accelerate's FSDP2 set-up).
+read -r -a extra_pip <<< "${MEMTIDE_EXTRA_PIP:-}"
+missing_pip=()
+for p in "${extra_pip[@]}"; do
+  .venv/bin/python -m pip show -q "$p" >/dev/null 2>&1 || missing_pip+=("$p")
+done
+if ((${#missing_pip[@]})); then
+  log "installing Python packages into .venv: ${missing_pip[*]}"
+  .venv/bin/python -m pip install -q --progress-bar off "${missing_pip[@]}"
+fi
 
 # nvcc is optional: CudaDevice is built when it is on PATH or in the usual toolkit location.
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then

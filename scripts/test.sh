@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MEMTIDE_EXTRA_APT="chromium"  # the timeline report is opened in a headless browser
+export MEMTIDE_EXTRA_PIP="accelerate"  # Accelerate's FSDP2 set-up with TieredAdamW is tested
 source scripts/deps.sh
 jobs=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 t0=$(date +%s)

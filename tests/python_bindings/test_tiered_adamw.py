@@ -681,6 +681,33 @@ def test_add_param_group_keeps_state():
         assert opt.state[p]["step"].item() == ref_opt.state[r]["step"].item()
 
 
+@pytest.mark.parametrize("how", ["params", "groups"])
+def test_params_swapped_in_after_construction_are_followed(how):
+    # Accelerate's FSDP2 prepare builds the sharded params after the optimizer and assigns each
+    # group's "params" anew ("params"); a wrapper may also replace the list of groups ("groups").
+    old = make_model()
+    opt = TieredAdamW(two_groups(old), subgroup_size=SUBGROUP, **HYPER)
+    model = make_model()  # the same values in new tensors
+    new = dict(zip(map(id, old.parameters()), model.parameters()))
+    if how == "params":
+        for group in opt.param_groups:
+            group["params"] = [new[id(p)] for p in group["params"]]
+    else:
+        opt.param_groups = [dict(g, params=[new[id(p)] for p in g["params"]]) for g in opt.param_groups]
+    ref, ref_opt = mirror(model, groups=opt.param_groups)
+    for x, y in DATA[:5]:
+        backward(model, opt, x, y)
+        teach(model, ref)
+        opt.step()
+        ref_opt.step()
+    for i, (p, r) in enumerate(zip(model.parameters(), ref)):
+        assert_rel_close(p.detach(), r.detach(), what=f"param {i}")
+    assert all(p not in opt.state for p in old.parameters())
+    # Assigned params are hooked before the next backward; a new list of groups is seen at the
+    # step, which copies that backward's gradients itself.
+    assert opt.stats.regathered == (0 if how == "params" else len(list(model.parameters())))
+
+
 def test_closure_and_zero_grad():
     model = make_model()
     opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP)

@@ -66,7 +66,9 @@ class ShardGroup:
             elif not isinstance(placement, Replicate):
                 raise ValueError(f"TieredAdamW: param {i} has placement {placement}; Shard(0) and Replicate are "
                                  "supported")
-            meshes[id(mesh)] = mesh
+            # fully_shard without a mesh makes one per call: equal meshes (same device type and
+            # ranks) are one.
+            meshes[(mesh.device_type, tuple(mesh.mesh.flatten().tolist()))] = mesh
         if len(meshes) > 1:
             raise ValueError("TieredAdamW: the params lie on more than one device mesh; make one TieredAdamW per mesh")
         self.group = next(iter(meshes.values())).get_group() if meshes and any(self.sharded) else None

@@ -51,6 +51,7 @@ class GradientPath:
         self.follow_ddp(getattr(opt, "_ddp", None))
         #: Params whose gradient step() had to copy itself (changed after its hook ran).
         self.stale: Set[int] = set()
+        self._sent_in_backward: List[int] = []  # by the hooks, in the backward now running
         me = weakref.ref(self)
         # Frozen params get none (step() gathers whatever gradient they have later).
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, me, i))
@@ -73,6 +74,7 @@ class GradientPath:
     def reset(self) -> None:
         """The next backward sends its own gradients."""
         self.flushed = [None] * len(self.flushed)
+        self._sent_in_backward = []
 
     @torch.no_grad()
     def ready(self, i: int, p: torch.Tensor) -> None:
@@ -88,6 +90,27 @@ class GradientPath:
             return  # the local gradient, before DDP's all-reduce: the bucket hook sends the reduced one
         g = None if p.grad is None else local(p.grad)  # FSDP2: this rank's reduced shard
         self.send(i, g)
+        if not self._sent_in_backward:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            except RuntimeError:
+                return  # outside backward (FSDP2's manual finalization): step() checks every version
+        self._sent_in_backward.append(i)
+
+    def _backward_ended(self) -> None:
+        """The gradients the hooks sent in this backward are what `.grad` holds at its end: their
+        version counters are taken again. FSDP2's sharded gradients are views of one reduce-scatter
+        output and share its counter, so accumulating into one param's gradient (a reduce in every
+        micro-batch) counts as a write to the others sent before it; nothing else writes them
+        between their hook and the end of backward."""
+        sent, self._sent_in_backward = self._sent_in_backward, []
+        layout = self.opt._layout if self.opt is not None else None
+        if layout is None:
+            return
+        for i in sent:
+            f, g = self.flushed[i], layout.params[i].grad
+            if f is not None and f.address is not None and g is not None and local(g).data_ptr() == f.address:
+                f.version = local(g)._version
 
     def reduced(self, i: int, g: torch.Tensor) -> None:
         """DDP has all-reduced param i's gradient (its bucket's hook): send it on its way; what

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -86,6 +87,25 @@ class UpdateStats:
     last_step_seconds: float = 0.0
     last_params: int = 0
     history: List[Tuple[int, float, float]] = field(default_factory=list)  # (params, engine s, step s)
+
+
+class _ParamGroup(dict):
+    """A param group that tells its optimizer when its "params" are replaced (Accelerate's FSDP2
+    prepare assigns each group the sharded params after the optimizer was built), so that the
+    gradient hooks are on the new params before the next backward."""
+
+    def __init__(self, opt: "TieredAdamW", group: Dict[str, Any]) -> None:
+        super().__init__(group)
+        self._opt = weakref.ref(opt)  # the groups must not keep the optimizer (and its pinned memory)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        opt = self._opt()
+        if key == "params" and opt is not None and opt._ready and any(g is self for g in opt.param_groups):
+            opt._follow_params()
+
+    def __reduce__(self):  # copies and pickles are plain dicts: a weak reference cannot be pickled
+        return dict, (dict(self),)
 
 
 class TieredAdamW(torch.optim.Optimizer):
@@ -170,13 +190,20 @@ class TieredAdamW(torch.optim.Optimizer):
                    else int(update_during_backward))
             self._eager = BackwardUpdates(self, cap)
             self._eager.rebuild()
-        if self._shards:
+        self._agreed = False
+        self._check_agreement()
+
+    def _check_agreement(self) -> None:
+        """Once the params are sharded (at construction, or once a wrapper swapped them for
+        FSDP2's), every rank must have built its optimizer alike."""
+        if self._shards and not self._agreed:
             check_agreement(self._settings(), self._shards.group, "TieredAdamW")
+            self._agreed = True
 
     # -- param groups -----------------------------------------------------------------------------
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+        super().add_param_group(_ParamGroup(self, param_group))
         try:
             check_group(self.param_groups[-1])
         except ValueError:
@@ -184,6 +211,17 @@ class TieredAdamW(torch.optim.Optimizer):
             raise
         if self._ready:
             self._build()
+
+    def _follow_params(self) -> None:
+        """Rebuilds over the params the groups hold now when they are not those it was built
+        over: a wrapper may swap them after construction (Accelerate's FSDP2 prepare replaces
+        each param with its sharded DTensor). As with torch.optim.AdamW, whose state is keyed by
+        param, a param new to the optimizer starts without state; known params keep theirs."""
+        held = [p for group in self.param_groups for p in group["params"]]
+        if len(held) == len(self._layout.params) and all(a is b for a, b in zip(held, self._layout.params)):
+            return
+        self._build()
+        self._check_agreement()
 
     def _params(self) -> Tuple[List[torch.nn.Parameter], List[int], Optional[torch.dtype]]:
         """Every param in group order, its group, and the one low-precision dtype among them."""
@@ -415,6 +453,7 @@ class TieredAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self._mark_update:
             _memtide.mark_phase("update")
+        self._follow_params()
         if self.engine is None:
             return loss
         t0 = time.perf_counter()
@@ -589,6 +628,7 @@ class TieredAdamW(torch.optim.Optimizer):
         Like torch's, the tensors are references to the live state (views of the flat buffers):
         copy or save the dict before the next step if it must not change.
         """
+        self._follow_params()
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -597,6 +637,7 @@ class TieredAdamW(torch.optim.Optimizer):
         The whole dict is checked before anything changes: a bad one raises ValueError naming
         what is wrong and leaves the optimizer exactly as it was.
         """
+        self._follow_params()
         checkpoint.load_state_dict(self, state_dict)
 
     spilled_subgroups = 0  #: subgroups whose params and moments live on NVMe (0 without an NVMe tier)
