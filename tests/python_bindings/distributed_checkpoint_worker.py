@@ -1,14 +1,18 @@
 """One rank of the sharded-checkpoint test (test_distributed.py): FSDP2 + TieredAdamW saved with
 torch.distributed.checkpoint on one world size and resumed on another.
 
-    LOAD SAVE OUT: loads the DCP checkpoint LOAD ("-": none, start at step 0; resharded to this
-    world size), trains to step 5, saving model, optimizer and the next step to SAVE ("-": none)
-    after the first step it trains. Rank 0 writes the final full params to OUT (torch.save).
+    LOAD SAVE OUT [KILLED]: loads the DCP checkpoint LOAD ("-": none, start at step 0; resharded
+    to this world size), trains to step 5, saving model, optimizer and the next step to SAVE
+    ("-": none) after the first step it trains. Rank 0 writes the final full params to OUT
+    (torch.save). With KILLED, it saves again there after the second step, and rank 1 is killed
+    (SIGKILL) in the middle of that save, its data written and the save not yet recorded.
 Each step trains on the same global batch, split evenly among the ranks, so every world size
 computes the same update."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 import torch
@@ -22,6 +26,19 @@ from torch.distributed.fsdp import fully_shard
 from memtide.optim import TieredAdamW
 
 LOAD, SAVE, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
+KILLED = sys.argv[4] if len(sys.argv) > 4 else None
+
+
+class DyingWriter(dcp.FileSystemWriter):
+    """Writes as FileSystemWriter does; on rank 1 the process is killed once its data is written,
+    before the coordinator (rank 0) has every rank's part and records the checkpoint."""
+
+    def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - FileSystemWriter's signature
+        written = super().write_data(plan, planner)
+        if dist.get_rank() == 1:
+            written.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return written
 GLOBAL_BATCH, STEPS = 8, 5
 
 
@@ -59,6 +76,11 @@ def main() -> None:
             saved = state()
             saved["next_step"].fill_(step + 1)
             dcp.save(saved, checkpoint_id=SAVE)
+        if step == start + 1 and KILLED is not None:
+            saved = state()
+            saved["next_step"].fill_(step + 1)
+            dcp.save(saved, storage_writer=DyingWriter(KILLED))
+            raise AssertionError("the save whose rank was killed went through")
     params = [p.full_tensor().detach().clone() for p in model.parameters()]
     if rank == 0:
         torch.save(params, OUT)

@@ -80,22 +80,38 @@ def test_register_ddp_refuses_a_model_that_is_not_ddp():
         opt.register_ddp(model)
 
 
-def test_a_sharded_checkpoint_resumes_on_other_world_sizes(tmp_path):
-    # torch.distributed.checkpoint with TieredAdamW's sharded state: saved on 2 ranks after step 0,
-    # resumed on 4 (resharded) which saves after step 1, resumed on 1: the same end as 2 ranks
-    # that never stopped.
+def test_a_sharded_checkpoint_resumes_on_other_world_sizes_even_after_a_rank_died_saving_the_next(tmp_path):
+    # torch.distributed.checkpoint with TieredAdamW's sharded state: saved on 2 ranks after step 0
+    # (rank 1 then killed by SIGKILL in the middle of the next save), resumed on 4 (resharded)
+    # which saves after step 1, resumed on 1: the same end as 2 ranks that never stopped. DCP
+    # records a checkpoint (its .metadata) once every rank's data is written: the half-written one
+    # is refused, naming what it lacks.
     worker = WORKER.with_name("distributed_checkpoint_worker.py")
 
-    def launch(ranks: int, load: str, save: str, out: str) -> list:
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc-per-node={ranks}", str(worker), load, save, str(tmp_path / out)],
-                           env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    def launch(ranks: int, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={ranks}", str(worker), *args], env=clean_env(OMP_NUM_THREADS="1"),
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    def params(ranks: int, load: str, save: str, out: str) -> list:
+        p = launch(ranks, load, save, str(tmp_path / out))
         assert p.returncode == 0, p.stderr[-4000:]
         return torch.load(tmp_path / out)
 
-    straight = launch(2, "-", str(tmp_path / "at1"), "straight.pt")
-    launch(4, str(tmp_path / "at1"), str(tmp_path / "at2"), "four.pt")
-    resumed = launch(1, str(tmp_path / "at2"), "-", "one.pt")
+    import torch.distributed.checkpoint as dcp
+
+    at1, at2, half = (str(tmp_path / name) for name in ("at1", "at2", "half"))
+    killed = launch(2, "-", at1, str(tmp_path / "killed.pt"), half)
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-4000:]
+    assert (tmp_path / "at1" / ".metadata").is_file()
+    assert any((tmp_path / "half").glob("*.distcp")) and not (tmp_path / "half" / ".metadata").exists()
+    # DCP's CheckpointException is a BaseException.
+    with pytest.raises(BaseException, match=r"No such file or directory: .*half/\.metadata"):
+        dcp.load({"next_step": torch.zeros((), dtype=torch.int64)}, checkpoint_id=half)
+
+    params(4, at1, at2, "four.pt")
+    resumed = params(1, at2, "-", "one.pt")
+    straight = params(2, "-", "-", "straight.pt")
     # (Loaded without its moments, the same resume ends 0.026 away.)
     assert max(float((a - b).abs().max()) for a, b in zip(straight, resumed)) <= 1e-6
 
@@ -124,6 +140,22 @@ def test_accelerate_fsdp2_trains_as_torch_adamw_does(tmp_path):
     assert mine["regathered"] == 0
     total = sum(t.numel() for t in mine["start"])
     assert sum(mine["numel_per_rank"]) == total and max(mine["numel_per_rank"]) < total
+
+
+@pytest.mark.parametrize("when, words", [("train", ["Connection", "peer"]),
+                                         ("build", ["TimeoutError", "rank(s) 1", "did not build", "10 s"])])
+def test_a_rank_that_leaves_makes_the_others_fail_not_hang(when, words, tmp_path):
+    # Rank 1 ends with status 0 (torchrun then waits for the others) in the middle of training, or
+    # before building its optimizer: rank 0 must fail by itself within the process group's
+    # timeout (10 s here). The subprocess timeout is the bound: a hang fails the test there.
+    worker = WORKER.with_name("distributed_death_worker.py")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(worker), when, "10"], env=clean_env(OMP_NUM_THREADS="1"), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0, p.stderr[-4000:]
+    said = (tmp_path / "rank0.txt").read_text()
+    for w in words:
+        assert w in said, (w, said)
 
 
 @pytest.mark.parametrize("wrap, setting, words", [("fsdp2", "policy", ["policy", "'cpu'", "'auto'"]),

@@ -101,8 +101,8 @@ def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
     """Raises ValueError on every rank of `group` when the ranks' `settings` differ, naming the
     first setting that does and what each rank has: ranks that disagree on the optimizer (a
     policy, a subgroup size, NVMe on one rank only) would otherwise fail later, or silently
-    train apart. Every rank of the group must call it (it waits for the others, at most the
-    process group's timeout).
+    train apart. Every rank of the group must call it: it waits for the others at most the
+    process group's timeout, then raises TimeoutError naming the ranks that did not come.
 
     The settings travel through the process group's key-value store, not a collective: gloo
     frees a collective's tensors on its own thread after the collective ends, and a program that
@@ -120,7 +120,15 @@ def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
     text = json.dumps(settings, sort_keys=True, default=repr)
     store.set(prefix + str(dist.get_rank()), text)
     keys = [prefix + str(r) for r in ranks]
-    store.wait(keys)
+    try:
+        store.wait(keys)  # at most the store's timeout: the process group's
+    except RuntimeError as e:  # DistStoreError: a rank died, or never builds its optimizer
+        absent = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        if not absent:
+            raise
+        raise TimeoutError(f"{who}: rank(s) {', '.join(map(str, absent))} did not build the optimizer within the "
+                           f"process group's timeout ({store.timeout.total_seconds():g} s): a rank died, or builds "
+                           "its optimizer at another point of the program than the others") from e
     gathered = [json.loads(store.get(k)) for k in keys]
     mine = json.loads(text)  # as the others see it (tuples become lists)
     for key in mine:
