@@ -27,11 +27,16 @@ std::optional<int> read_count(const char* name, long lo, long hi, const char* wh
 }
 
 std::atomic<bool> g_rank_warned{false};
+std::atomic<bool> g_world_warned{false};
 std::atomic<bool> g_local_warned{false};
 
 }  // namespace
 
 std::optional<int> job_rank() noexcept { return read_count("RANK", 0, (1L << 20) - 1, "a rank", g_rank_warned); }
+
+std::optional<int> job_world_size() noexcept {
+  return read_count("WORLD_SIZE", 1, 1L << 20, "a rank count", g_world_warned);
+}
 
 std::optional<int> job_local_world_size() noexcept {
   return read_count("LOCAL_WORLD_SIZE", 1, 4096, "a rank count", g_local_warned);

@@ -12,6 +12,7 @@
 #include "memtide/allocator/stats.hpp"
 #include "memtide/allocator/transformer_trace.hpp"
 #include "memtide/core/error.hpp"
+#include "memtide/core/job.hpp"
 #include "memtide/core/options.hpp"
 #include "memtide/device/device.hpp"
 #include "memtide/device/sim_device.hpp"
@@ -255,6 +256,13 @@ void bind_runtime(nb::module_& m) {
         return *v;
       },
       "text"_a, "Bytes from a size such as \"64GiB\", \"512MB\" or \"4096\" (the options table's parser).");
+  // core/job is the one home of torchrun's environment: Python asks it rather than reading RANK
+  // itself, so a trace, a log line and a spill folder name the same rank.
+  m.def("job_rank", [] { return memtide::job_rank(); },
+        "torch.distributed's RANK of this process (0 to 2^20 - 1), or None in a single-process run (or when "
+        "RANK is not a rank: warned once).");
+  m.def("job_world_size", [] { return memtide::job_world_size(); },
+        "torch.distributed's WORLD_SIZE (1 to 2^20), or None when unset or not a rank count (warned once).");
   m.def("format_bytes", [](std::uint64_t n, int decimals) { return memtide::format_bytes(n, decimals); }, "n"_a,
         "decimals"_a = 2, "\"1.50 GiB\", \"512 B\": binary units up to TiB, `decimals` (0-9) after the point.");
   m.def("format_duration_ns", [](double ns) { return memtide::format_duration_ns(ns); }, "ns"_a,

@@ -1,4 +1,4 @@
-// job_rank and job_local_world_size: torchrun's environment read in one place, a bad value taken
+// job_rank, job_world_size and job_local_world_size: torchrun's environment read in one place, a bad value taken
 // as unset, and the rank on every log line of a job's process.
 
 #include <gtest/gtest.h>
@@ -17,6 +17,7 @@ class JobEnv : public ::testing::Test {
   void TearDown() override {
     ::unsetenv("RANK");
     ::unsetenv("LOCAL_WORLD_SIZE");
+    ::unsetenv("WORLD_SIZE");
   }
 };
 
@@ -29,6 +30,9 @@ TEST_F(JobEnv, RankAndLocalWorldSizeAreReadWhenTheyAreNumbers) {
   ::setenv("LOCAL_WORLD_SIZE", "8", 1);
   EXPECT_EQ(job_rank(), 0);
   EXPECT_EQ(job_local_world_size(), 8);
+  EXPECT_FALSE(job_world_size().has_value());
+  ::setenv("WORLD_SIZE", "16", 1);
+  EXPECT_EQ(job_world_size(), 16);
   for (const char* bad : {"", "-1", "1.5", "3x", "99999999999999999999", "1048576"}) {
     ::setenv("RANK", bad, 1);
     EXPECT_FALSE(job_rank().has_value()) << "RANK=" << bad;
@@ -36,6 +40,10 @@ TEST_F(JobEnv, RankAndLocalWorldSizeAreReadWhenTheyAreNumbers) {
   for (const char* bad : {"0", "4097", "two"}) {
     ::setenv("LOCAL_WORLD_SIZE", bad, 1);
     EXPECT_FALSE(job_local_world_size().has_value()) << "LOCAL_WORLD_SIZE=" << bad;
+  }
+  for (const char* bad : {"0", "-2", "1048577", "many"}) {
+    ::setenv("WORLD_SIZE", bad, 1);
+    EXPECT_FALSE(job_world_size().has_value()) << "WORLD_SIZE=" << bad;
   }
 }
 

@@ -114,15 +114,29 @@ class Timeline:
             times += [min(o[1] for o in ops), max(o[2] for o in ops)]
         if nvme:
             times += [min(n[2] for n in nvme), max(n[4] for n in nvme)]
-        self.t0 = min(times) if times else 0.0
-        self.t1 = max(times) if times else 1.0
-        if self.t1 <= self.t0:
-            self.t1 = self.t0 + 1e-9
-        self.phases, self.memory, self.bins, self.tiering = phases, memory, bins, tiering
+        t0 = min(times) if times else 0.0
+        t1 = max(times) if times else 1.0
+        #: The first and last time of this trace's events, on its own clock.
+        self.extent = (t0, t1 if t1 > t0 else t0 + 1e-9)
+        self.bins, self.tiering = bins, tiering
+        # Kept for respan(): a report of several ranks bins each rank's events on a common axis.
+        self._raw = (phases, memory, ops, host, nvme, spill)
+        self._layout(*self.extent)
+
+    def respan(self, t0: float, t1: float) -> None:
+        """Bins the events again over [t0, t1] (on this trace's clock): the drawn window of a report
+        of several traces. Phases and the table per phase still end where this trace ends."""
+        self._layout(t0, t1 if t1 > t0 else t0 + 1e-9)
+
+    def _layout(self, t0: float, t1: float) -> None:
+        phases, memory, ops, host, nvme, spill = self._raw
+        bins = self.bins
+        self.t0, self.t1 = t0, t1
+        self.phases = phases
         # Per phase: duration, peak allocated, bytes and busy time per engine.
         spans = []
         for i, (t, name) in enumerate(phases):
-            end = phases[i + 1][0] if i + 1 < len(phases) else self.t1
+            end = phases[i + 1][0] if i + 1 < len(phases) else self.extent[1]
             spans.append((t, end, name))
         self.spans = spans
         per_phase: Dict[str, Dict[str, float]] = defaultdict(lambda: defaultdict(float))
