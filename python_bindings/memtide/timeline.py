@@ -22,7 +22,15 @@ see the memtide_timeline package) and the report REPORT.html that opens offline,
   waits for a read, the read-ahead and the write-back queue, and the spill file against the
   space it reserved (with ``host_budget``/``nvme_dir``).
 
-Everything is on the steady clock (``time.monotonic()``, the clock of memtide's allocator events).
+Everything is on the steady clock (``time.monotonic()``, the clock of memtide's allocator events);
+the trace's header also holds the machine's name (``host``) and ``epoch_offset_s`` (the wall clock
+minus the steady clock when recording began), with which ``memtide timeline`` puts the traces of
+ranks on other machines on one time axis.
+
+In a job's process (torchrun sets RANK) every rank writes its own files, named by its rank:
+``record("report.html")`` on rank 1 writes REPORT.rank1.html, REPORT.rank1.trace.jsonl, ..., and
+the trace's header holds ``rank`` and ``world_size``. ``memtide timeline report.rank*.trace.jsonl
+-o report.html`` then draws all ranks in one report, with lanes per rank.
 ``memtide run --timeline`` records through the same recorder. Without a GPU the device chart holds
 what memtide's allocator served (a SimDevice's) and the engines' chart stays empty; the host and
 NVMe tiers are recorded as on a GPU.
@@ -31,6 +39,7 @@ NVMe tiers are recorded as on a GPU.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -63,10 +72,19 @@ class Recorder:
         if not (isinstance(interval, (int, float)) and not isinstance(interval, bool) and 1e-4 <= interval <= 60):
             raise ValueError(f"memtide.timeline.record: interval must be seconds from 0.0001 to 60, got {interval!r}")
         self.report = os.fspath(report)
+        # In a job, one set of files per rank (core/job reads RANK and WORLD_SIZE for the whole of
+        # memtide: the rank a log line and a spill folder name is the rank here).
+        rank, world = _memtide.job_rank(), _memtide.job_world_size()
+        if rank is not None:
+            self.report = memtide_timeline.rank_report(self.report, rank)
+            header = {"rank": rank, **({"world_size": world} if world is not None else {}), **header}
         memtide_timeline.check_report_target(self.report)  # refused before the run, not after
         self.files = memtide_timeline.companions(self.report)
         self.interval = float(interval)
-        self.header: Dict[str, Any] = dict(source=source, **header)
+        # The machine and its wall clock against the steady one: how the traces of ranks on several
+        # machines share a time axis (one machine's ranks share its steady clock).
+        self.header: Dict[str, Any] = dict(source=source, host=socket.gethostname(),
+                                           epoch_offset_s=time.time() - time.monotonic(), **header)
         self.result: Optional[Dict[str, Any]] = None
         self._optimizers: List[Any] = []
         self._hooks: List[Any] = []
@@ -215,6 +233,6 @@ class Recorder:
 def record(report: str, optimizer: Any = None, *, interval: float = 0.005, **header: Any) -> Recorder:
     """A context manager that records device memory, the host tier and the NVMe tier of the
     training inside it and writes REPORT.html (and REPORT.trace.jsonl, REPORT.chrome.json,
-    REPORT.pickle) when it ends. `optimizer`: a TieredAdamW to record (more with watch()).
+    REPORT.pickle) when it ends; in a job's process (RANK set), REPORT.rank<R>.html and so on. `optimizer`: a TieredAdamW to record (more with watch()).
     `interval`: seconds between host samples. Extra keywords go into the trace's header."""
     return Recorder(report, optimizer, interval=interval, **header)

@@ -155,9 +155,9 @@ def _report_train(args: argparse.Namespace, result: Dict[str, Any], progress, re
     if recorder is not None:
         recorder.header["device"] = result["device"]["kind"]
         report = recorder.stop()
-        result["timeline"] = {"html": args.timeline, "trace": report["trace"], "memory_viz": report["memory_viz"],
+        result["timeline"] = {"html": report["html"], "trace": report["trace"], "memory_viz": report["memory_viz"],
                               "events": report["events"]}
-        progress(f"timeline: {args.timeline} ({report['events']:,} events; trace {report['trace']}, memory_viz "
+        progress(f"timeline: {report['html']} ({report['events']:,} events; trace {report['trace']}, memory_viz "
                  f"pickle {report['memory_viz']})")
     if args.json:
         json.dump(result, sys.stdout, indent=2)

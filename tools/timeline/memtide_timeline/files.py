@@ -21,6 +21,15 @@ def companions(report: str) -> Dict[str, str]:
             "pickle": base + ".pickle"}
 
 
+def rank_report(report: str, rank: int) -> str:
+    """The report of one rank of a job: REPORT.html -> REPORT.rank<R>.html (and so its companions:
+    REPORT.rank<R>.trace.jsonl, ...), so that the ranks of one job, given the same path, never
+    write over each other and ``memtide timeline REPORT.rank*.trace.jsonl`` finds them all."""
+    if report.endswith(".html"):
+        return f"{report[:-5]}.rank{rank}.html"
+    return f"{report}.rank{rank}"
+
+
 def check_report_target(report: str) -> None:
     """Refuses a report path (and its companions) that cannot be written, before any work is
     done for it: a missing folder, or a link, device or folder where a file would go."""

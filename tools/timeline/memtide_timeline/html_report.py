@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import html
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from memtide._memtide import format_bytes
 
@@ -16,23 +16,81 @@ def _fmt_bytes(n: float) -> str:
     return format_bytes(int(n), 1)
 
 
-def _svg_phase_bands(tl: Timeline, x, height: int) -> List[str]:
+def _svg_phase_bands(tl: Timeline, x, height: float, y0: float = 0) -> List[str]:
     out = []
     for a, b, name in tl.spans:
-        out.append(f'<rect class="phase" x="{x(a):.1f}" y="0" width="{max(x(b) - x(a), 0.5):.1f}" height="{height}" '
-                   f'fill="{COLORS.get(name, "#eee")}"><title>{html.escape(name)} {b - a:.4g} s</title></rect>')
+        out.append(f'<rect class="phase" x="{x(a):.1f}" y="{y0:g}" width="{max(x(b) - x(a), 0.5):.1f}" '
+                   f'height="{height:g}" fill="{COLORS.get(name, "#eee")}"><title>{html.escape(name)} {b - a:.4g} s'
+                   '</title></rect>')
     return out
 
 
 W, L = 1100, 90
 WIDTH = W - L - 10
+ROW_H = 26
+
+
+def _x(tl: Timeline):
+    """Seconds on the trace's clock to the charts' x: its drawn window (tl.t0 to tl.t1) across the
+    width. The ranks of one report are binned on one window (Timeline.respan), so one x each."""
+    scale = WIDTH / (tl.t1 - tl.t0)
+    return lambda t: L + (t - tl.t0) * scale
+
+
+def _busy_rects(tl: Timeline, engine: str, row: List[float], top: float) -> List[str]:
+    """One lane: its busy columns, neighbours of similar load merged into one rect."""
+    out = []
+    col = WIDTH / tl.bins
+    span = (tl.t1 - tl.t0) / tl.bins
+    k = 0
+    while k < tl.bins:
+        if row[k] <= 0:
+            k += 1
+            continue
+        j, level = k, min(row[k] / span, 1.0)
+        while j + 1 < tl.bins and row[j + 1] > 0 and abs(min(row[j + 1] / span, 1.0) - level) < 0.1:
+            j += 1
+        opacity = 0.25 + 0.75 * level
+        out.append(f'<rect class="busy" x="{L + k * col:.1f}" y="{top}" width="{(j - k + 1) * col:.1f}" '
+                   f'height="{ROW_H - 6}" fill="{COLORS[engine]}" fill-opacity="{opacity:.2f}">'
+                   f'<title>{engine} {level * 100:.0f}% busy</title></rect>')
+        k = j + 1
+    return out
+
+
+def _lanes(svg_id: str, groups: Sequence[Tuple[Timeline, Tuple[str, ...], dict, Optional[int]]]) -> List[str]:
+    """Lanes of busy time, one per engine, in groups: one group (rank None) with the phase bands
+    across the chart, or one group per rank (``<g class="rank" data-rank="R">``, lanes named
+    "rank R engine") with that rank's phase bands behind its own lanes."""
+    h = ROW_H * sum(len(engines) for _, engines, _, _ in groups) + 20
+    out = [f'<svg id="{svg_id}" width="{W}" height="{h}" xmlns="http://www.w3.org/2000/svg">']
+    r = 0
+    for tl, engines, busy, rank in groups:
+        x = _x(tl)
+        if rank is None:
+            out += _svg_phase_bands(tl, x, h - 20)
+        else:
+            out.append(f'<g class="rank" data-rank="{rank}">')
+            out += _svg_phase_bands(tl, x, ROW_H * len(engines) - 2, 3 + r * ROW_H)
+        for engine in engines:
+            top = 5 + r * ROW_H
+            name = engine if rank is None else f"rank {rank} {engine}"
+            out.append(f'<text class="lane" x="4" y="{top + 15}" font-size="12">{html.escape(name)}</text>')
+            out += _busy_rects(tl, engine, busy[engine], top)
+            r += 1
+        if rank is not None:
+            out.append("</g>")
+    out.append("</svg>")
+    return out
 
 
 def _memory_chart(tl: Timeline, x, svg_id: str, samples: List[Tuple], series: List[Tuple[int, str]], cap: float,
-                  cap_name: str, H: int = 220) -> List[str]:
+                  cap_name: str, H: int = 220, used: Optional[float] = None, label: str = "") -> List[str]:
     """Bytes over time, one polyline per series (`samples`' column, its name; -1 in a sample: not
-    recorded), against a capacity (dashed), with the phase bands."""
-    used = max([m[i] for m in samples for i, _ in series] + [1])
+    recorded), against a capacity (dashed), with the phase bands. `used`: the scale's top (the
+    charts of several ranks share one), else the highest sample; `label`: the chart's name, drawn
+    in it."""
+    used = max([m[i] for m in samples for i, _ in series] + [1]) if used is None else max(used, 1)
     # The scale follows what was used; a capacity far above it is named, not drawn (it would
     # flatten the curves into the axis).
     cap_drawn = bool(cap) and cap <= 1.5 * used
@@ -57,6 +115,8 @@ def _memory_chart(tl: Timeline, x, svg_id: str, samples: List[Tuple], series: Li
                    f'{_fmt_bytes(cap)}: far above what was used</text>')
     for frac in (0, 0.5, 1):
         out.append(f'<text x="4" y="{y(peak * frac) + 4:.1f}" font-size="11">{_fmt_bytes(peak * frac)}</text>')
+    if label:
+        out.append(f'<text class="label" x="{L + 6}" y="22" font-size="12" font-weight="bold">{html.escape(label)}</text>')
     out.append("</svg>")
     return out
 
@@ -70,40 +130,12 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline", extra: 
     tier's capacity, the PCIe lanes, the NVMe lanes, the engines as a Gantt chart, and a summary
     table per phase, the phase bands across all. No script, no network."""
     width = WIDTH
-
-    def x(t: float) -> float:
-        return L + (t - tl.t0) / (tl.t1 - tl.t0) * width
-
+    x = _x(tl)
     mem = _memory_chart(tl, x, "memory", tl.memory, [(1, "allocated"), (2, "reserved")],
                         tl.header.get("capacity_bytes") or 0, "capacity")
 
     def lanes(svg_id: str, engines: Tuple[str, ...], busy=None) -> List[str]:
-        busy = tl.busy if busy is None else busy
-        row_h = 26
-        h = row_h * len(engines) + 20
-        out = [f'<svg id="{svg_id}" width="{W}" height="{h}" xmlns="http://www.w3.org/2000/svg">']
-        out += _svg_phase_bands(tl, x, h - 20)
-        col = width / tl.bins
-        span = (tl.t1 - tl.t0) / tl.bins
-        for r, engine in enumerate(engines):
-            top = 5 + r * row_h
-            out.append(f'<text x="4" y="{top + 15}" font-size="12">{engine}</text>')
-            row = busy[engine]
-            k = 0
-            while k < tl.bins:  # merge neighbouring columns of similar load into one rect
-                if row[k] <= 0:
-                    k += 1
-                    continue
-                j, level = k, min(row[k] / span, 1.0)
-                while j + 1 < tl.bins and row[j + 1] > 0 and abs(min(row[j + 1] / span, 1.0) - level) < 0.1:
-                    j += 1
-                opacity = 0.25 + 0.75 * level
-                out.append(f'<rect class="busy" x="{L + k * col:.1f}" y="{top}" width="{(j - k + 1) * col:.1f}" '
-                           f'height="{row_h - 6}" fill="{COLORS[engine]}" fill-opacity="{opacity:.2f}">'
-                           f'<title>{engine} {level * 100:.0f}% busy</title></rect>')
-                k = j + 1
-        out.append("</svg>")
-        return out
+        return _lanes(svg_id, [(tl, engines, tl.busy if busy is None else busy, None)])
 
     schedule: List[str] = []
     if tl.tiering:
@@ -152,29 +184,9 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline", extra: 
         nvme += ["<h2>State on NVMe (dashed: the space reserved on the drive)</h2>",
                  *_memory_chart(tl, x, "nvme-memory", [(t, b) for t, b in tl.spill] + [(tl.t1, tl.spill[-1][1])],
                                 [(1, "nvme")], tl.header.get("nvme_capacity_bytes") or 0, "reserved", H=120)]
-    rows = []
-    host_cols = [c for c in HOST_SERIES if tl.host_samples and tl.host_peak[c] >= 0]
-    for r in tl.summary():
-        cells = [r["phase"], f"{r['duration_s']:.4g} s", _fmt_bytes(r["peak_allocated"]),
-                 f"{_fmt_bytes(r['h2d_bytes'])} at {r['h2d_gbs']:.1f} GB/s",
-                 f"{_fmt_bytes(r['d2h_bytes'])} at {r['d2h_gbs']:.1f} GB/s"]
-        cells += [_fmt_bytes(r["host_" + c + "_peak"]) for c in host_cols]
-        if tl.nvme_transfers:
-            cells += [_fmt_bytes(r["nvme_read_bytes"]), _fmt_bytes(r["nvme_write_bytes"]),
-                      f"{r['nvme_wait_s'] * 1e3:.3g} ms"]
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    heads = ["phase", "time", "peak allocated", "H2D", "D2H", *(f"host {c} peak" for c in host_cols)]
-    if tl.nvme_transfers:
-        heads += ["NVMe read", "NVMe written", "waits for NVMe"]
-    meta = ", ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in tl.header.items()
-                     if k not in ("memtide_trace",) and not isinstance(v, (dict, list)))
+    meta = _meta(tl.header)
     legend = " ".join(f'<span style="background:{COLORS[p]};padding:0 6px">{p}</span>' for p in PHASES[:3])
-    doc = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{html.escape(title)}</title>",
-        "<style>body{font-family:sans-serif;margin:16px}h2{font-size:15px;margin:18px 0 4px}"
-        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}</style>",
-        "</head><body>", f"<h1 style='font-size:18px'>{html.escape(title)}</h1>",
+    body = [
         f"<p style='font-size:12px'>{meta}; {tl.ops:,} operations, {tl.samples:,} memory samples, "
         f"{tl.t1 - tl.t0:.4g} s. Phases: {legend}</p>",
         "<h2>Device memory (allocated, reserved; dashed: capacity)</h2>", *mem,
@@ -182,12 +194,57 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline", extra: 
         "<h2>Engines</h2>", *(lanes("gantt", active) if (active := tuple(e for e in ENGINES if any(tl.busy[e])))
                               else [f"<p style='font-size:12px'>No device activity in this trace (CUPTI: "
                                     f"{html.escape(str(tl.header.get('cupti', 'not traced')))}).</p>"]), *schedule,
-        "<h2>Per phase</h2>",
-        "<table id='summary'><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr>",
-        *rows, "</table>", *extra, "</body></html>",
+        "<h2>Per phase</h2>", *_summary_table([(None, tl)]), *extra,
+    ]
+    _write_page(path, title, body)
+
+
+#: Header fields a report does not list: the format's version, and how the clock was anchored
+#: (used to align ranks, meaningless to read).
+_UNLISTED = ("memtide_trace", "epoch_offset_s")
+
+
+def _meta(header) -> str:
+    return ", ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in header.items()
+                     if k not in _UNLISTED and not isinstance(v, (dict, list)))
+
+
+def _write_page(path: str, title: str, body: Sequence[str]) -> None:
+    doc = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;margin:16px}h2{font-size:15px;margin:18px 0 4px}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}</style>",
+        "</head><body>", f"<h1 style='font-size:18px'>{html.escape(title)}</h1>", *body, "</body></html>",
     ]
     with AtomicFile(path) as f:
         f.write("\n".join(doc))
+
+
+def _summary_table(timelines: Sequence[Tuple[Optional[int], Timeline]]) -> List[str]:
+    """The table per phase: of one trace (rank None), or of several ranks, a row per rank and
+    phase with the rank in the first column. Host and NVMe columns where any trace has them."""
+    host_cols = [c for c in HOST_SERIES if any(tl.host_samples and tl.host_peak[c] >= 0 for _, tl in timelines)]
+    nvme = any(tl.nvme_transfers for _, tl in timelines)
+    ranks = any(rank is not None for rank, _ in timelines)
+    rows = []
+    for rank, tl in timelines:
+        for r in tl.summary():
+            cells = [str(rank)] if ranks else []
+            cells += [r["phase"], f"{r['duration_s']:.4g} s", _fmt_bytes(r["peak_allocated"]),
+                      f"{_fmt_bytes(r['h2d_bytes'])} at {r['h2d_gbs']:.1f} GB/s",
+                      f"{_fmt_bytes(r['d2h_bytes'])} at {r['d2h_gbs']:.1f} GB/s"]
+            cells += [_fmt_bytes(r["host_" + c + "_peak"]) if "host_" + c + "_peak" in r else "" for c in host_cols]
+            if nvme:
+                cells += ([_fmt_bytes(r["nvme_read_bytes"]), _fmt_bytes(r["nvme_write_bytes"]),
+                           f"{r['nvme_wait_s'] * 1e3:.3g} ms"] if "nvme_read_bytes" in r else ["", "", ""])
+            rows.append(("<tr>" if rank is None else f"<tr data-rank='{rank}'>")
+                        + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    heads = (["rank"] if ranks else []) + ["phase", "time", "peak allocated", "H2D", "D2H",
+                                           *(f"host {c} peak" for c in host_cols)]
+    if nvme:
+        heads += ["NVMe read", "NVMe written", "waits for NVMe"]
+    return ["<table id='summary'><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr>", *rows, "</table>"]
 
 
 def _queue_chart(tl: Timeline, x) -> List[str]:

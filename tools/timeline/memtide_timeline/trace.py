@@ -25,6 +25,8 @@ MAX_TIME_S = 1e12
 #: Byte counts fit a signed 64-bit integer, the C++ side's size type.
 MAX_BYTES = 2**63 - 1
 _MAX_ADDRESS = 2**64 - 1
+#: A job's ranks, as core/job reads RANK and WORLD_SIZE: 1 to 2**20.
+MAX_RANKS = 1 << 20
 
 
 def _address_ok(v: Any) -> bool:
@@ -79,7 +81,8 @@ _FIELDS = {kind: tuple((field, _KINDS[k][1], required) for field, k, required in
 _KNOWN = {kind: 1 + len(spec) for kind, spec in _SPEC.items()}
 _MISSING = object()
 # Header fields readers use (null: not known).
-_HEADER_FIELDS = (("capacity_bytes", "size"), ("host_capacity_bytes", "size"), ("nvme_capacity_bytes", "size"))
+_HEADER_FIELDS = (("capacity_bytes", "size"), ("host_capacity_bytes", "size"), ("nvme_capacity_bytes", "size"),
+                  ("rank", "index"), ("world_size", "index"), ("epoch_offset_s", "time"), ("host", "text"))
 
 
 class _NotJsonNumber(ValueError):
@@ -195,6 +198,14 @@ def read_trace(path: str, progress: bool = False) -> Tuple[Dict[str, Any], Itera
         if header.get(field) is not None and not ok(header[field]):
             f.close()
             raise TraceError(f"{path}: line 1: {field!r} must be {expected}, got {header[field]!r}")
+    rank, world = header.get("rank"), header.get("world_size")
+    if world is not None and not 1 <= world <= MAX_RANKS:
+        f.close()
+        raise TraceError(f"{path}: line 1: 'world_size' must be a number of ranks from 1 to {MAX_RANKS}, got {world!r}")
+    if rank is not None and not rank < (MAX_RANKS if world is None else world):
+        f.close()
+        raise TraceError(f"{path}: line 1: 'rank' {rank!r} is not a rank of "
+                         + (f"a job of {world} ranks ('world_size')" if world is not None else f"any job (0 to {MAX_RANKS - 1})"))
     for field, v in header.items():
         if type(v) is float and not math.isfinite(v):
             f.close()
