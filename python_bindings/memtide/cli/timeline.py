@@ -13,6 +13,13 @@ from ._common import UsageError
 def _cmd_timeline(args: argparse.Namespace) -> int:
     import memtide_timeline as timeline
 
+    try:
+        inputs = timeline.trace_inputs(args.trace)
+    except timeline.TraceError as e:
+        raise UsageError(str(e)) from None
+    if len(inputs) > 1:
+        return _cmd_ranks(args, inputs)
+    args.trace = inputs[0]
     # Four outputs by default, beside the report: the Chrome trace, the PNG, the memory_viz pickle.
     files = timeline.companions(args.output)
     chrome = args.chrome or files["chrome"]
@@ -53,6 +60,38 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ranks(args: argparse.Namespace, inputs) -> int:
+    """Several traces: the ranks of one job in one report (memtide_timeline.ranks)."""
+    import memtide_timeline as timeline
+
+    for flag, given in (("--png", args.png), ("--memory-viz", args.memory_viz)):
+        if given:
+            raise UsageError(f"{flag}: a report of several ranks is the HTML report and the Chrome trace; {flag} "
+                             f"draws one trace (memtide timeline RANK.trace.jsonl {flag} ...)")
+    chrome = args.chrome or timeline.companions(args.output)["chrome"]
+    try:
+        timeline.check_outputs(inputs[0], {"-o/--output": args.output,
+                                           "--chrome" + ("" if args.chrome else " (default)"): chrome})
+        timeline.check_report_target(args.output)
+        report = timeline.render_ranks(inputs, args.output, chrome=chrome, progress=not args.json)
+    except timeline.TraceError as e:
+        raise UsageError(str(e)) from None
+    report.pop("shifts")
+    if args.json:
+        print(json.dumps(report, indent=2, allow_nan=False))
+        return 0
+    world = f" of {report['world_size']}" if report["world_size"] is not None else ""
+    print(f"wrote {report['html']} ({len(report['ranks'])} ranks{world}, {report['events']:,} events; "
+          f"{report['clock_note']})")
+    print(f"wrote {report['chrome']} ({report['chrome_events']:,} Chrome trace events, a process per rank)")
+    for r in report["ranks"]:
+        for row in r["summary"]:
+            print(f"  rank {r['rank']:<3} {row['phase']:<9} {row['duration_s']:.4g} s, peak "
+                  f"{format_bytes(int(row['peak_allocated']))}, H2D {format_bytes(int(row['h2d_bytes']))}, "
+                  f"D2H {format_bytes(int(row['d2h_bytes']))}")
+    return 0
+
+
 def add_parser(sub) -> None:
     tl = sub.add_parser(
         "timeline", help="render a memtide trace: an HTML report that opens offline, a Chrome trace, a PNG, a "
@@ -61,9 +100,15 @@ def add_parser(sub) -> None:
         "memory snapshot pickle (its segments, allocations over time and the largest blocks at the peak), and writes four "
         "outputs: a single-file HTML report (memory over time per phase, the PCIe lanes, the engines as a Gantt "
         "chart, the update-phase schedule, a summary per phase) that opens offline, a Chrome/Perfetto trace, a PNG "
-        "(with matplotlib) and the allocations as a snapshot pickle for torch's memory_viz.")
-    tl.add_argument("trace", help="the trace file (e.g. from memtide simulate --timeline), or a torch memory "
-                    "snapshot pickle (torch.cuda.memory._dump_snapshot; read without running any code in it)")
+        "(with matplotlib) and the allocations as a snapshot pickle for torch's memory_viz. Given the traces of a job's "
+        "ranks (memtide.timeline.record and --timeline name them REPORT.rank<R>.trace.jsonl), writes one report with "
+        "lanes per rank on one time axis and a Chrome trace with a process per rank.")
+    tl.add_argument("trace", nargs="+", metavar="TRACE",
+                    help="the trace file (e.g. from memtide simulate --timeline), or a torch memory snapshot pickle "
+                    "(torch.cuda.memory._dump_snapshot; read without running any code in it); or the traces of a "
+                    "job's ranks (files, a folder of *.trace.jsonl, or a quoted pattern such as "
+                    "'run.rank*.trace.jsonl'): one report with lanes per rank on one time axis, and a Chrome trace "
+                    "with a process per rank")
     tl.add_argument("-o", "--output", default="memtide_timeline.html", metavar="REPORT.html",
                     help="the HTML report (default: memtide_timeline.html)")
     tl.add_argument("--chrome", metavar="FILE.json",

@@ -49,15 +49,17 @@ HTML), ``export`` (Chrome trace, memory_viz pickle, PNG, and render() for all of
 running code: ``memtide timeline snapshot.pickle``).
 """
 
-from .export import render, write_chrome, write_memory_viz, write_png
-from .files import TraceError, check_outputs, check_report_target, companions
+from .export import render, write_chrome, write_chrome_processes, write_memory_viz, write_png
+from .files import TraceError, check_outputs, check_report_target, companions, rank_report
 from .html_report import write_html
 from .model import ENGINES, PHASES, Timeline
+from .ranks import read_ranks, render_ranks, trace_inputs
 from .record import trace_from_allocator, trace_from_observer
 from .snapshot import SnapshotView, looks_like_pickle, read_snapshot
 from .trace import VERSION, TraceWriter, read_trace
 
 __all__ = ["ENGINES", "PHASES", "VERSION", "SnapshotView", "Timeline", "TraceError", "TraceWriter", "check_outputs",
            "looks_like_pickle", "read_snapshot",
-           "check_report_target", "companions", "read_trace", "render", "trace_from_allocator", "trace_from_observer",
-           "write_chrome", "write_html", "write_memory_viz", "write_png"]
+           "check_report_target", "companions", "rank_report", "read_ranks", "read_trace", "render", "render_ranks",
+           "trace_from_allocator", "trace_from_observer", "trace_inputs", "write_chrome", "write_chrome_processes",
+           "write_html", "write_memory_viz", "write_png"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 from .files import AtomicFile, check_outputs
 from .html_report import write_html
@@ -18,11 +18,18 @@ from .trace import VERSION, read_trace
 def write_chrome(tl_header: Dict[str, Any], events: Iterable[Dict[str, Any]], path: str) -> int:
     """A Chrome trace (chrome://tracing, Perfetto): engines as threads, memory as a counter, phases
     as instant markers. Streams the events; returns how many were written."""
+    return write_chrome_processes(path, tl_header.get("source"), [(1, None, events, 0.0)])
+
+
+def write_chrome_processes(path: str, source: Any,
+                           processes: Sequence[Tuple[int, Optional[str], Iterable[Dict[str, Any]], float]]) -> int:
+    """A Chrome trace of one or more processes (the ranks of a job: one process each, named by
+    its rank): ``(pid, name or None, events, offset)``, `offset` added to each time before it is
+    written (the common time axis). Streams the events; returns how many were written."""
     tids = {e: i + 1 for i, e in enumerate(ENGINES)}
     n = 0
     with AtomicFile(path) as f:
-        f.write('{"displayTimeUnit":"ms","otherData":' + json.dumps({"memtide_trace": VERSION,
-                                                                      "source": tl_header.get("source")}))
+        f.write('{"displayTimeUnit":"ms","otherData":' + json.dumps({"memtide_trace": VERSION, "source": source}))
         f.write(',"traceEvents":[')
         first = True
 
@@ -32,18 +39,24 @@ def write_chrome(tl_header: Dict[str, Any], events: Iterable[Dict[str, Any]], pa
             first = False
             n += 1
 
-        for engine, tid in tids.items():
-            put({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": engine}})
-        for ev in events:
-            kind = ev.get("type")
-            if kind == "op" and ev.get("engine") in tids:
-                put({"ph": "X", "pid": 1, "tid": tids[ev["engine"]], "name": ev["engine"],
-                     "ts": ev["start"] * 1e6, "dur": (ev["end"] - ev["start"]) * 1e6, "args": {"bytes": ev.get("bytes")}})
-            elif kind == "memory":
-                put({"ph": "C", "pid": 1, "name": "device memory", "ts": ev["t"] * 1e6,
-                     "args": {"allocated": ev["allocated"], "reserved": ev["reserved"]}})
-            elif kind == "phase":
-                put({"ph": "i", "pid": 1, "tid": 0, "s": "g", "name": ev["phase"], "ts": ev["t"] * 1e6})
+        for pid, name, events, offset in processes:
+            if name is not None:
+                put({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}})
+                put({"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}})
+            for engine, tid in tids.items():
+                put({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": engine}})
+            for ev in events:
+                kind = ev.get("type")
+                if kind == "op" and ev.get("engine") in tids:
+                    put({"ph": "X", "pid": pid, "tid": tids[ev["engine"]], "name": ev["engine"],
+                         "ts": (ev["start"] + offset) * 1e6, "dur": (ev["end"] - ev["start"]) * 1e6,
+                         "args": {"bytes": ev.get("bytes")}})
+                elif kind == "memory":
+                    put({"ph": "C", "pid": pid, "name": "device memory", "ts": (ev["t"] + offset) * 1e6,
+                         "args": {"allocated": ev["allocated"], "reserved": ev["reserved"]}})
+                elif kind == "phase":
+                    put({"ph": "i", "pid": pid, "tid": 0, "s": "p" if name is not None else "g", "name": ev["phase"],
+                         "ts": (ev["t"] + offset) * 1e6})
         f.write("]}\n")
     return n
 

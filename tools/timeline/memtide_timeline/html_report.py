@@ -101,12 +101,12 @@ def _memory_chart(tl: Timeline, x, svg_id: str, samples: List[Tuple], series: Li
 
     out = [f'<svg id="{svg_id}" width="{W}" height="{H}" xmlns="http://www.w3.org/2000/svg">']
     out += _svg_phase_bands(tl, x, H - 20)
-    for idx, label in series:
+    for idx, name in series:
         pts = " ".join(f"{x(m[0]):.1f},{y(m[idx]):.1f}" for m in samples if m[idx] >= 0)
         if not pts:
             continue
-        out.append(f'<polyline class="series" points="{pts}" fill="none" stroke="{COLORS[label]}" '
-                   f'stroke-width="1.5"><title>{label}</title></polyline>')
+        out.append(f'<polyline class="series" points="{pts}" fill="none" stroke="{COLORS[name]}" '
+                   f'stroke-width="1.5"><title>{name}</title></polyline>')
     if cap_drawn:
         out.append(f'<line class="capacity" x1="{L}" x2="{W - 10}" y1="{y(cap):.1f}" y2="{y(cap):.1f}" stroke="#c00" '
                    f'stroke-dasharray="4 3"><title>{cap_name} {_fmt_bytes(cap)}</title></line>')
@@ -272,3 +272,52 @@ def _queue_chart(tl: Timeline, x) -> List[str]:
     return ["<h2>NVMe queues (" + " ".join(
         f'<span style="color:{c}">&#9632; {n}</span>' for (n, _), c in zip(series, (COLORS["read"], COLORS["write"])))
         + ")</h2>", *out]
+
+
+def write_ranks_html(ranks: Sequence[Tuple[int, Timeline]], path: str, title: str, clock_note: str) -> None:
+    """One report of a job's ranks, each binned on one common window (Timeline.respan): device
+    memory per rank (one scale for all), the host tier per rank, the PCIe, NVMe and engine lanes
+    per rank (``<g class="rank">``), each rank's phase bands behind its own charts, and the table
+    per phase with a row per rank and phase. `clock_note` says how the time axis was aligned."""
+    tls = [tl for _, tl in ranks]
+    legend = " ".join(f'<span style="background:{COLORS[p]};padding:0 6px">{p}</span>' for p in PHASES[:3])
+    header = tls[0].header
+    shared = {k: v for k, v in header.items() if k not in ("rank", "host", "pid")
+              and all(tl.header.get(k) == v for tl in tls)}
+    world = header.get("world_size")
+    body = [f"<p style='font-size:12px'>{len(ranks)} ranks"
+            + (f" of {world}" if world is not None else "") + f" ({', '.join(str(r) for r, _ in ranks)}); "
+            f"{_meta(shared)}; {sum(tl.ops for tl in tls):,} operations, {sum(tl.samples for tl in tls):,} memory "
+            f"samples, {tls[0].t1 - tls[0].t0:.4g} s. {html.escape(clock_note)} Phases: {legend}</p>"]
+    top = max((max(m[1], m[2]) for tl in tls for m in tl.memory), default=0)
+    body.append("<h2>Device memory per rank (allocated, reserved; dashed: capacity; one scale)</h2>")
+    for rank, tl in ranks:
+        body += _memory_chart(tl, _x(tl), f"memory-rank{rank}", tl.memory, [(1, "allocated"), (2, "reserved")],
+                              tl.header.get("capacity_bytes") or 0, "capacity", H=140, used=top, label=f"rank {rank}")
+    hosts = [(rank, tl) for rank, tl in ranks if tl.host_samples]
+    if hosts:
+        series = [s for s in HOST_SERIES if any(tl.host_peak[s] >= 0 for _, tl in hosts)]
+        top = max(tl.host_peak[s] for _, tl in hosts for s in series)
+        body.append(f"<h2>Host memory per rank ({_legend(series)}; dashed: the host budget; one scale)</h2>")
+        for rank, tl in hosts:
+            recorded = [(1 + HOST_SERIES.index(s), s) for s in series if tl.host_peak[s] >= 0]
+            body += _memory_chart(tl, _x(tl), f"host-rank{rank}", tl.host, recorded,
+                                  tl.header.get("host_capacity_bytes") or 0, "host budget", H=140, used=top,
+                                  label=f"rank {rank}")
+    body += ["<h2>PCIe lanes per rank</h2>", *_lanes("pcie", [(tl, ("h2d", "d2h"), tl.busy, rank) for rank, tl in ranks])]
+    nvme = [(tl, NVME_LANES, tl.nvme_busy, rank) for rank, tl in ranks if tl.nvme_transfers]
+    if nvme:
+        body += ["<h2>NVMe lanes per rank (reads, write-backs, the update's waits for a read)</h2>", *_lanes("nvme", nvme)]
+    active = [(tl, engines, tl.busy, rank) for rank, tl in ranks
+              if (engines := tuple(e for e in ENGINES if any(tl.busy[e])))]
+    body.append("<h2>Engines per rank</h2>")
+    if active:
+        body += _lanes("gantt", active)
+    else:
+        cupti = sorted({str(tl.header.get("cupti", "not traced")) for tl in tls})
+        body.append(f"<p style='font-size:12px'>No device activity in these traces (CUPTI: "
+                    f"{html.escape(', '.join(cupti))}).</p>")
+    body += ["<h2>Per rank and phase</h2>", *_summary_table(list(ranks)),
+             "<p style='font-size:12px'>Each rank's own report (memtide timeline on its trace) has its update-phase "
+             "schedule and NVMe queues.</p>"]
+    _write_page(path, title, body)
