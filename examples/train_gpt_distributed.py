@@ -10,12 +10,19 @@ rank's GPU picked by LOCAL_RANK). The model is defined here and the data is synt
 sequences: learnable, so the loss falls within a few steps); nothing is downloaded. Each step
 trains on one global batch split evenly among the ranks, so every world size computes the same
 update. ``--optimizer torch`` trains with torch.optim.AdamW instead, for comparison; ``--save``
-writes the final full parameters (rank 0) for a check against another run.
+writes the final full parameters (rank 0) for a check against another run. ``--timeline
+REPORT.html`` records memtide's timeline of the training steps on every rank (each writes
+REPORT.rank<R>.html and REPORT.rank<R>.trace.jsonl); then
+
+    memtide timeline REPORT.rank*.trace.jsonl -o REPORT.html
+
+draws all ranks in one report, with lanes per rank on one time axis.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -80,6 +87,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--save", metavar="FILE", help="rank 0 writes the final full parameters here (torch.save)")
+    ap.add_argument("--timeline", metavar="REPORT.html",
+                    help="record memtide's timeline of the steps: each rank writes REPORT.rank<R>.html and "
+                    "REPORT.rank<R>.trace.jsonl (memtide timeline REPORT.rank*.trace.jsonl -o REPORT.html merges them)")
     args = ap.parse_args()
     if args.steps < 1 or args.global_batch < 1:
         ap.error("--steps and --global-batch must be at least 1")
@@ -117,7 +127,24 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-2)
 
     share = args.global_batch // world
+    recording = contextlib.nullcontext()
+    if args.timeline:
+        import memtide
+        import memtide.timeline
+
+        memtide.install_phase_hooks(model, opt)  # the forward, backward and update bands
+        # Each rank records its own files, named by its rank (RANK, which torchrun sets).
+        recording = memtide.timeline.record(args.timeline, opt if args.optimizer == "memtide" else None,
+                                            wrap=args.wrap)
     t0 = time.perf_counter()
+    with recording:
+        train(args, model, opt, device, rank, world, share, t0)
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for p in model.parameters()]
+    if args.save and rank == 0:
+        torch.save(params, args.save)
+
+
+def train(args, model, opt, device, rank: int, world: int, share: int, t0: float) -> None:
     for step in range(args.steps):
         x, y = batch(step, args.global_batch, args.seq, args.vocab)
         x, y = x[rank * share:(rank + 1) * share].to(device), y[rank * share:(rank + 1) * share].to(device)
@@ -132,9 +159,6 @@ def main() -> None:
             dist.all_reduce(mean)
             if rank == 0:
                 print(f"step {step:4d}  loss {float(mean) / world:.4f}  {time.perf_counter() - t0:.1f} s", flush=True)
-    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for p in model.parameters()]
-    if args.save and rank == 0:
-        torch.save(params, args.save)
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ def _summary_table(timelines: Sequence[Tuple[Optional[int], Timeline]]) -> List[
             if nvme:
                 cells += ([_fmt_bytes(r["nvme_read_bytes"]), _fmt_bytes(r["nvme_write_bytes"]),
                            f"{r['nvme_wait_s'] * 1e3:.3g} ms"] if "nvme_read_bytes" in r else ["", "", ""])
-            rows.append(("<tr>" if rank is None else f"<tr data-rank='{rank}'>")
+            rows.append(("<tr>" if rank is None else f'<tr data-rank="{rank}">')
                         + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     heads = (["rank"] if ranks else []) + ["phase", "time", "peak allocated", "H2D", "D2H",
                                            *(f"host {c} peak" for c in host_cols)]
