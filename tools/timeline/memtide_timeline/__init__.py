@@ -28,7 +28,10 @@ one). Times are seconds on the trace's clock. Event types:
 - ``spill``: the optimizer state on NVMe at time t (``bytes``: the spill file's).
 
 Header fields readers use: ``capacity_bytes`` (device memory), ``host_capacity_bytes`` (the host
-budget), ``nvme_capacity_bytes`` (the space reserved on the drive), each optional.
+budget), ``nvme_capacity_bytes`` (the space reserved on the drive); for the ranks of a job,
+``rank`` and ``world_size`` (RANK and WORLD_SIZE of the process that recorded it), ``host`` (the
+machine's name) and ``epoch_offset_s`` (the wall clock minus the steady clock when recording
+began); each optional.
 
 Readers check every field they use and refuse the trace, naming the file, the line and the field,
 when one is out of range: times are numbers of seconds from 0 to 1e12, byte counts 0 to 2**63-1
@@ -40,13 +43,17 @@ Unknown event types are skipped by readers, so a newer writer's extra events do 
 older report. ``memtide timeline TRACE -o report.html`` renders a single HTML file that opens
 offline (inline SVG, no script from anywhere), a Chrome trace (chrome://tracing, Perfetto) and,
 when matplotlib is importable, a PNG (without it render() says so on stderr, with the install
-command).
+command). ``memtide timeline RANK0.trace.jsonl RANK1.trace.jsonl ...`` (or a folder of traces, or a
+quoted pattern) draws a job's ranks in one report, lanes per rank on one time axis, and a Chrome
+trace with a process per rank (``ranks``: which traces draw together and how their clocks are
+aligned).
 
 The modules: ``trace`` (the format, writer and reader), ``record`` (traces from the allocator's
 events and the observer's log), ``model`` (the Timeline a report draws), ``html_report`` (the
 HTML), ``export`` (Chrome trace, memory_viz pickle, PNG, and render() for all of them), ``files``
 (the report's files, written atomically), ``snapshot`` (torch's memory snapshots, read without
-running code: ``memtide timeline snapshot.pickle``).
+running code: ``memtide timeline snapshot.pickle``), ``ranks`` (the traces of a job's ranks in one
+report).
 """
 
 from .export import render, write_chrome, write_chrome_processes, write_memory_viz, write_png
