@@ -151,6 +151,18 @@ def test_ranks_on_several_machines_are_aligned_on_the_wall_clock(tmp_path):
         timeline.render_ranks([str(a), str(c)], str(tmp_path / "m.html"))
 
 
+def test_a_rank_that_recorded_nothing_keeps_its_lanes_and_leaves_the_axis_alone(tmp_path):
+    a = rank_trace(tmp_path / "a.trace.jsonl", 0, start=100.0)
+    b = tmp_path / "b.trace.jsonl"
+    with timeline.TraceWriter(str(b), source="test", clock="steady", host="node0", rank=1, world_size=2):
+        pass
+    ranks, _ = timeline.read_ranks([str(a), str(b)])
+    # Both ranks drawn over rank 0's window (not from the empty trace's 0 to 1).
+    assert [(tl.t0, tl.t1) for _, tl in ranks] == [(100.0, pytest.approx(100.1495))] * 2
+    timeline.render_ranks([str(a), str(b)], str(tmp_path / "m.html"))
+    assert sorted(rank_groups(svg((tmp_path / "m.html").read_text(), "pcie"))) == [0, 1]
+
+
 def test_memtide_timeline_takes_files_a_folder_or_a_pattern(tmp_path):
     for r in (0, 1, 2):
         rank_trace(tmp_path / f"run.rank{r}.trace.jsonl", r, world=3)

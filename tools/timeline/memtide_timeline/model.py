@@ -116,8 +116,9 @@ class Timeline:
             times += [min(n[2] for n in nvme), max(n[4] for n in nvme)]
         t0 = min(times) if times else 0.0
         t1 = max(times) if times else 1.0
-        #: The first and last time of this trace's events, on its own clock.
+        #: The first and last time of this trace's events, on its own clock (0 to 1 without any).
         self.extent = (t0, t1 if t1 > t0 else t0 + 1e-9)
+        self.timed = bool(times)
         self.bins, self.tiering = bins, tiering
         # Kept for respan(): a report of several ranks bins each rank's events on a common axis.
         self._raw = (phases, memory, ops, host, nvme, spill)

@@ -121,8 +121,11 @@ def read_ranks(paths: Sequence[str], progress: bool = False) -> Tuple[List[Tuple
     for p, (header, events), shift in zip(paths, opened, shifts):
         ranks.append((int(header["rank"]), Timeline(header, events), shift, p))
     ranks.sort(key=lambda r: r[0])
-    t0 = min(tl.extent[0] + shift for _, tl, shift, _ in ranks)
-    t1 = max(tl.extent[1] + shift for _, tl, shift, _ in ranks)
+    # A rank's trace without a timed event (it stopped before recording anything) has no place on
+    # the axis: its extent, 0 to 1 on its own clock, would stretch the others' window.
+    timed = [(tl, shift) for _, tl, shift, _ in ranks if tl.timed] or [(tl, shift) for _, tl, shift, _ in ranks]
+    t0 = min(tl.extent[0] + shift for tl, shift in timed)
+    t1 = max(tl.extent[1] + shift for tl, shift in timed)
     for _, tl, shift, _ in ranks:
         tl.respan(t0 - shift, t1 - shift)
     world: Optional[int] = next((int(tl.header["world_size"]) for _, tl, _, _ in ranks
