@@ -60,7 +60,10 @@ def wrap(model: torch.nn.Module):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        world = dist.get_world_size()
+        # HSDP: two replicas of the model, each sharded over half the ranks.
+        mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if WRAP == "fsdp2-hsdp"
+                else init_device_mesh("cpu", (world,)))
         # fp32 sharded params (what the optimizer sees), bf16 unsharded ones (what computes).
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if WRAP == "fsdp2-mp"
               else MixedPrecisionPolicy())

@@ -34,7 +34,8 @@ def run(wrap: str, scenario: str, ranks: int, tmp_path: Path) -> dict:
                                                    ("ddp", "scaled", 2), ("ddp-view", "clip", 2),
                                                    ("ddp", "scaled+eager", 2), ("fsdp2", "scaled+eager", 2),
                                                    ("fsdp2-mp", "scaled", 2), ("fsdp2-mp", "clip", 2),
-                                                   ("fsdp2", "frozen", 2), ("ddp", "frozen", 2)])
+                                                   ("fsdp2", "frozen", 2), ("ddp", "frozen", 2),
+                                                   ("fsdp2-hsdp", "clip", 4), ("fsdp2-hsdp", "scaled", 4)])
 def test_many_ranks_train_as_torch_adamw_does(wrap, scenario, ranks, tmp_path):
     r = run(wrap, scenario, ranks, tmp_path)
     assert r["world"] == ranks
@@ -63,9 +64,11 @@ def test_many_ranks_train_as_torch_adamw_does(wrap, scenario, ranks, tmp_path):
     assert r["regathered"] == 0
     numel = NUMEL + (SIDE if scenario == "frozen" else 0)
     if wrap.startswith("fsdp2"):
-        # Each rank keeps the state of its own shards: 1/N of the elements, not the whole model.
-        assert sum(r["numel_per_rank"]) == numel
-        assert max(r["numel_per_rank"]) <= numel // ranks + 61
+        # Each rank keeps the state of its own shards: 1/N of the elements, not the whole model
+        # (HSDP: 1/N of a shard group's, each of its two replicas holding the whole model).
+        replicas = 2 if wrap == "fsdp2-hsdp" else 1
+        assert sum(r["numel_per_rank"]) == replicas * numel
+        assert max(r["numel_per_rank"]) <= numel // (ranks // replicas) + 61
         assert r["host_bytes"] == 16 * r["numel_per_rank"][0]
     else:
         assert r["numel_per_rank"] == [numel] * ranks

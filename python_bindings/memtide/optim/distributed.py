@@ -1,7 +1,7 @@
 """What TieredAdamW needs of torch.distributed.
 
-FSDP2 (``fully_shard``) makes each param a DTensor sharded on dim 0: every rank owns one local
-shard (uneven sizes and empty shards included), and its gradient arrives as a DTensor of the same
+FSDP2 (``fully_shard``) makes each param a DTensor sharded on dim 0 (under HSDP, also replicated
+over a second mesh dimension): every rank owns one local shard (uneven sizes and empty shards included), and its gradient arrives as a DTensor of the same
 sharding after the reduce-scatter. TieredAdamW keeps and updates only the local shards' state, so
 each rank's engine holds 1/N of the optimizer state, and writes the new values into the local
 shards. What must agree across ranks, this module reduces over the params' process group: the
@@ -42,7 +42,12 @@ def like(param: torch.Tensor, local_view: torch.Tensor) -> torch.Tensor:
 
 class ShardGroup:
     """The process group over which an optimizer's DTensor params are sharded, and which of
-    them are sharded (their squares sum over ranks) or replicated (counted once)."""
+    them are sharded (their squares sum over ranks) or replicated (counted once).
+
+    Under HSDP (``fully_shard`` over a 2-D mesh: replicate, shard) a param is
+    ``(Replicate(), Shard(0))``: the ranks of one shard group hold its pieces, and every replica
+    group holds the same pieces with the same reduced gradients. Norms are summed over the shard
+    group; a non-finite verdict and the settings must agree over the whole mesh."""
 
     def __init__(self, params: List[torch.Tensor]) -> None:
         import torch.distributed as dist
@@ -54,10 +59,13 @@ class ShardGroup:
             if not is_dtensor(p):
                 continue
             mesh = p.device_mesh
-            if mesh.ndim != 1:
-                raise ValueError(f"TieredAdamW: param {i} lies on a {mesh.ndim}-dimensional device mesh; one "
-                                 "dimension (FSDP2's fully_shard over one mesh) is supported, not HSDP")
-            placement = p.placements[0]
+            if mesh.ndim > 2:
+                raise ValueError(f"TieredAdamW: param {i} lies on a {mesh.ndim}-dimensional device mesh; FSDP2's "
+                                 "one dimension (shard) or two (HSDP: replicate, shard) are supported")
+            *outer, placement = p.placements
+            if any(not isinstance(q, Replicate) for q in outer):
+                raise ValueError(f"TieredAdamW: param {i} has placements {tuple(p.placements)}; on a 2-D mesh HSDP's "
+                                 "(Replicate(), Shard(0)) is supported")
             if isinstance(placement, Shard):
                 if placement.dim != 0:
                     raise ValueError(f"TieredAdamW: param {i} is sharded on dim {placement.dim}; FSDP2's Shard(0) "
@@ -71,7 +79,12 @@ class ShardGroup:
             meshes[(mesh.device_type, tuple(mesh.mesh.flatten().tolist()))] = mesh
         if len(meshes) > 1:
             raise ValueError("TieredAdamW: the params lie on more than one device mesh; make one TieredAdamW per mesh")
-        self.group = next(iter(meshes.values())).get_group() if meshes and any(self.sharded) else None
+        mesh = next(iter(meshes.values())) if meshes and any(self.sharded) else None
+        self.group = mesh.get_group(mesh.ndim - 1) if mesh is not None else None  # the shard dimension's
+        # HSDP's replicate dimension: a verdict must be the same in every replica, whatever one saw.
+        self.replicas = mesh.get_group(0) if mesh is not None and mesh.ndim == 2 else None
+        #: Every rank of the mesh (replicas included): the ranks whose settings must agree.
+        self.ranks = sorted(mesh.mesh.flatten().tolist()) if mesh is not None else []
 
     def __bool__(self) -> bool:
         return self.group is not None
@@ -83,9 +96,11 @@ class ShardGroup:
         return float(t.item())
 
     def any(self, flag: bool) -> bool:
-        """Whether `flag` is true on any of the group's ranks."""
+        """Whether `flag` is true on any rank of the mesh (its shard group, then its replicas)."""
         t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self._device())
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
+        if self.replicas is not None:
+            self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.replicas)
         return bool(t.item() > 0)
 
     def _device(self) -> torch.device:
@@ -98,7 +113,8 @@ _agreements = 0  # check_agreement calls so far: every rank makes them in the sa
 
 
 def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
-    """Raises ValueError on every rank of `group` when the ranks' `settings` differ, naming the
+    """Raises ValueError on every rank of `group` (a process group, or a list of ranks; None: the
+    whole job) when the ranks' `settings` differ, naming the
     first setting that does and what each rank has: ranks that disagree on the optimizer (a
     policy, a subgroup size, NVMe on one rank only) would otherwise fail later, or silently
     train apart. Every rank of the group must call it: it waits for the others at most the
@@ -115,7 +131,10 @@ def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
     global _agreements
     _agreements += 1
     store = dist.distributed_c10d._get_default_store()
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    if isinstance(group, (list, tuple)):
+        ranks = list(group)
+    else:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     prefix = f"memtide/agreement/{_agreements}/{'-'.join(map(str, ranks))}/"
     text = json.dumps(settings, sort_keys=True, default=repr)
     store.set(prefix + str(dist.get_rank()), text)

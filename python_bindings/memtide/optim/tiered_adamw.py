@@ -197,7 +197,7 @@ class TieredAdamW(torch.optim.Optimizer):
         """Once the params are sharded (at construction, or once a wrapper swapped them for
         FSDP2's), every rank must have built its optimizer alike."""
         if self._shards and not self._agreed:
-            check_agreement(self._settings(), self._shards.group, "TieredAdamW")
+            check_agreement(self._settings(), self._shards.ranks, "TieredAdamW")
             self._agreed = True
 
     # -- param groups -----------------------------------------------------------------------------
