@@ -44,10 +44,20 @@ float* fp32_data(const CpuArray& a, const char* name, std::size_t n) {
   return static_cast<float*>(a.data());
 }
 
+memtide::tiering::OutStores parse_out_stores(const std::string& name) {
+  using memtide::tiering::OutStores;
+  if (name == "auto") return OutStores::automatic;
+  if (name == "cached") return OutStores::cached;
+  if (name == "streaming") return OutStores::streaming;
+  value_error("adamw_step_cpu: out_stores must be \"auto\", \"cached\" or \"streaming\", got \"" + name + "\"");
+}
+
 bool adamw_step_cpu(const CpuArray& param, const CpuArray& grad, const CpuArray& exp_avg, const CpuArray& exp_avg_sq,
                     double lr, double beta1, double beta2, double eps, double weight_decay, std::int64_t step,
-                    double grad_scale, double clip, bool l2, std::optional<CpuArray> out, bool skip_if_nonfinite) {
+                    double grad_scale, double clip, bool l2, std::optional<CpuArray> out, bool skip_if_nonfinite,
+                    const std::string& out_stores) {
   memtide::tiering::AdamwArgs a;
+  a.out_stores = parse_out_stores(out_stores);
   a.n = param.size();
   a.param = fp32_data(param, "param", a.n);
   a.exp_avg = fp32_data(exp_avg, "exp_avg", a.n);
@@ -68,7 +78,8 @@ bool adamw_step_cpu(const CpuArray& param, const CpuArray& grad, const CpuArray&
 }
 // ---- kernels on their own: the CPU memory roof and the device-side step (benchmarks) ---------
 
-void stream_probe_cpu(const CpuArray& p, const CpuArray& m, const CpuArray& v, const CpuArray& g, const CpuArray& out) {
+void stream_probe_cpu(const CpuArray& p, const CpuArray& m, const CpuArray& v, const CpuArray& g, const CpuArray& out,
+                      std::size_t threads, std::size_t tile, bool stream_out, bool stream_all, std::size_t prefetch) {
   using memtide::tiering::DType;
   const std::size_t n = p.size();
   for (const auto* a : {&p, &m, &v}) {
@@ -82,10 +93,20 @@ void stream_probe_cpu(const CpuArray& p, const CpuArray& m, const CpuArray& v, c
       value_error("stream_probe_cpu: g and out must be 16-bit float arrays with as many elements as p");
     }
   }
+  if (threads != 1 && threads != 0 && threads != memtide::default_pool().size()) {
+    value_error("stream_probe_cpu: threads must be 1 or the pool's " + std::to_string(memtide::default_pool().size()) +
+                " (0 = the pool), got " + std::to_string(threads));
+  }
+  memtide::tiering::StreamWay way;
+  way.tile = tile;
+  way.stream_out = stream_out;
+  way.stream_all = stream_all;
+  way.prefetch = prefetch;
   nb::gil_scoped_release nogil;
   memtide::tiering::stream_probe(static_cast<float*>(p.data()), static_cast<float*>(m.data()),
                                  static_cast<float*>(v.data()), static_cast<const std::uint16_t*>(g.data()),
-                                 static_cast<std::uint16_t*>(out.data()), n, &memtide::default_pool());
+                                 static_cast<std::uint16_t*>(out.data()), n,
+                                 threads == 1 ? nullptr : &memtide::default_pool(), way);
 }
 
 using DeviceArray = nb::ndarray<nb::c_contig>;
@@ -154,12 +175,14 @@ void bind_kernels(nb::module_& m) {
   m.def("adamw_step_cpu", &adamw_step_cpu, "param"_a.noconvert(), "grad"_a.noconvert(), "exp_avg"_a.noconvert(),
         "exp_avg_sq"_a.noconvert(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a,
         "grad_scale"_a = 1.0, "clip"_a = 1.0, "l2"_a = false, "out"_a.noconvert() = nb::none(),
-        "skip_if_nonfinite"_a = false,
+        "skip_if_nonfinite"_a = false, "out_stores"_a = "auto",
         "One fused AdamW (or, with l2=True, Adam with L2) step in place on contiguous CPU arrays\n"
         "(numpy or torch, via DLPack): param, exp_avg, exp_avg_sq float32; grad float32, float16 or\n"
         "bfloat16, multiplied by grad_scale then clip; `out` (float16 or bfloat16) receives the new params.\n"
         "`step` is the 1-based step count including this one. Returns True if a scaled gradient was\n"
-        "NaN/Inf (with skip_if_nonfinite the state is then left untouched).");
+        "NaN/Inf (with skip_if_nonfinite the state is then left untouched). out_stores: how `out` is\n"
+        "written, \"cached\", \"streaming\" (non-temporal) or \"auto\" (streaming above the last-level\n"
+        "cache); the bits are the same.");
   m.def("cpu_isa", [] { return std::string(memtide::tiering::adamw_isa()); },
         "The vector path of the CPU optimizer kernels: scalar, avx2 or avx512 (MEMTIDE_CPU_ISA resolved).");
   m.def("cpu_threads", [] { return memtide::default_pool().size(); },
@@ -181,8 +204,12 @@ void bind_kernels(nb::module_& m) {
       "True if every grad[i] * grad_scale * clip (rounded as adamw_step_cpu computes it) is finite.\n"
       "grad: contiguous CPU float32, float16 or bfloat16 array.");
   m.def("stream_probe_cpu", &stream_probe_cpu, "p"_a.noconvert(), "m"_a.noconvert(), "v"_a.noconvert(),
-        "g"_a.noconvert(), "out"_a.noconvert(),
-        "The fused AdamW step's memory roof: its streams (28 B/element) with almost no arithmetic.");
+        "g"_a.noconvert(), "out"_a.noconvert(), "threads"_a = 0,
+        "tile"_a = memtide::tiering::kAdamwTile, "stream_out"_a = false, "stream_all"_a = false, "prefetch"_a = 0,
+        "The fused AdamW step's memory roof: its streams (28 B/element) with almost no arithmetic, one\n"
+        "way or another: threads (1, or 0 = the pool), tile (elements per task; 0 = one share per\n"
+        "thread), stream_out (non-temporal stores for out), stream_all (for p, m and v too),\n"
+        "prefetch (software prefetch distance in elements; 0 = none).");
   m.def("adamw_step_device", &adamw_step_device, "param"_a.noconvert(), "grad"_a.noconvert(),
         "exp_avg"_a.noconvert(), "exp_avg_sq"_a.noconvert(), "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
         "weight_decay"_a, "step"_a, "grad_scale"_a = 1.0, "clip"_a = 1.0, "l2"_a = false,

@@ -7,6 +7,8 @@
 #include <limits>
 #include <string>
 
+#include <unistd.h>
+
 #include "adamw_impl.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/options.hpp"
@@ -99,6 +101,9 @@ void validate_adamw_args(const AdamwArgs& a) {
   require(a.eps >= 0.0 && std::isfinite(a.eps), "eps must be finite and >= 0");
   require(a.weight_decay >= 0.0 && std::isfinite(a.weight_decay), "weight_decay must be finite and >= 0");
   require(std::isfinite(a.grad_scale) && std::isfinite(a.clip), "grad_scale and clip must be finite");
+  require(a.out_stores == OutStores::automatic || a.out_stores == OutStores::cached ||
+              a.out_stores == OutStores::streaming,
+          "out_stores must be automatic, cached or streaming, got " + std::to_string(static_cast<int>(a.out_stores)));
 }
 
 // The step's scalars, computed in double like torch's Python code and rounded to float once.
@@ -173,10 +178,23 @@ CpuIsa resolve_cpu_isa(CpuIsa isa) {
 
 const char* adamw_isa() { return cpu_isa_name(resolve_cpu_isa(CpuIsa::automatic)); }
 
-bool adamw_step(const AdamwArgs& args, ThreadPool* pool, CpuIsa isa) {
-  detail::validate_adamw_args(args);
+OutStores resolve_out_stores(OutStores how, std::size_t n) noexcept {
+  if (how != OutStores::automatic) return how;
+  // Streaming pays when the copy would be evicted before anyone reads it: the step's streams
+  // (28 B/param at most) are larger than the last-level cache.
+  static const std::size_t llc = [] {
+    const long bytes = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return bytes > 0 ? static_cast<std::size_t>(bytes) : std::size_t{32} << 20;
+  }();
+  return n * 28 > llc ? OutStores::streaming : OutStores::cached;
+}
+
+bool adamw_step(const AdamwArgs& given, ThreadPool* pool, CpuIsa isa) {
+  detail::validate_adamw_args(given);
   const Kernels k = kernels(resolve_cpu_isa(isa));
-  if (args.n == 0) return false;
+  if (given.n == 0) return false;
+  AdamwArgs args = given;
+  args.out_stores = resolve_out_stores(given.out_stores, given.n);
   const detail::AdamwConsts c = detail::adamw_consts(args);
   if (args.skip_if_nonfinite) {
     const bool bad = over_tiles(args.n, pool, [&](std::size_t b, std::size_t e) {

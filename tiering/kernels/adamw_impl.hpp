@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(MEMTIDE_ADAMW_AVX2) || defined(MEMTIDE_ADAMW_AVX512)
-#include <immintrin.h>
+#if defined(__x86_64__)
+#include <immintrin.h>  // the scalar path too: MOVNTI and SFENCE are baseline x86-64
 #endif
 
 #include "adamw_consts.hpp"
@@ -95,8 +95,60 @@ inline void store_out(void* dst_base, std::size_t i0, std::size_t k, const float
 }
 
 
+// Copies a block's finished low-precision params from L1 to their destination with
+// non-temporal stores: the copy is written once and read by someone else (the H2D copy, the next
+// forward), so the plain stores' read-for-ownership of each destination line is pure waste; it is
+// 2 of the step's 28 B/param, and streaming them was worth 11% on the step's roof (see
+// bandwidth_probe.hpp). Bytes before the first aligned vector and after the last go through memcpy.
+inline void stream_copy(void* dst_base, const void* src_base, std::size_t bytes) {
+  auto* dst = static_cast<unsigned char*>(dst_base);
+  const auto* src = static_cast<const unsigned char*>(src_base);
+#if defined(MEMTIDE_ADAMW_AVX512)
+  constexpr std::size_t kVec = 64;
+#elif defined(MEMTIDE_ADAMW_AVX2)
+  constexpr std::size_t kVec = 32;
+#elif defined(__x86_64__)
+  constexpr std::size_t kVec = 8;
+#else
+  constexpr std::size_t kVec = 0;
+#endif
+  std::size_t head = 0;
+  if constexpr (kVec != 0) {
+    head = (kVec - reinterpret_cast<std::uintptr_t>(dst) % kVec) % kVec;
+    if (head > bytes) head = bytes;
+  } else {
+    head = bytes;
+  }
+  std::memcpy(dst, src, head);
+  std::size_t j = head;
+#if defined(MEMTIDE_ADAMW_AVX512)
+  for (; j + 64 <= bytes; j += 64) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + j), _mm512_loadu_si512(src + j));
+  }
+#elif defined(MEMTIDE_ADAMW_AVX2)
+  for (; j + 32 <= bytes; j += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + j),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
+  }
+#elif defined(__x86_64__)
+  for (; j + 8 <= bytes; j += 8) {  // MOVNTI: SSE2, so every x86-64 has it
+    long long q;
+    std::memcpy(&q, src + j, sizeof q);
+    _mm_stream_si64(reinterpret_cast<long long*>(dst + j), q);
+  }
+#endif
+  std::memcpy(dst + j, src + j, bytes - j);
+}
+
+// Orders a thread's non-temporal stores before whatever it does next (the pool's hand-back).
+inline void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
 // One block: returns 1 if a scaled gradient was non-finite.
-template <DType G, DType O, bool kL2>
+template <DType G, DType O, bool kL2, bool kStream>
 std::uint32_t adamw_block(const AdamwArgs& a, const AdamwConsts& c, std::size_t i0, std::size_t k) {
   alignas(64) float g[kBlock];
   alignas(64) float out[kBlock];
@@ -129,18 +181,35 @@ std::uint32_t adamw_block(const AdamwArgs& a, const AdamwConsts& c, std::size_t 
     V[j] = v;
     out[j] = p;
   }
-  if constexpr (O != DType::none) store_out<O>(a.param_out, i0, k, out);
+  if constexpr (O != DType::none) {
+    if constexpr (kStream) {
+      alignas(64) std::uint16_t low[kBlock];
+      store_out<O>(low, 0, k, out);
+      stream_copy(static_cast<unsigned char*>(a.param_out) + 2 * i0, low, 2 * k);
+    } else {
+      store_out<O>(a.param_out, i0, k, out);
+    }
+  }
   return bad;
+}
+
+template <DType G, DType O, bool kL2, bool kStream>
+bool adamw_range_s(const AdamwArgs& a, const AdamwConsts& c, std::size_t begin, std::size_t end) {
+  std::uint32_t bad = 0;
+  for (std::size_t i = begin; i < end; i += kBlock) {
+    const std::size_t k = end - i < kBlock ? end - i : kBlock;
+    bad |= adamw_block<G, O, kL2, kStream>(a, c, i, k);
+  }
+  if constexpr (kStream) stream_fence();
+  return bad != 0;
 }
 
 template <DType G, DType O, bool kL2>
 bool adamw_range_t(const AdamwArgs& a, const AdamwConsts& c, std::size_t begin, std::size_t end) {
-  std::uint32_t bad = 0;
-  for (std::size_t i = begin; i < end; i += kBlock) {
-    const std::size_t k = end - i < kBlock ? end - i : kBlock;
-    bad |= adamw_block<G, O, kL2>(a, c, i, k);
+  if constexpr (O != DType::none) {
+    if (a.out_stores == memtide::tiering::OutStores::streaming) return adamw_range_s<G, O, kL2, true>(a, c, begin, end);
   }
-  return bad != 0;
+  return adamw_range_s<G, O, kL2, false>(a, c, begin, end);
 }
 
 template <DType G, bool kL2>

@@ -175,6 +175,43 @@ TEST(AdamwCpu, LargeOddSize) {
   }
 }
 
+// Streaming (non-temporal) stores of the low-precision copy write the same bits as plain ones on
+// every path, whatever the copy's alignment (the vector stores start after an unaligned head) and
+// with a tail shorter than a vector.
+TEST(AdamwCpu, StreamedCopyGivesTheSameBitsOnEveryPathAndAlignment) {
+  ThreadPool pool(2);
+  for (std::size_t pad : {0, 1, 3, 17}) {
+    for (std::size_t n : {std::size_t{1}, std::size_t{37}, std::size_t{255}, 2 * kAdamwTile + 101}) {
+      for (DType o : {DType::fp16, DType::bf16}) {
+        State ref(n, pad, 11);
+        auto ra = ref.args(n, DType::bf16, o, false);
+        ra.out_stores = OutStores::cached;
+        adamw_step(ra, nullptr, CpuIsa::scalar);
+        for (CpuIsa isa : available_isas()) {
+          SCOPED_TRACE(std::string(cpu_isa_name(isa)) + " " + dtype_name(o) + " n " + std::to_string(n) + " pad " +
+                       std::to_string(pad));
+          State s(n, pad, 11);
+          auto sa = s.args(n, DType::bf16, o, false);
+          sa.out_stores = OutStores::streaming;
+          adamw_step(sa, &pool, isa);
+          EXPECT_TRUE(s == ref);
+        }
+      }
+    }
+  }
+}
+
+TEST(AdamwCpu, OutStoresResolve) {
+  EXPECT_EQ(resolve_out_stores(OutStores::cached, std::size_t{1} << 30), OutStores::cached);
+  EXPECT_EQ(resolve_out_stores(OutStores::streaming, 1), OutStores::streaming);
+  EXPECT_EQ(resolve_out_stores(OutStores::automatic, 1), OutStores::cached);  // in cache: keep it there
+  EXPECT_EQ(resolve_out_stores(OutStores::automatic, std::size_t{1} << 30), OutStores::streaming);
+  State s(8, 0, 1);
+  auto a = s.args(8, DType::fp32, DType::fp16, false);
+  a.out_stores = static_cast<OutStores>(7);
+  EXPECT_THROW(adamw_step(a, nullptr), memtide::InvalidArgument);
+}
+
 TEST(AdamwCpu, ThreadCountsGiveIdenticalBits) {
   const std::size_t n = 5 * kAdamwTile + 3;
   ThreadPool one(1), two(2), three(3);

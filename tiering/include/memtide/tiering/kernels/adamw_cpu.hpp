@@ -43,6 +43,14 @@ using memtide::ThreadPool;
 enum class DType : std::uint8_t { none = 0, fp32 = 1, fp16 = 2, bf16 = 3 };
 enum class CpuIsa : std::uint8_t { automatic = 0, scalar = 1, avx2 = 2, avx512 = 3 };
 
+/// How the step writes its low-precision copy (param_out). The values written are the same bits
+/// either way; only the traffic differs.
+enum class OutStores : std::uint8_t {
+  automatic = 0,  ///< streaming when the step's streams are larger than the last-level cache
+  cached = 1,     ///< plain stores: the copy stays in cache for a reader that comes soon
+  streaming = 2,  ///< non-temporal stores: no read-for-ownership of the copy's lines (2 B/param)
+};
+
 struct AdamwArgs {
   float* param = nullptr;       ///< fp32 master params, updated in place
   float* exp_avg = nullptr;     ///< fp32, in/out
@@ -62,6 +70,7 @@ struct AdamwArgs {
   double clip = 1.0;            ///< multiplier, e.g. the clip_grad_norm_ coefficient
   bool l2 = false;              ///< false: decoupled weight decay (AdamW); true: Adam's L2 term
   bool skip_if_nonfinite = false;
+  OutStores out_stores = OutStores::automatic;  ///< how param_out is written
 };
 
 /// Validates `args` (throws InvalidArgument), then runs the step over `pool` (null = one thread,
@@ -73,6 +82,9 @@ bool adamw_step(const AdamwArgs& args, ThreadPool* pool, CpuIsa isa = CpuIsa::au
 /// True if every grad[i] * grad_scale * clip (computed as in adamw_step) is finite.
 bool grads_finite(const void* grad, DType dtype, std::size_t n, double grad_scale = 1.0, double clip = 1.0,
                   ThreadPool* pool = nullptr, CpuIsa isa = CpuIsa::automatic);
+
+/// What OutStores::automatic becomes for a step over n params on this machine (the others stay).
+OutStores resolve_out_stores(OutStores how, std::size_t n) noexcept;
 
 /// The path `isa` resolves to here (automatic: MEMTIDE_CPU_ISA, then the best supported).
 CpuIsa resolve_cpu_isa(CpuIsa isa = CpuIsa::automatic);
