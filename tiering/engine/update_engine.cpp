@@ -426,7 +426,13 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   };
   bool any_kept = false;
   for (const Segment& s : segments) any_kept = any_kept || kept(s.subgroup);
-  if (!trust_path) {
+  // Without a loss scaler nothing waits for the verdict: when every segment is updated on the
+  // CPU, the fused kernel's own flag (raised in the same pass that updates) replaces a separate
+  // scan of every gradient, which cost one more read of the gradients (4 B/param on top of 28).
+  bool all_cpu = !skip_if_nonfinite;
+  for (const Segment& s : segments) all_cpu = all_cpu && placement[s.subgroup] == Placement::cpu;
+  const bool flag_from_kernel = !trust_path && all_cpu;
+  if (!trust_path && !flag_from_kernel) {
     // The host arrays are scanned, so they must hold every gradient, kept ones included.
     if (any_kept) {
       grads_to_host();
@@ -500,6 +506,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     const std::vector<std::size_t> left =
         nvme_ ? nvme_->move_residents(scheduler, list, plan.placement) : std::vector<std::size_t>{};
     const StepReport r = scheduler.run(plan, params);
+    if (flag_from_kernel) out.nonfinite = out.nonfinite || r.cpu_nonfinite;
     // Residents that left were copied back into their host ranges by the run (as they were before
     // this step): NVMe has their new state, the pages go.
     for (std::size_t g : left) nvme_->drop_pages(g);

@@ -395,6 +395,7 @@ void UpdateScheduler::begin_phase(const Plan& plan) {
   cpu_busy_ns_ = 0;
   cpu_params_ = 0;
   cpu_ops_ = 0;
+  cpu_nonfinite_ = false;
   params_[0] = params_[1] = params_[2] = 0;
 
   const std::size_t slots = std::min(plan.gpu_slots, streamed_.size());
@@ -527,7 +528,7 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
   const double n = static_cast<double>(g.n);
   const double cpu_start = host_now_ns() - phase_start_ns_;
   cpu_busy_ns_ += device_.run_host_work(HostWork{n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype), n},
-                                        [&] { adamw_step(a, pool_, config_.isa); });
+                                        [&] { cpu_nonfinite_ = adamw_step(a, pool_, config_.isa) || cpu_nonfinite_; });
   cpu_log_.push_back(TieringOp{"cpu update", i, cpu_start, host_now_ns() - phase_start_ns_,
                                n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype)});
   if (g.on_nvme()) nvme_->release(g.nvme_subgroup);  // written back behind
@@ -584,6 +585,7 @@ StepReport UpdateScheduler::end_phase(double phase_start_ns) {
   r.cpu.busy_ns = cpu_busy_ns_;
   r.cpu.params = cpu_params_;
   r.cpu.ops = cpu_ops_;
+  r.cpu_nonfinite = cpu_nonfinite_;
   r.cpu.bytes = cpu_params_ * adamw_bytes_per_param(DType::fp32, state_.model_dtype());
   r.params_cpu = params_[static_cast<int>(Placement::cpu)];
   r.params_gpu = params_[static_cast<int>(Placement::gpu)];

@@ -318,6 +318,26 @@ TYPED_TEST(UpdateEngineTest, NonFiniteGradientSkipsEverythingWhenAsked) {
   EXPECT_NE(std::memcmp(before.data(), e->param(), kN * 4), 0);
 }
 
+// Without skip_if_nonfinite an all-CPU step learns of a NaN/Inf from the fused kernel's own flag
+// (no separate scan): it still reports it, in any subgroup, scaled into overflow or not.
+TYPED_TEST(UpdateEngineTest, NonFiniteGradientIsReportedWithoutSkipping) {
+  auto e = this->make();
+  const EnginePlan p = e->plan(Policy::cpu);
+  for (std::size_t where : {std::size_t{0}, kN / 2, kN - 1}) {
+    this->fill(*e, 3);
+    e->grad()[where] = std::numeric_limits<float>::quiet_NaN();
+    EngineStep r = e->step(p.plan.placement, 0, this->whole(*e, 1), 1.0, 1.0, false, false);
+    EXPECT_TRUE(r.nonfinite) << where;
+    EXPECT_FALSE(r.skipped);
+    EXPECT_TRUE(std::isnan(e->param()[where])) << "the step ran and took the NaN in";
+  }
+  this->fill(*e, 4);
+  e->grad()[7] = 3e38F;  // finite, but not once scaled by 10
+  EXPECT_TRUE(e->step(p.plan.placement, 0, this->whole(*e, 1), 10.0, 1.0, false, false).nonfinite);
+  this->fill(*e, 5);
+  EXPECT_FALSE(e->step(p.plan.placement, 0, this->whole(*e, 1), 1.0, 1.0, false, false).nonfinite);
+}
+
 TYPED_TEST(UpdateEngineTest, SegmentsWithOtherHyperParametersRunSeparately) {
   auto e = this->make();
   this->fill(*e, 5);

@@ -42,6 +42,9 @@ struct TieringOp {
 
 struct StepReport {
   bool skipped = false;  ///< a gradient was not finite: nothing was stepped
+  /// A CPU update met a non-finite scaled gradient (the fused kernel's own flag; the state of
+  /// that subgroup now holds it). Only meaningful when the run was not told the gradients are finite.
+  bool cpu_nonfinite = false;
   /// Every operation of the phase (device ops on the device's clock from the phase start event,
   /// CPU updates on the host clock from the phase start).
   std::vector<TieringOp> ops;

@@ -165,6 +165,7 @@ class UpdateScheduler {
   std::vector<TieringOp> cpu_log_;  // the running phase's CPU updates
   double cpu_params_ = 0;
   std::uint64_t cpu_ops_ = 0;
+  bool cpu_nonfinite_ = false;
   std::size_t params_[3] = {0, 0, 0};
   std::uint64_t last_slot_bytes_ = 0;
   NvmeStaging* nvme_ = nullptr;
