@@ -49,7 +49,7 @@ memtide::tiering::OutStores parse_out_stores(const std::string& name) {
   if (name == "auto") return OutStores::automatic;
   if (name == "cached") return OutStores::cached;
   if (name == "streaming") return OutStores::streaming;
-  value_error("adamw_step_cpu: out_stores must be \"auto\", \"cached\" or \"streaming\", got \"" + name + "\"");
+  value_error("out_stores must be \"auto\", \"cached\" or \"streaming\", got \"" + name + "\"");
 }
 
 bool adamw_step_cpu(const CpuArray& param, const CpuArray& grad, const CpuArray& exp_avg, const CpuArray& exp_avg_sq,
@@ -77,6 +77,20 @@ bool adamw_step_cpu(const CpuArray& param, const CpuArray& grad, const CpuArray&
   return memtide::tiering::adamw_step(a, &memtide::default_pool());
 }
 // ---- kernels on their own: the CPU memory roof and the device-side step (benchmarks) ---------
+
+bool copy_grad_cpu(const CpuArray& dst, const CpuArray& src, const std::string& out_stores) {
+  using memtide::tiering::DType;
+  if (dlpack_dtype(dst.dtype()) != DType::fp32) value_error("copy_grad_cpu: dst must be a float32 array");
+  const DType sd = dlpack_dtype(src.dtype());
+  if (sd == DType::none) value_error("copy_grad_cpu: src must be float32, float16 or bfloat16");
+  if (src.size() != dst.size()) {
+    value_error("copy_grad_cpu: src has " + std::to_string(src.size()) + " elements, dst " + std::to_string(dst.size()));
+  }
+  const memtide::tiering::OutStores stores = parse_out_stores(out_stores);
+  nb::gil_scoped_release nogil;
+  return memtide::tiering::copy_grad(static_cast<float*>(dst.data()), src.data(), sd, dst.size(),
+                                     &memtide::default_pool(), stores);
+}
 
 void stream_probe_cpu(const CpuArray& p, const CpuArray& m, const CpuArray& v, const CpuArray& g, const CpuArray& out,
                       std::size_t threads, std::size_t tile, bool stream_out, bool stream_all, std::size_t prefetch) {
@@ -203,6 +217,14 @@ void bind_kernels(nb::module_& m) {
       "grad"_a.noconvert(), "grad_scale"_a = 1.0, "clip"_a = 1.0,
       "True if every grad[i] * grad_scale * clip (rounded as adamw_step_cpu computes it) is finite.\n"
       "grad: contiguous CPU float32, float16 or bfloat16 array.");
+  m.def("copy_grad_cpu", &copy_grad_cpu, "dst"_a.noconvert(), "src"_a.noconvert(), "out_stores"_a = "auto",
+        "dst = src upcast to float32 (contiguous CPU arrays; src float32, float16 or bfloat16), the NaN/Inf\n"
+        "check in the same pass: True if every element is finite. out_stores: \"cached\", \"streaming\"\n"
+        "(non-temporal stores into dst) or \"auto\".");
+  m.def("out_stores_for", [](std::size_t n) {
+          return std::string(memtide::tiering::resolve_out_stores(memtide::tiering::OutStores::automatic, n) ==
+                                     memtide::tiering::OutStores::streaming ? "streaming" : "cached");
+        }, "n"_a, "What out_stores=\"auto\" becomes for a step over n params here: \"cached\" or \"streaming\".");
   m.def("stream_probe_cpu", &stream_probe_cpu, "p"_a.noconvert(), "m"_a.noconvert(), "v"_a.noconvert(),
         "g"_a.noconvert(), "out"_a.noconvert(), "threads"_a = 0,
         "tile"_a = memtide::tiering::kAdamwTile, "stream_out"_a = false, "stream_all"_a = false, "prefetch"_a = 0,

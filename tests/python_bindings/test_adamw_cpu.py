@@ -144,3 +144,30 @@ def test_every_isa_gives_the_same_bits():
         digests[isa] = digest
     assert "scalar" in digests
     assert len(set(digests.values())) == 1, digests
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("stores", ["auto", "cached", "streaming"])
+def test_copy_grad_upcasts_exactly_and_checks_finiteness(dtype, stores):
+    n = 70_001
+    src = (torch.randn(n, generator=torch.Generator().manual_seed(3)) * 5).to(dtype)
+    dst = torch.full((n,), -1.0)
+    assert memtide._memtide.copy_grad_cpu(dst, src, stores) is True
+    assert torch.equal(dst, src.float())
+    src[n // 3] = float("inf")
+    assert memtide._memtide.copy_grad_cpu(dst, src, stores) is False
+    assert dst[n // 3].item() == float("inf")
+
+
+def test_copy_grad_names_bad_inputs():
+    cg = memtide._memtide.copy_grad_cpu
+    with pytest.raises(ValueError, match="dst must be a float32"):
+        cg(torch.zeros(4, dtype=torch.float16), torch.zeros(4))
+    with pytest.raises(ValueError, match="src must be float32, float16 or bfloat16"):
+        cg(torch.zeros(4), torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="src has 5 elements, dst 4"):
+        cg(torch.zeros(4), torch.zeros(5))
+    with pytest.raises(ValueError, match="out_stores must be"):
+        cg(torch.zeros(4), torch.zeros(4), "fast")
+    assert memtide._memtide.out_stores_for(1) == "cached"
+    assert memtide._memtide.out_stores_for(1 << 30) == "streaming"

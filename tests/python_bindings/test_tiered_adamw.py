@@ -589,6 +589,25 @@ def test_nonfinite_without_loss_scaling_warns():
     assert not opt.last_step_skipped  # as torch.optim.AdamW: the step ran
 
 
+def test_cpu_gradients_bring_their_own_nonfinite_verdict():
+    # The hook's copy of a CPU gradient checks it in the same pass: step() gets a verdict and
+    # the engine scans nothing; a NaN/Inf from backward turns it False.
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP)
+    x, y = DATA[0]
+    backward(model, opt, x, y)
+    assert opt._grads.gather()[1] is True
+    opt.zero_grad()
+    opt._grads.reset()
+    (lm_loss(model(x), y) * float("inf")).backward()
+    assert opt._grads.gather()[1] is False
+    for p in model.parameters():  # every gradient the hooks copied is the one backward made
+        lo, hi = opt._layout.ranges[opt._grads.index[id(p)]]
+        g, buf = p.grad.reshape(-1).float(), opt.buffers.grads[lo:hi]
+        assert torch.equal(torch.isnan(g), torch.isnan(buf))
+        assert torch.equal(g.nan_to_num(), buf.nan_to_num())
+
+
 def test_max_grad_norm_matches_clip_grad_norm():
     model = make_model()
     opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, max_grad_norm=0.5, **HYPER)

@@ -19,11 +19,14 @@ namespace detail {
 
 bool adamw_range_scalar(const AdamwArgs&, const AdamwConsts&, std::size_t, std::size_t);
 bool nonfinite_range_scalar(const void*, DType, float, float, std::size_t, std::size_t);
+bool copy_grad_range_scalar(float*, const void*, DType, bool, std::size_t, std::size_t);
 #if defined(MEMTIDE_TIERING_X86)
 bool adamw_range_avx2(const AdamwArgs&, const AdamwConsts&, std::size_t, std::size_t);
 bool nonfinite_range_avx2(const void*, DType, float, float, std::size_t, std::size_t);
 bool adamw_range_avx512(const AdamwArgs&, const AdamwConsts&, std::size_t, std::size_t);
 bool nonfinite_range_avx512(const void*, DType, float, float, std::size_t, std::size_t);
+bool copy_grad_range_avx2(float*, const void*, DType, bool, std::size_t, std::size_t);
+bool copy_grad_range_avx512(float*, const void*, DType, bool, std::size_t, std::size_t);
 #endif
 
 }  // namespace detail
@@ -32,19 +35,23 @@ namespace {
 
 using RangeFn = bool (*)(const AdamwArgs&, const detail::AdamwConsts&, std::size_t, std::size_t);
 using CheckFn = bool (*)(const void*, DType, float, float, std::size_t, std::size_t);
+using CopyFn = bool (*)(float*, const void*, DType, bool, std::size_t, std::size_t);
 
 struct Kernels {
   RangeFn step;
   CheckFn check;
+  CopyFn copy;
 };
 
 Kernels kernels(CpuIsa isa) {
   switch (isa) {
 #if defined(MEMTIDE_TIERING_X86)
-    case CpuIsa::avx2: return {&detail::adamw_range_avx2, &detail::nonfinite_range_avx2};
-    case CpuIsa::avx512: return {&detail::adamw_range_avx512, &detail::nonfinite_range_avx512};
+    case CpuIsa::avx2:
+      return {&detail::adamw_range_avx2, &detail::nonfinite_range_avx2, &detail::copy_grad_range_avx2};
+    case CpuIsa::avx512:
+      return {&detail::adamw_range_avx512, &detail::nonfinite_range_avx512, &detail::copy_grad_range_avx512};
 #endif
-    default: return {&detail::adamw_range_scalar, &detail::nonfinite_range_scalar};
+    default: return {&detail::adamw_range_scalar, &detail::nonfinite_range_scalar, &detail::copy_grad_range_scalar};
   }
 }
 
@@ -215,6 +222,25 @@ bool grads_finite(const void* grad, DType dtype, std::size_t n, double grad_scal
   const Kernels k = kernels(resolve_cpu_isa(isa));
   const float gs = static_cast<float>(grad_scale), cl = static_cast<float>(clip);
   return !over_tiles(n, pool, [&](std::size_t b, std::size_t e) { return k.check(grad, dtype, gs, cl, b, e); });
+}
+
+bool copy_grad(float* dst, const void* src, DType dtype, std::size_t n, ThreadPool* pool, OutStores stores,
+               CpuIsa isa) {
+  if (n == 0) return true;
+  if (dst == nullptr || src == nullptr) {
+    throw InvalidArgument("copy_grad: dst and src must not be null for n = " + std::to_string(n));
+  }
+  if (dtype != DType::fp32 && dtype != DType::fp16 && dtype != DType::bf16) {
+    throw InvalidArgument(std::string("copy_grad: the gradient must be fp32, fp16 or bf16, got ") + dtype_name(dtype));
+  }
+  if (stores != OutStores::automatic && stores != OutStores::cached && stores != OutStores::streaming) {
+    throw InvalidArgument("copy_grad: stores must be automatic, cached or streaming, got " +
+                          std::to_string(static_cast<int>(stores)));
+  }
+  const Kernels k = kernels(resolve_cpu_isa(isa));
+  const bool stream = resolve_out_stores(stores, n) == OutStores::streaming;
+  // over_tiles ORs "something happened": here that is a non-finite element.
+  return !over_tiles(n, pool, [&](std::size_t b, std::size_t e) { return !k.copy(dst, src, dtype, stream, b, e); });
 }
 
 std::uint16_t fp32_to_fp16(float f) noexcept { return f_to_fp16(f); }

@@ -247,6 +247,35 @@ bool nonfinite_t(const void* grad, float gs, float clip, std::size_t begin, std:
   return bad != 0;
 }
 
+// The gradient into the flat fp32 buffer, upcast on the way, with the NaN/Inf check in the same
+// pass (the values are in registers anyway). Returns true if every element was finite.
+template <DType G, bool kStream>
+bool copy_grad_t(float* dst, const void* src, std::size_t begin, std::size_t end) {
+  alignas(64) float g[kBlock];
+  std::uint32_t bad = 0;
+  for (std::size_t i = begin; i < end; i += kBlock) {
+    const std::size_t k = end - i < kBlock ? end - i : kBlock;
+    load_grad<G>(src, i, k, g);
+    for (std::size_t j = 0; j < k; ++j) bad |= nonfinite_bit(g[j]);
+    if constexpr (kStream) {
+      stream_copy(dst + i, g, k * sizeof(float));
+    } else {
+      std::memcpy(dst + i, g, k * sizeof(float));
+    }
+  }
+  if constexpr (kStream) stream_fence();
+  return bad == 0;
+}
+
+template <bool kStream>
+bool copy_grad_s(float* dst, const void* src, DType dtype, std::size_t begin, std::size_t end) {
+  switch (dtype) {
+    case DType::fp16: return copy_grad_t<DType::fp16, kStream>(dst, src, begin, end);
+    case DType::bf16: return copy_grad_t<DType::bf16, kStream>(dst, src, begin, end);
+    default: return copy_grad_t<DType::fp32, kStream>(dst, src, begin, end);
+  }
+}
+
 }  // namespace
 
 #ifdef MEMTIDE_ADAMW_SUFFIX
@@ -267,6 +296,11 @@ bool MEMTIDE_ADAMW_CAT(nonfinite_range_, MEMTIDE_ADAMW_SUFFIX)(const void* grad,
     case DType::bf16: return nonfinite_t<DType::bf16>(grad, grad_scale, clip, begin, end);
     default: return nonfinite_t<DType::fp32>(grad, grad_scale, clip, begin, end);
   }
+}
+
+bool MEMTIDE_ADAMW_CAT(copy_grad_range_, MEMTIDE_ADAMW_SUFFIX)(float* dst, const void* src, DType dtype, bool stream,
+                                                              std::size_t begin, std::size_t end) {
+  return stream ? copy_grad_s<true>(dst, src, dtype, begin, end) : copy_grad_s<false>(dst, src, dtype, begin, end);
 }
 
 }  // namespace memtide::tiering::detail

@@ -12,6 +12,7 @@ from typing import Any, List, Optional, Set, Tuple
 
 import torch
 
+from .. import _memtide
 from ..grad_copies import copy_of
 from .distributed import local
 
@@ -26,6 +27,7 @@ class _Flushed:
     version: Optional[int]
     norm: Optional[torch.Tensor]
     on_device: bool  # through the engine's gradient path (with its NaN/Inf verdict)
+    finite: Optional[bool] = None  # a CPU gradient copied by copy_grad_cpu: its own NaN/Inf verdict
 
 
 def _hook(path: "weakref.ref[GradientPath]", i: int, p: torch.Tensor) -> None:
@@ -45,6 +47,9 @@ class GradientPath:
         #: The CUDA gradients travel the engine's own path (a real GPU); else they are copied here.
         self.device_path = opt.engine is not None and not opt.engine.host_memory
         self.flushed: List[Optional[_Flushed]] = [None] * len(params)
+        #: How CPU gradients are written into the flat buffer: non-temporal stores when the whole
+        #: step's streams are larger than the last-level cache (the step reads them from DRAM anyway).
+        self.stores = _memtide.out_stores_for(opt._layout.numel)
         self.index = {id(p): i for i, p in enumerate(params)}
         #: Params whose gradients come reduced from DDP's bucket hook (register_ddp), not the hooks.
         self.reduced_by_ddp: Set[int] = set()
@@ -140,11 +145,20 @@ class GradientPath:
             self.flushed[i] = _Flushed(*self._identity(g, known), norm, on_device=True)
         else:
             grads = self.opt.buffers.grads
-            grads[lo:hi].copy_(g.reshape(-1))
+            finite = self.copy_host(grads[lo:hi], g)
             norm = None if self.opt.max_grad_norm is None else torch.linalg.vector_norm(grads[lo:hi])
-            self.flushed[i] = _Flushed(*self._identity(g, known), norm, on_device=False)
+            self.flushed[i] = _Flushed(*self._identity(g, known), norm, on_device=False, finite=finite)
         if self.opt._eager is not None:
             self.opt._eager.grad_ready(i)
+
+    def copy_host(self, dst: torch.Tensor, g: torch.Tensor) -> Optional[bool]:
+        """dst (a slice of the flat fp32 buffer) = g upcast, for a CPU gradient. One pass that also
+        gives the NaN/Inf verdict (so the step needs no scan of its own) and, above the last-level
+        cache, writes with non-temporal stores; None where torch copies (an odd layout or dtype)."""
+        if g.is_contiguous() and g.dtype in SUPPORTED_DTYPES and not g.is_conj() and not g.is_neg():
+            return bool(_memtide.copy_grad_cpu(dst, g.reshape(-1).detach(), self.stores))
+        dst.copy_(g.reshape(-1))
+        return None
 
     @staticmethod
     def _identity(g: torch.Tensor, known: bool) -> Tuple[Optional[int], Optional[int]]:
@@ -158,7 +172,7 @@ class GradientPath:
         layout, grads = self.opt._layout, self.opt.buffers.grads
         has_grad = [False] * len(layout.params)
         verdict = self.opt.engine.finish_grads() if self.device_path else True
-        all_on_device = True
+        all_on_device = True  # every gradient came with a verdict (the device path's or its copy's)
         stale = []
         for i, p in enumerate(layout.params):
             g = p.grad
@@ -169,12 +183,11 @@ class GradientPath:
                 raise RuntimeError("TieredAdamW does not support sparse gradients")
             has_grad[i] = True
             f = self.flushed[i]
-            if f is not None and f.address == g.data_ptr() and f.version == g._version:
-                all_on_device &= f.on_device
-                continue
-            if f is not None and copy_of(g) == (f.address, f.version):
-                # An unchanged copy of the gradient the hook took (the layer window sent it home).
-                all_on_device &= f.on_device
+            if f is not None and (f.address == g.data_ptr() and f.version == g._version
+                                  or copy_of(g) == (f.address, f.version)):
+                # The gradient the hook sent, or an unchanged copy of it (the layer window sent it home).
+                all_on_device &= f.on_device or f.finite is not None
+                verdict = verdict and f.finite is not False
                 continue
             self.flushed[i] = None
             stale.append(i)
@@ -186,8 +199,13 @@ class GradientPath:
         for i in stale:
             g, (lo, hi) = local(layout.params[i].grad), layout.ranges[i]
             any_cuda |= g.is_cuda
-            all_on_device = False
-            grads[lo:hi].copy_(g.reshape(-1), non_blocking=g.is_cuda)
+            if g.is_cuda:
+                all_on_device = False
+                grads[lo:hi].copy_(g.reshape(-1), non_blocking=True)
+            else:
+                finite = self.copy_host(grads[lo:hi], g)
+                all_on_device &= finite is not None
+                verdict = verdict and finite is not False
         if any_cuda:
             torch.cuda.synchronize()
         return has_grad, (verdict if all_on_device and any(has_grad) else None)

@@ -212,6 +212,54 @@ TEST(AdamwCpu, OutStoresResolve) {
   EXPECT_THROW(adamw_step(a, nullptr), memtide::InvalidArgument);
 }
 
+// The gradient copy upcasts exactly (the reference conversions), on every path, either store
+// kind and any alignment, and its verdict is the NaN/Inf scan's.
+TEST(AdamwCpu, CopyGradUpcastsExactlyAndChecksFiniteness) {
+  ThreadPool pool(2);
+  const std::size_t n = 3 * kAdamwTile + 77;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0F, 3.0F);
+  std::vector<float> g32(n + 4);
+  for (float& x : g32) x = normal(rng);
+  for (DType dt : {DType::fp32, DType::fp16, DType::bf16}) {
+    std::vector<std::uint16_t> g16(n + 4);
+    std::vector<float> want(n + 4);
+    for (std::size_t i = 0; i < g32.size(); ++i) {
+      g16[i] = dt == DType::fp16 ? fp32_to_fp16(g32[i]) : fp32_to_bf16(g32[i]);
+      want[i] = dt == DType::fp32 ? g32[i] : dt == DType::fp16 ? fp16_to_fp32(g16[i]) : bf16_to_fp32(g16[i]);
+    }
+    for (CpuIsa isa : available_isas()) {
+      for (OutStores st : {OutStores::cached, OutStores::streaming}) {
+        for (std::size_t pad : {0, 1, 3}) {
+          SCOPED_TRACE(std::string(cpu_isa_name(isa)) + " " + dtype_name(dt) + " pad " + std::to_string(pad) +
+                       (st == OutStores::streaming ? " streaming" : " cached"));
+          const void* src = dt == DType::fp32 ? static_cast<const void*>(g32.data() + pad) : g16.data() + pad;
+          std::vector<float> dst(n + 4, -1.0F);
+          EXPECT_TRUE(copy_grad(dst.data() + pad, src, dt, n, &pool, st, isa));
+          EXPECT_EQ(std::memcmp(dst.data() + pad, want.data() + pad, n * 4), 0);
+          EXPECT_EQ(dst[pad + n], -1.0F) << "wrote past the end";
+          if (pad > 0) {
+            EXPECT_EQ(dst[pad - 1], -1.0F) << "wrote before the start";
+          }
+        }
+      }
+      for (std::size_t where : {std::size_t{0}, n / 2, n - 1}) {
+        std::vector<float> bad32(g32.begin(), g32.begin() + n);
+        std::vector<std::uint16_t> bad16(g16.begin(), g16.begin() + n);
+        bad32[where] = std::numeric_limits<float>::infinity();
+        bad16[where] = dt == DType::fp16 ? 0x7E00 : 0x7FC0;  // NaN
+        std::vector<float> dst(n);
+        const void* src = dt == DType::fp32 ? static_cast<const void*>(bad32.data()) : bad16.data();
+        EXPECT_FALSE(copy_grad(dst.data(), src, dt, n, &pool, OutStores::streaming, isa)) << where;
+      }
+    }
+  }
+  std::vector<float> d(4);
+  EXPECT_THROW(copy_grad(d.data(), nullptr, DType::fp32, 4, nullptr), memtide::InvalidArgument);
+  EXPECT_THROW(copy_grad(d.data(), d.data(), DType::none, 4, nullptr), memtide::InvalidArgument);
+  EXPECT_TRUE(copy_grad(nullptr, nullptr, DType::fp32, 0, nullptr));
+}
+
 TEST(AdamwCpu, ThreadCountsGiveIdenticalBits) {
   const std::size_t n = 5 * kAdamwTile + 3;
   ThreadPool one(1), two(2), three(3);

@@ -83,6 +83,14 @@ bool adamw_step(const AdamwArgs& args, ThreadPool* pool, CpuIsa isa = CpuIsa::au
 bool grads_finite(const void* grad, DType dtype, std::size_t n, double grad_scale = 1.0, double clip = 1.0,
                   ThreadPool* pool = nullptr, CpuIsa isa = CpuIsa::automatic);
 
+/// dst[i] = src[i] upcast to fp32 (exact) for a gradient of `dtype` (fp32, fp16 or bf16), over
+/// `pool`; returns true if every element is finite (the NaN/Inf check rides the copy's pass).
+/// `stores`: how dst is written (streaming: non-temporal stores, no read-for-ownership of dst;
+/// automatic: streaming when n params' step would not fit the last-level cache). This is the
+/// host side of the gradient path for CPU tensors: the copy into the optimizer's flat buffer.
+bool copy_grad(float* dst, const void* src, DType dtype, std::size_t n, ThreadPool* pool,
+               OutStores stores = OutStores::automatic, CpuIsa isa = CpuIsa::automatic);
+
 /// What OutStores::automatic becomes for a step over n params on this machine (the others stay).
 OutStores resolve_out_stores(OutStores how, std::size_t n) noexcept;
 
