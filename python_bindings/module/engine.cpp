@@ -5,6 +5,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "memtide/allocator/host_arena.hpp"
@@ -16,6 +17,7 @@
 
 #include <nanobind/operators.h>
 #include <nanobind/stl/set.h>
+#include <nanobind/stl/tuple.h>
 
 namespace memtide::bindings {
 namespace {
@@ -119,9 +121,19 @@ class PyUpdateEngine {
 
   tiering::EngineStep step(std::vector<tiering::StepParams> groups, const nb::bytes& has_grad, double grad_scale,
                            double clip, bool skip_if_nonfinite, std::optional<bool> grads_finite,
-                           std::vector<bool> done) {
-    const tiering::StepRequest r =
+                           std::vector<bool> done,
+                           const std::vector<std::tuple<std::int64_t, std::int64_t, std::uintptr_t, std::string>>& grad_sources) {
+    tiering::StepRequest r =
         request(std::move(groups), has_grad, grad_scale, clip, skip_if_nonfinite, grads_finite, std::move(done));
+    for (const auto& [start, n, address, dtype] : grad_sources) {
+      tiering::DType dt = tiering::DType::none;
+      if (dtype == "float32") dt = tiering::DType::fp32;
+      else if (dtype == "float16") dt = tiering::DType::fp16;
+      else if (dtype == "bfloat16") dt = tiering::DType::bf16;
+      else value_error("UpdateEngine.step: a grad source's dtype must be float32, float16 or bfloat16, got \"" + dtype + "\"");
+      r.grad_sources.push_back(tiering::GradSource{count_arg("grad source start", start), count_arg("grad source n", n),
+                                                   reinterpret_cast<const void*>(address), dt});
+    }
     nb::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mutex_);
     return engine_->step(r);
@@ -500,11 +512,14 @@ void bind_engine(nb::module_& m) {
                    "plans anew from the phase tracker's memory and the calibrated rates).")
       .def("step", &PyUpdateEngine::step, "groups"_a, "has_grad"_a, "grad_scale"_a = 1.0, "clip"_a = 1.0,
            "skip_if_nonfinite"_a = false, "grads_finite"_a = nb::none(), "done"_a = std::vector<bool>{},
+           "grad_sources"_a = std::vector<std::tuple<std::int64_t, std::int64_t, std::uintptr_t, std::string>>{},
            "The optimizer's step: `groups` the StepParams of each param group, `has_grad` a byte per param.\n"
            "The engine cuts it into segments, plans it under its policy, runs it (subgroups flagged in `done`\n"
            "were updated during backward and are left as they are), learns from what it measured and counts\n"
            "a step per param with a gradient. `grads_finite`: the gradient path's verdict when every\n"
-           "gradient came through it. Returns a StepReport.")
+           "gradient came through it. `grad_sources`: (start, n, address, dtype) of gradients the CPU update\n"
+           "reads where they lie (CPU tensors; dtype float32, float16 or bfloat16) instead of the gradient array;\n"
+           "only for an all-CPU step whose verdict needs no scan. Returns a StepReport.")
       .def("segments", &PyUpdateEngine::segments, "groups"_a, "has_grad"_a, "only"_a = nb::none(),
            "The Segments step() would run with these arguments (only subgroup `only` when given).")
       .def("steps", [](nb::handle self) { return nb::cast<PyUpdateEngine&>(self).steps(self); },

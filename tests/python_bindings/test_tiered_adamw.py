@@ -608,6 +608,40 @@ def test_cpu_gradients_bring_their_own_nonfinite_verdict():
         assert torch.equal(g.nan_to_num(), buf.nan_to_num())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_cpu_policy_reads_gradients_where_they_lie(dtype, scaled):
+    # policy="cpu" in host memory: the step reads each CPU gradient where backward left it (no
+    # copy into the flat buffer) and gives the bits the copying path gives (policy "auto" here),
+    # with a loss scaler too (its verdict then comes from a scan in the hook), NaN steps included.
+    model, ref_model = make_model(dtype=dtype), make_model(dtype=dtype)
+    kw = dict(subgroup_size=SUBGROUP, max_grad_norm=1.0, **HYPER)
+    if scaled:
+        kw["loss_scale"] = LossScaler(init_scale=2.0 ** 10, growth_interval=3)
+    opt = TieredAdamW(model.parameters(), policy="cpu", **kw)
+    if scaled:
+        kw["loss_scale"] = LossScaler(init_scale=2.0 ** 10, growth_interval=3)
+    ref = TieredAdamW(ref_model.parameters(), policy="auto", **kw)
+    for k, (x, y) in enumerate(DATA[:6]):
+        for m, o in ((model, opt), (ref_model, ref)):
+            backward(m, o, x, y)
+            if k == 3 and scaled:
+                next(m.parameters()).grad.view(-1)[0] = float("inf")
+        assert opt._grads.direct() and not ref._grads.direct()
+        opt.step()
+        ref.step()
+        assert opt.last_step_skipped == ref.last_step_skipped == (scaled and k == 3)
+    # Nothing was copied into the flat gradient buffer but the first param's gradient, edited in
+    # place after its hook ran (step() copies such a one itself).
+    assert not opt.buffers.grads[opt._layout.ranges[0][1]:].any()
+    assert opt.buffers.grads[:opt._layout.ranges[0][1]].any() == scaled
+    for p, r in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p.detach(), r.detach())
+    ref.engine.sync_host()  # its (simulated) GPU residents hold the newest state
+    for name in ("exp_avg", "exp_avg_sq", "params"):
+        assert torch.equal(getattr(opt.buffers, name), getattr(ref.buffers, name)), name
+
+
 def test_max_grad_norm_matches_clip_grad_norm():
     model = make_model()
     opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, max_grad_norm=0.5, **HYPER)

@@ -277,6 +277,7 @@ StepReport UpdateScheduler::run(const Plan& plan, const StepParams& params) {
   phase_start_ns_ = phase_start_ns;
   cpu_log_.clear();
   if (!check_gradients(params)) {
+    for (auto& pieces : grad_pieces_) pieces.clear();
     StepReport skipped;
     skipped.skipped = true;
     skipped.phase_ns = host_now_ns() - phase_start_ns;
@@ -293,6 +294,7 @@ StepReport UpdateScheduler::run(const Plan& plan, const StepParams& params) {
       }
     }
   } catch (...) {
+    for (auto& pieces : grad_pieces_) pieces.clear();
     stop_phase();
     throw;
   }
@@ -528,7 +530,7 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
   const double n = static_cast<double>(g.n);
   const double cpu_start = host_now_ns() - phase_start_ns_;
   cpu_busy_ns_ += device_.run_host_work(HostWork{n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype), n},
-                                        [&] { cpu_nonfinite_ = adamw_step(a, pool_, config_.isa) || cpu_nonfinite_; });
+                                        [&] { cpu_nonfinite_ = cpu_step(i, a) || cpu_nonfinite_; });
   cpu_log_.push_back(TieringOp{"cpu update", i, cpu_start, host_now_ns() - phase_start_ns_,
                                n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype)});
   if (g.on_nvme()) nvme_->release(g.nvme_subgroup);  // written back behind
@@ -545,8 +547,57 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
   }
 }
 
+// The fused step over subgroup i: one call over the host gradient array, or one per run of it
+// between the gradients read where they lie (set_grad_pieces) and one per such gradient.
+bool UpdateScheduler::cpu_step(std::size_t i, const AdamwArgs& whole) {
+  if (i >= grad_pieces_.size() || grad_pieces_[i].empty()) return adamw_step(whole, pool_, config_.isa);
+  const std::size_t out_elem = whole.param_out == nullptr ? 0 : dtype_size(whole.param_out_dtype);
+  auto part = [&](std::size_t b, std::size_t e, const void* grad, DType dtype) {
+    if (e <= b) return false;
+    AdamwArgs a = whole;
+    a.param += b;
+    a.exp_avg += b;
+    a.exp_avg_sq += b;
+    if (a.param_out != nullptr) a.param_out = static_cast<unsigned char*>(a.param_out) + b * out_elem;
+    a.grad = grad;
+    a.grad_dtype = dtype;
+    a.n = e - b;
+    return adamw_step(a, pool_, config_.isa);
+  };
+  const auto* host = static_cast<const float*>(whole.grad);
+  bool bad = false;
+  std::size_t at = 0;
+  for (const GradPiece& piece : grad_pieces_[i]) {
+    bad = part(at, piece.begin, host + at, DType::fp32) || bad;
+    bad = part(piece.begin, piece.end, piece.data, piece.dtype) || bad;
+    at = piece.end;
+  }
+  return part(at, whole.n, host + at, DType::fp32) || bad;
+}
+
+void UpdateScheduler::set_grad_pieces(std::size_t i, std::vector<GradPiece> pieces) {
+  if (i >= state_.size()) {
+    throw InvalidArgument("UpdateScheduler::set_grad_pieces: subgroup " + std::to_string(i) + " of " +
+                          std::to_string(state_.size()));
+  }
+  std::size_t at = 0;
+  for (const GradPiece& p : pieces) {
+    if (p.begin < at || p.end <= p.begin || p.end > state_[i].n || p.data == nullptr ||
+        (p.dtype != DType::fp32 && p.dtype != DType::fp16 && p.dtype != DType::bf16)) {
+      throw InvalidArgument("UpdateScheduler::set_grad_pieces: piece [" + std::to_string(p.begin) + ", " +
+                            std::to_string(p.end) + ") of subgroup " + std::to_string(i) + " (" +
+                            std::to_string(state_[i].n) + " elements) is empty, out of order, past the end, "
+                            "null or not fp32/fp16/bf16");
+    }
+    at = p.end;
+  }
+  if (grad_pieces_.size() < state_.size()) grad_pieces_.resize(state_.size());
+  grad_pieces_[i] = std::move(pieces);
+}
+
 StepReport UpdateScheduler::end_phase(double phase_start_ns) {
   for (Stream s : {prefetch_, upload_, compute_, flush_}) device_.stream_synchronize(s);
+  for (auto& pieces : grad_pieces_) pieces.clear();  // for one run only
   StepReport r;
   // The phase ends with the last write-back; a failed one is rethrown once the rest is done.
   std::exception_ptr nvme_error;

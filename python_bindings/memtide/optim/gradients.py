@@ -28,6 +28,7 @@ class _Flushed:
     norm: Optional[torch.Tensor]
     on_device: bool  # through the engine's gradient path (with its NaN/Inf verdict)
     finite: Optional[bool] = None  # a CPU gradient copied by copy_grad_cpu: its own NaN/Inf verdict
+    source: Optional[torch.Tensor] = None  # a CPU gradient the step reads where it lies (not copied)
 
 
 def _hook(path: "weakref.ref[GradientPath]", i: int, p: torch.Tensor) -> None:
@@ -57,6 +58,9 @@ class GradientPath:
         #: Params whose gradient step() had to copy itself (changed after its hook ran).
         self.stale: Set[int] = set()
         self._sent_in_backward: List[int] = []  # by the hooks, in the backward now running
+        #: (start, n, address, dtype) of the CPU gradients the step reads where they lie (gather()).
+        self.sources: List[Tuple[int, int, int, str]] = []
+        self._source_tensors: List[Tuple[int, int, torch.Tensor]] = []
         me = weakref.ref(self)
         # Frozen params get none (step() gathers whatever gradient they have later).
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, me, i))
@@ -143,6 +147,13 @@ class GradientPath:
                                   torch.cuda.current_stream(g.device).cuda_stream)
             norm = None if self.opt.max_grad_norm is None else torch.linalg.vector_norm(g, dtype=torch.float32)
             self.flushed[i] = _Flushed(*self._identity(g, known), norm, on_device=True)
+        elif known and self.direct() and g.is_contiguous() and g.dtype in SUPPORTED_DTYPES:
+            # Read where it lies by the step's own pass: nothing copied, nothing converted. A loss
+            # scaler needs the NaN/Inf verdict before the step: a scan (a read, no write) gives it.
+            g = g.detach()
+            finite = bool(_memtide.grads_finite_cpu(g.reshape(-1))) if self.opt.scaler is not None else None
+            norm = None if self.opt.max_grad_norm is None else torch.linalg.vector_norm(g, dtype=torch.float32)
+            self.flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=False, finite=finite, source=g)
         else:
             grads = self.opt.buffers.grads
             finite = self.copy_host(grads[lo:hi], g)
@@ -150,6 +161,22 @@ class GradientPath:
             self.flushed[i] = _Flushed(*self._identity(g, known), norm, on_device=False, finite=finite)
         if self.opt._eager is not None:
             self.opt._eager.grad_ready(i)
+
+    def direct(self) -> bool:
+        """Whether CPU gradients are read where they lie rather than copied: an all-CPU engine in
+        host memory (policy "cpu"), without updates during backward, NVMe, DDP or FSDP2 (whose
+        paths read the gradient buffer)."""
+        opt = self.opt
+        return (opt.engine is not None and opt.engine.host_memory and opt.policy == "cpu" and opt._eager is None
+                and opt.nvme is None and not opt._shards and opt._ddp is None and not self.reduced_by_ddp)
+
+    def materialize(self) -> None:
+        """Copies the gradients gather() left where they lie into the flat buffer (for a step that
+        must scan the buffer); afterwards there are no sources."""
+        grads = self.opt.buffers.grads
+        for lo, hi, g in self._source_tensors:
+            self.copy_host(grads[lo:hi], g)
+        self.sources, self._source_tensors = [], []
 
     def copy_host(self, dst: torch.Tensor, g: torch.Tensor) -> Optional[bool]:
         """dst (a slice of the flat fp32 buffer) = g upcast, for a CPU gradient. One pass that also
@@ -192,6 +219,10 @@ class GradientPath:
             self.flushed[i] = None
             stale.append(i)
         self.stale = set(stale)
+        self._source_tensors = [(*layout.ranges[i], f.source) for i, f in enumerate(self.flushed)
+                                if f is not None and f.source is not None]
+        self.sources = [(lo, hi - lo, g.data_ptr(), str(g.dtype).replace("torch.", ""))
+                        for lo, hi, g in self._source_tensors]
         if stale and self.device_path:
             # Gradients the path kept on the GPU go to the host first, so the copies below win.
             self.opt.engine.grads_to_host()

@@ -512,10 +512,14 @@ class TieredAdamW(torch.optim.Optimizer):
         if not nonfinite:
             nonfinite_done = self._eager is not None and self._eager.nonfinite()
             marks = [sg in done for sg in range(len(self._layout.subgroups))] if done else []
+            sources = self._grads.sources
+            if sources and not (self.scaler is None or (path_verdict is not None and grad_scale * clip <= 1.0)):
+                self._grads.materialize()  # the engine must scan the gradient buffer: it needs them all
+                sources = []
             t1 = time.perf_counter()
             report = self.engine.step(groups, flags, grad_scale=grad_scale, clip=clip,
                                       skip_if_nonfinite=self.scaler is not None, grads_finite=path_verdict,
-                                      done=marks)
+                                      done=marks, grad_sources=sources)
             engine_seconds = time.perf_counter() - t1
             nonfinite = report.nonfinite
             engine_ran = not report.skipped

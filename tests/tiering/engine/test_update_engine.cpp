@@ -116,12 +116,21 @@ TYPED_TEST_SUITE(UpdateEngineTest, test::DeviceBackends, test::BackendNames);
 
 TYPED_TEST(UpdateEngineTest, HostStateIsZeroedExactlySizedArenaMemory) {
   auto e = this->make();
-  for (float* a : {e->param(), e->exp_avg(), e->exp_avg_sq(), e->grad()}) {
+  const std::vector<float*> arrays{e->param(), e->exp_avg(), e->exp_avg_sq(), e->grad()};
+  for (float* a : arrays) {
     for (std::size_t i = 0; i < kN; i += 997) ASSERT_EQ(a[i], 0.0F);
-    EXPECT_GT(this->arena_->allocation_size(a), 0U) << "array not from the arena";
+  }
+  // The step streams all four at once: they start at other offsets within a page (other cache
+  // sets), though the arena aligns its blocks to pages or more.
+  for (std::size_t i = 0; i < arrays.size(); ++i) {
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(arrays[i]) % 64, 0U);
+    for (std::size_t j = 0; j < i; ++j) {
+      EXPECT_NE(reinterpret_cast<std::uintptr_t>(arrays[i]) % 4096, reinterpret_cast<std::uintptr_t>(arrays[j]) % 4096)
+          << i << " and " << j << " share their cache sets";
+    }
   }
   EXPECT_GE(e->host_bytes(), 16 * kN);
-  EXPECT_LT(e->host_bytes(), 16 * kN + 4 * this->arena_->config().alignment);
+  EXPECT_LT(e->host_bytes(), 16 * kN + 4 * (this->arena_->config().alignment + 3 * 4160));
   const HostArenaStats s = this->arena_->stats();
   EXPECT_EQ(s.registered_slabs, s.slabs);  // pinned
   e.reset();
@@ -336,6 +345,49 @@ TYPED_TEST(UpdateEngineTest, NonFiniteGradientIsReportedWithoutSkipping) {
   EXPECT_TRUE(e->step(p.plan.placement, 0, this->whole(*e, 1), 10.0, 1.0, false, false).nonfinite);
   this->fill(*e, 5);
   EXPECT_FALSE(e->step(p.plan.placement, 0, this->whole(*e, 1), 1.0, 1.0, false, false).nonfinite);
+}
+
+// Gradients read where they lie (GradSource: fp32 and bf16, across subgroup bounds, with host
+// array runs between them) give the same bits as the same values copied into the gradient array.
+TYPED_TEST(UpdateEngineTest, GradientsReadWhereTheyLieGiveTheSameBits) {
+  auto a = this->make();
+  auto b = this->make();
+  this->fill(*a, 6);
+  this->fill(*b, 6);
+  const std::size_t sg = a->subgroups()[0].second;  // the first subgroup's end: a source crosses it
+  std::vector<float> g32(sg + 5);
+  std::vector<std::uint16_t> g16(kN / 4);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  for (float& x : g32) x = normal(rng);
+  for (std::uint16_t& x : g16) x = fp32_to_bf16(normal(rng));
+  std::vector<GradSource> sources{{3, g32.size(), g32.data(), DType::fp32},
+                                  {kN / 2, g16.size(), g16.data(), DType::bf16}};
+  for (std::size_t i = 0; i < g32.size(); ++i) b->grad()[3 + i] = g32[i];
+  for (std::size_t i = 0; i < g16.size(); ++i) b->grad()[kN / 2 + i] = bf16_to_fp32(g16[i]);
+  const EnginePlan p = a->plan(Policy::cpu);
+  for (std::int64_t step = 1; step <= 2; ++step) {
+    const EngineStep ra = a->step(p.plan.placement, 0, this->whole(*a, step), 1.0, 0.5, false, false, 0, std::nullopt, sources);
+    const EngineStep rb = b->step(p.plan.placement, 0, this->whole(*b, step), 1.0, 0.5, false, false);
+    EXPECT_FALSE(ra.nonfinite);
+    EXPECT_FALSE(rb.nonfinite);
+  }
+  EXPECT_EQ(std::memcmp(a->param(), b->param(), kN * 4), 0);
+  EXPECT_EQ(std::memcmp(a->exp_avg(), b->exp_avg(), kN * 4), 0);
+  EXPECT_EQ(std::memcmp(a->exp_avg_sq(), b->exp_avg_sq(), kN * 4), 0);
+  // A NaN in a source is the kernel's to report (no scan of the gradient array would see it).
+  g16[7] = 0x7FC0;
+  EXPECT_TRUE(a->step(p.plan.placement, 0, this->whole(*a, 3), 1.0, 1.0, false, false, 0, std::nullopt, sources).nonfinite);
+  // What the engine cannot honour is named.
+  const std::vector<GradSource> overlapping{{0, 10, g32.data(), DType::fp32}, {5, 10, g32.data(), DType::fp32}};
+  EXPECT_THROW(a->step(p.plan.placement, 0, this->whole(*a, 4), 1.0, 1.0, false, false, 0, std::nullopt, overlapping),
+               InvalidArgument);
+  const std::vector<GradSource> past{{kN - 2, 10, g32.data(), DType::fp32}};
+  EXPECT_THROW(a->step(p.plan.placement, 0, this->whole(*a, 4), 1.0, 1.0, false, false, 0, std::nullopt, past),
+               InvalidArgument);
+  // skip_if_nonfinite without the path's verdict would need a scan of gradients it does not hold.
+  EXPECT_THROW(a->step(p.plan.placement, 0, this->whole(*a, 4), 1.0, 1.0, false, true, 0, std::nullopt, sources),
+               InvalidArgument);
 }
 
 TYPED_TEST(UpdateEngineTest, SegmentsWithOtherHyperParametersRunSeparately) {

@@ -22,6 +22,15 @@ struct PolicyChoice {
   std::optional<double> k;  ///< the stride of streamed GPU updates; none under auto: the model chooses
 };
 
+/// A gradient the step reads where it lies (a CPU tensor that backward made), so nothing copies it
+/// into the engine's gradient array: elements [start, start + n) of the flat params.
+struct GradSource {
+  std::size_t start = 0;
+  std::size_t n = 0;
+  const void* data = nullptr;
+  DType dtype = DType::fp32;  ///< fp32, fp16 or bf16 (the kernel upcasts as it reads)
+};
+
 /// What an optimizer's step asks of the engine once a ParamLayout is set (see set_layout).
 struct StepRequest {
   std::vector<StepParams> groups;      ///< per param group: lr, betas, eps, weight decay (step is the engine's)
@@ -32,6 +41,10 @@ struct StepRequest {
   std::optional<bool> path_verdict;    ///< finish_grads()'s verdict when every gradient came through it
   /// Per subgroup (empty: none): already updated for this step (during backward), left as it is.
   std::vector<bool> done;
+  /// Gradients read where they lie (sorted by start, not overlapping); the gradient array holds
+  /// the others. Only for a step whose every segment is updated on the CPU, and whose NaN/Inf
+  /// verdict needs no scan (path_verdict given, or no skip_if_nonfinite): else InvalidArgument.
+  std::vector<GradSource> grad_sources;
 };
 
 /// The device memory a plan was made with and what it took.

@@ -83,7 +83,7 @@ class UpdateEngine {
   /// path's verdict if given and grad_scale * clip <= 1); one scheduler phase per hyper-parameters.
   EngineStep step(const std::vector<Placement>& placement, std::size_t gpu_slots, const std::vector<Segment>& segments,
                   double grad_scale, double clip, bool l2, bool skip_if_nonfinite, double predicted_ns = 0,
-                  std::optional<bool> path_verdict = std::nullopt);
+                  std::optional<bool> path_verdict = std::nullopt, const std::vector<GradSource>& sources = {});
 
   /// Gradients [offset, offset + n) at `source` are final on `producer`: to the host array (GradSink).
   void push_grad(std::size_t offset, const void* source, DType dtype, std::size_t n, Stream producer);
@@ -155,6 +155,7 @@ class UpdateEngine {
   std::size_t n_;
   Ranges subgroups_;
   float* arrays_[4] = {};
+  void* blocks_[4] = {};  ///< the arena blocks arrays_ start in (see kArraySkew)
   PerfModel model_;
   Calibration calibration_;
   std::list<Entry> cache_;  // most recently used first

@@ -20,6 +20,15 @@
 
 namespace memtide::tiering {
 
+/// A run of a subgroup's gradient that a CPU update reads where it lies (a CPU tensor autograd
+/// made) instead of the host gradient array: elements [begin, end) of the subgroup.
+struct GradPiece {
+  std::size_t begin = 0;
+  std::size_t end = 0;
+  const void* data = nullptr;  ///< element `begin`'s gradient
+  DType dtype = DType::fp32;   ///< fp32, fp16 or bf16
+};
+
 /// Hyper-parameters of one step (see AdamwArgs).
 struct StepParams {
   double lr = 1e-3;
@@ -60,6 +69,11 @@ class UpdateScheduler {
   /// NVMe read or write-back failed) the phase is stopped, every queued transfer completes and
   /// the error is rethrown; subgroups stepped before it keep their new state.
   StepReport run(const Plan& plan, const StepParams& params);
+
+  /// For the next run only: subgroup i's CPU update reads these gradients where they are (in
+  /// order, not overlapping, offsets local to the subgroup) and the host gradient array between
+  /// them. Empty: the host array alone.
+  void set_grad_pieces(std::size_t i, std::vector<GradPiece> pieces);
 
   /// The NVMe tier for subgroups with Subgroup::on_nvme (null: none may be). `read_ahead`:
   /// staging buffers beyond those GPU slots hold (>= 1).
@@ -108,6 +122,7 @@ class UpdateScheduler {
   void gpu_update(std::size_t j, const StepParams& params);
   void static_update(std::size_t i, const StepParams& params);
   void cpu_update(std::size_t i, const StepParams& params);
+  bool cpu_step(std::size_t i, const AdamwArgs& whole);
   StepReport end_phase(double phase_start_ns);
   /// After an error: waits for every stream and transfer, gives the slots back.
   void stop_phase() noexcept;
@@ -149,6 +164,7 @@ class UpdateScheduler {
   PinnedBuffer host_counter_;
   unsigned int* device_counter_ = nullptr;
 
+  std::vector<std::vector<GradPiece>> grad_pieces_;  ///< per subgroup, for the next run (set_grad_pieces)
   std::vector<Arrays> residents_;  ///< per subgroup; block (its pack's) != null when GPU-resident
   ResidentPacks packs_;            ///< how residents share device blocks
   std::vector<void*> pack_blocks_;  ///< per pack, counted from the last subgroup; null when empty
