@@ -1,17 +1,32 @@
 #!/usr/bin/env python3
-"""CPU AdamW step throughput: memtide's fused kernel vs torch.optim.AdamW vs a STREAM-like probe.
+"""CPU AdamW step throughput: memtide's fused kernel against torch.optim.AdamW(fused=True) and
+against the step's memory roof, at several sizes, paired per round.
 
-  python bench/python/bench_adamw.py [--n 67108864] [--threads T] [--rounds 15] [--out bench/results/adamw/DATE-MACHINE.md]
+  python bench/python/bench_adamw.py [--sizes 1M,16M,64M,256M] [--rounds 11] [--out FILE.md]
 
-Every contender runs with the same thread count: torch.set_num_threads(memtide.cpu_threads()), the
-size of memtide's process pool (hardware_concurrency). --threads overrides torch's count only.
-Bytes/s count the bytes each step must move at least: memtide with fp32 state, a 2-byte gradient
-and a 2-byte param copy moves 28 B/param (p, m, v read and written = 24, grad 2, copy 2).
+Every contender runs with the same thread count: torch.set_num_threads(memtide.cpu_threads()).
+Bytes per param are the bytes each step must move at least, and are the same 28 B for the main
+pair: memtide with a fp32 gradient and no copy reads and writes fp32 p, m, v (24 B) and reads a
+4-byte gradient; torch's fused step does exactly that. memtide with a bf16 gradient and an fp16
+copy reads 2 B of gradient and writes 2 B of copy (28 B); torch then needs a separate bf16 copy
+of the params (read 4 B, write 2 B: 34 B in all).
+
+Memory: memtide's state lives where TieredAdamW puts it, in its host arena (2 MiB transparent huge
+pages, each array skewed 4 KiB + 64 B from the last as the engine does); torch's state where torch.optim puts it (torch's allocator, 4 KiB pages here). A third
+contender runs torch's fused step on memtide's own huge-page buffers: the same work on the same
+memory, to tell the kernel apart from the pages.
+
+The roof: the step's streams (stream_probe_cpu: 28 B/param, almost no arithmetic) moved several
+ways (one thread or the pool, 16K-element tiles or one share per thread, non-temporal stores for
+the write-only copy or for everything, software prefetch, huge or 4 KiB pages). The best median
+is the roof, unless torch's fused step moved its 28 B faster: then torch's rate is.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
 import os
 import platform
 import statistics
@@ -22,32 +37,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from plotting import cpu_model  # noqa: E402
 
 # torch's OpenMP threads (libgomp) spin for a while after every parallel region; on a machine with
-# as many cores as threads they steal the cores memtide's pool (and DeepSpeed's) is about to use,
-# which made memtide's in-cache (1M) step 1.6x slower here. Passive waiting must be chosen before torch loads.
+# as many cores as threads they steal the cores memtide's pool is about to use. Passive waiting
+# must be chosen before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+KW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
 
 class Contender:
     """One timed step: `fn` runs it once; `bpp` is the bytes per param it must move at least."""
 
-    def __init__(self, name, fn, bpp, note=""):
-        self.name, self.fn, self.bpp, self.note = name, fn, bpp, note
+    def __init__(self, name, fn, bpp, note="", roof_way=False):
+        self.name, self.fn, self.bpp, self.note, self.roof_way = name, fn, bpp, note, roof_way
         self.times = []
-
-    def best(self):
-        return min(self.times)
 
     def median(self):
         return statistics.median(self.times)
 
+    def gbs(self, n):
+        return n * self.bpp / self.median() / 1e9
 
-def run_rounds(contenders, rounds):
-    """Times every contender once per round, in an order rotated each round.
 
-    The shared VM's bandwidth drifts by +-20% over seconds, so timing one contender's repeats back
-    to back and then the next one's compares different machines. Round-robin puts every
-    contender's i-th sample in the same few hundred milliseconds; ratios are then taken per round
-    (paired) and summarized by their median.
-    """
+def run_rounds(contenders, rounds, verbose):
+    """Times every contender once per round, in an order rotated each round, so the i-th samples
+    of all contenders share the same second of a machine whose bandwidth drifts (a shared VM)."""
     for c in contenders:
         c.fn()  # warm-up: page faults, first touch, lazy state
     for r in range(rounds):
@@ -56,153 +69,223 @@ def run_rounds(contenders, rounds):
             t0 = time.perf_counter()
             c.fn()
             c.times.append(time.perf_counter() - t0)
-        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{c.times[-1] * 1e3:.0f}" for c in contenders) + " ms",
-              flush=True)
+        if verbose:
+            print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{c.times[-1] * 1e3:.1f}" for c in contenders) + " ms",
+                  flush=True)
 
 
 def paired(num, den):
-    """Per-round ratios num.time / den.time: (median, min, max)."""
+    """Per-round ratios num.time / den.time, i.e. how many times faster `den` is: (median, min, max)."""
     q = [a / b for a, b in zip(num.times, den.times)]
     return statistics.median(q), min(q), max(q)
 
 
+def fmt_ratio(q, pct=False):
+    if pct:
+        return f"{q[0]:.0%} [{q[1]:.0%}-{q[2]:.0%}]"
+    return f"{q[0]:.2f}x [{q[1]:.2f}-{q[2]:.2f}]"
+
+
+def size_arg(text):
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(part[-1:], 1)
+        try:
+            v = int(part[:-1] if mult > 1 else part) * mult
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--sizes: {part!r} is not a count like 16M") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"--sizes: {part!r} must be >= 1")
+        out.append(v)
+    return out
+
+
+def bench_size(n, rounds, torch, memtide, deepspeed, verbose):
+    """Every contender at n params; returns (contenders, notes)."""
+    from memtide import _memtide, host
+
+    threads = memtide.cpu_threads()
+    gen = torch.Generator().manual_seed(0)
+    init = torch.randn(n, generator=gen)
+    grad = torch.randn(n, generator=gen) * 1e-2
+
+    # memtide's state in its host arena (huge pages), as TieredAdamW's engine holds it: array k
+    # starts k * (4 KiB + 64 B) into its 2 MiB-aligned block, so the streams do not share cache sets.
+    def arena(k, dtype=torch.float32):
+        skew = k * (4096 + 64) // torch.empty(0, dtype=dtype).element_size()
+        return host.empty(n + skew, dtype=dtype)[skew:]
+
+    P, M, V, G32, G16, O16 = arena(0), arena(1), arena(2), arena(3), arena(4, torch.bfloat16), arena(5, torch.float16)
+    P.copy_(init)
+    M.zero_()
+    V.zero_()
+    G32.copy_(grad)
+    G16.copy_(grad)
+    step = [0]
+
+    def memtide_step(g, out):
+        def run():
+            step[0] += 1
+            memtide.adamw_step_cpu(P, g, M, V, step=step[0], out=out, **KW)
+        return run
+
+    cs = [Contender("memtide fused (fp32 grad, no copy)", memtide_step(G32, None), 28, "p,m,v rw + fp32 g"),
+          Contender("memtide fused (bf16 grad, fp16 copy)", memtide_step(G16, O16), 28, "p,m,v rw + bf16 g + fp16 copy")]
+
+    # torch.optim.AdamW(fused=True) on its own tensors (torch's allocator).
+    tp = torch.nn.Parameter(init.clone())
+    tp.grad = grad.clone()
+    topt = torch.optim.AdamW([tp], lr=KW["lr"], weight_decay=KW["weight_decay"], fused=True)
+    topt.step()
+    low = torch.empty(n, dtype=torch.bfloat16)
+
+    def torch_copy():
+        topt.step()
+        low.copy_(tp.detach())
+
+    cs.append(Contender("torch fused=True (fp32 grad)", topt.step, 28, "p,m,v rw + fp32 g; torch's allocator"))
+    cs.append(Contender("torch fused=True + bf16 copy", torch_copy, 34, "+ read p, write bf16 copy"))
+    # The same on memtide's huge-page buffers (the state memtide's contenders step too: only time counts).
+    hp = torch.nn.Parameter(P)
+    hp.grad = G32
+    hopt = torch.optim.AdamW([hp], lr=KW["lr"], weight_decay=KW["weight_decay"], fused=True)
+    hopt.state[hp] = {"step": torch.tensor(0.0), "exp_avg": M, "exp_avg_sq": V}
+    cs.append(Contender("torch fused=True on memtide's huge-page buffers", hopt.step, 28, "same memory as memtide"))
+
+    # The roof, several ways. 4 KiB pages: torch's tensors above (meaningless values, only traffic).
+    st = topt.state[tp]
+    small = (tp.detach(), st["exp_avg"], st["exp_avg_sq"], torch.zeros(n, dtype=torch.bfloat16),
+             torch.empty(n, dtype=torch.bfloat16))
+    huge = (P, M, V, G16, O16.view(torch.bfloat16))
+    ways = [
+        ("pool, 16K tiles, plain stores, 4 KiB pages (the earlier probe)", small, dict()),
+        ("pool, 16K tiles, plain stores, huge pages", huge, dict()),
+        ("pool, 16K tiles, streamed copy, huge pages", huge, dict(stream_out=True)),
+        ("pool, one share per thread, streamed copy, huge pages", huge, dict(stream_out=True, tile=0)),
+        ("one thread, streamed copy, huge pages", huge, dict(stream_out=True, threads=1)),
+        ("pool, 16K tiles, streamed copy + prefetch 1024, huge pages", huge, dict(stream_out=True, prefetch=1024)),
+        ("pool, 16K tiles, everything streamed, huge pages", huge, dict(stream_all=True)),
+        ("pool, 16K tiles, streamed copy, 4 KiB pages", small, dict(stream_out=True)),
+    ]
+    if threads == 1:
+        ways = [w for w in ways if w[2].get("threads") != 1]
+    for name, arrays, opts in ways:
+        cs.append(Contender(f"roof: {name}", (lambda a=arrays, o=opts: _memtide.stream_probe_cpu(*a, **o)), 28,
+                            "stream probe", roof_way=True))
+
+    notes = []
+    if deepspeed:
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            dp = torch.nn.Parameter(init.clone())
+            dp.grad = grad.clone()
+            ds_opt = DeepSpeedCPUAdam([dp], lr=KW["lr"], weight_decay=KW["weight_decay"], adamw_mode=True)
+            half = torch.empty(n, dtype=torch.float16)
+
+            def ds():
+                ds_opt.step()
+                half.copy_(dp.detach())
+
+            cs.append(Contender("DeepSpeedCPUAdam + separate fp16 copy", ds, 34, "fp32 p,g,m,v + copy pass"))
+        except Exception as e:  # noqa: BLE001 - report whatever stops it
+            why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            notes.append(f"DeepSpeedCPUAdam not run: {type(e).__name__}: {why}")
+    run_rounds(cs, rounds, verbose)
+    return cs, notes
+
+
+def report_size(n, cs, notes):
+    by = {c.name: c for c in cs}
+    m32, m16 = by["memtide fused (fp32 grad, no copy)"], by["memtide fused (bf16 grad, fp16 copy)"]
+    t, tc = by["torch fused=True (fp32 grad)"], by["torch fused=True + bf16 copy"]
+    th = by["torch fused=True on memtide's huge-page buffers"]
+    ways = [c for c in cs if c.roof_way]
+    best = max(ways, key=lambda c: c.gbs(n))
+    roof = best if best.gbs(n) >= t.gbs(n) else t
+    lines = [f"## {n:,} params ({n * 28 / 1e9:.2f} GB moved per step at 28 B/param)", "",
+             "| contender | median ms | GB/s (B/param) | note |", "|---|---:|---:|---|"]
+    for c in cs:
+        lines.append(f"| {c.name} | {c.median() * 1e3:.2f} | {c.gbs(n):.1f} ({c.bpp}) | {c.note} |")
+    lines += ["", f"Roof: **{roof.gbs(n):.1f} GB/s**, reached by \"{roof.name}\"" +
+              ("" if roof is best else " (torch's fused step beat every probe)") + ".", "",
+              "Paired per round (median [min-max]); x = how many times faster memtide is:", ""]
+    rows = [
+        (m32, t, ">= 1.00x", False),
+        (m32, th, "(same memory)", False),
+        (m16, tc, ">= 1.15x", False),
+        (m32, roof, ">= 95%", True),
+        (m16, roof, ">= 95%", True),
+    ]
+    if "DeepSpeedCPUAdam + separate fp16 copy" in by:
+        rows.insert(3, (m16, by["DeepSpeedCPUAdam + separate fp16 copy"], ">= 1.35x", False))
+    out = []
+    for num, den, target, pct in rows:
+        # Both move the same bytes where pct (28 B/param): the time ratio is the share of the roof.
+        q = paired(den, num)
+        lines.append(f"- {num.name} vs {den.name}: **{fmt_ratio(q, pct)}** (target {target})")
+        out.append((num.name, den.name, q, target, pct))
+    lines += [f"- {n}" for n in notes]
+    return lines, out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=64 * 1024 * 1024, help="parameters (default 64M)")
-    ap.add_argument("--rounds", type=int, default=15, help="timed rounds; each times every contender once")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: memtide's pool size)")
+    ap.add_argument("--sizes", type=size_arg, default=size_arg("1M,16M,64M,256M"),
+                    help="params per step, comma-separated, K/M/G suffixes (default 1M,16M,64M,256M)")
+    ap.add_argument("--rounds", type=int, default=11,
+                    help="timed rounds at 64M and above; three times as many below (default 11)")
     ap.add_argument("--out", help="write a Markdown report here")
     ap.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeedCPUAdam attempt")
-    ap.add_argument("--no-slow", action="store_true", help="skip torch's foreach=False/foreach=True loops")
+    ap.add_argument("--shared", action="store_true", help="say in the report that other work ran on the machine")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every round")
     args = ap.parse_args()
-    if args.n < 1 or args.rounds < 1:
-        ap.error(f"--n and --rounds must be >= 1 (got --n {args.n}, --rounds {args.rounds})")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
 
     import torch
     import memtide
-    from memtide import _memtide
+    from memtide import host
 
-    n = args.n
-    threads = args.threads or memtide.cpu_threads()
-    torch.set_num_threads(threads)
-    contenders = []
-    skipped = []  # (name, why)
-
-    gen = torch.Generator().manual_seed(0)
-    param = torch.randn(n, generator=gen)
-    grad32 = torch.randn(n, generator=gen) * 1e-2
-    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-
-    # memtide: one set of fp32 state per contender, so rounds do not share a step counter.
-    def memtide_step(g, out):
-        p, m, v = param.clone(), torch.zeros(n), torch.zeros(n)
-        step = [0]
-
-        def run():
-            step[0] += 1
-            memtide.adamw_step_cpu(p, g, m, v, step=step[0], out=out, **kw)
-
-        return run
-
-    half_out = torch.empty(n, dtype=torch.float16)
-    main_c = Contender("memtide fused (bf16 grad, fp16 copy)", memtide_step(grad32.to(torch.bfloat16), half_out), 28)
-    contenders.append(main_c)
-    contenders.append(Contender("memtide fused (fp16 grad, fp16 copy)",
-                                memtide_step(grad32.to(torch.float16), half_out), 28))
-    contenders.append(Contender("memtide fused (fp32 grad, no copy)", memtide_step(grad32, None), 28))
-
-    # torch.optim.AdamW on fp32 params with fp32 grads (it has no mixed-dtype CPU path); the fp16
-    # copy for the GPU would be one more pass (param.half()).
-    variants = [("fused=True", dict(fused=True))]
-    if not args.no_slow:
-        variants = [("foreach=False", dict(foreach=False)), ("foreach=True", dict(foreach=True))] + variants
-    for label, opts in variants:
-        p = torch.nn.Parameter(param.clone())
-        p.grad = grad32.clone()
-        try:
-            opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, **opts)
-            opt.step()
-        except Exception as e:  # noqa: BLE001 - report whatever stops it
-            skipped.append((f"torch AdamW {label}", f"{type(e).__name__}: {e}"))
-            continue
-        contenders.append(Contender(f"torch AdamW {label} (fp32 grad)", opt.step, 32, "p,g,m,v fp32"))
-
-    # STREAM-like in-place probe: a += s*b over fp32 arrays (read a, read b, write a).
-    a, b = torch.randn(n), torch.randn(n)
-    contenders.append(Contender("stream probe a += s*b (torch, fp32)", lambda: a.add_(b, alpha=1e-3), 12,
-                                "generic STREAM-like"))
-
-    # The step's own roof: p, m, v (fp32) read and written, a bf16 gradient read, a bf16 copy
-    # written (28 B/param), nearly no arithmetic, same tiles and pool as the step.
-    pp, mm, vv = torch.zeros(n), torch.zeros(n), torch.zeros(n)
-    gg, oo = torch.zeros(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
-    roof = Contender("memtide stream probe (the step's streams)",
-                     lambda: _memtide.stream_probe_cpu(pp, mm, vv, gg, oo), 28, "memory roof")
-    contenders.append(roof)
-
-    ds_c = None
-    if not args.no_deepspeed:
-        try:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            p = torch.nn.Parameter(param.clone())
-            p.grad = grad32.clone()
-            ds_opt = DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.01, adamw_mode=True)
-            half = torch.empty(n, dtype=torch.float16)
-
-            def ds(opt=ds_opt, p=p, half=half):
-                opt.step()
-                half.copy_(p.detach())
-
-            ds()
-            ds_c = Contender("DeepSpeedCPUAdam + separate fp16 copy", ds, 34, "fp32 p,g,m,v + copy pass")
-            contenders.append(ds_c)
-        except Exception as e:  # noqa: BLE001
-            why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-            skipped.append(("DeepSpeedCPUAdam", f"{type(e).__name__}: {why}"))
-    for name, why in skipped:
-        print(f"{name}: not run: {why}", flush=True)
-
-    run_rounds(contenders, args.rounds)
-
+    torch.set_num_threads(memtide.cpu_threads())
     lines = [
-        "# CPU AdamW step",
+        "# CPU AdamW step: memtide's fused kernel, torch's fused AdamW and the step's memory roof",
         "",
-        f"- machine: {cpu_model()}, {os.cpu_count()} CPUs; python {platform.python_version()}, torch {torch.__version__},"
-        f" memtide {memtide.version()}",
-        f"- build: memtide CPU path `{memtide.cpu_isa()}`, pool of {memtide.cpu_threads()} thread(s);"
-        f" torch threads {threads}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}",
-        f"- inputs: {n:,} params, fp32 state; {args.rounds} rounds after a warm-up, each round timing every"
-        " contender once (order rotated per round)",
+        f"- date: {datetime.date.today().isoformat()}; machine: {cpu_model()}, {os.cpu_count()} CPUs"
+        + ("; **shared: other processes (builds) ran at the same time**" if args.shared else ""),
+        f"- python {platform.python_version()}, torch {torch.__version__}, memtide {memtide.version()};"
+        f" CPU path `{memtide.cpu_isa()}`, pool of {memtide.cpu_threads()} thread(s), torch threads"
+        f" {torch.get_num_threads()}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}",
+        f"- {args.rounds} rounds at >= 64M params, {3 * args.rounds} below, after a warm-up; each round times every"
+        " contender once (order rotated); ratios are taken per round, then the median",
         "",
-        "| contender | best ms | median ms | G params/s (median) | GB/s (B/param) | note |",
-        "|---|---:|---:|---:|---:|---|",
     ]
-    for c in contenders:
-        med = c.median()
-        lines.append(f"| {c.name} | {c.best() * 1e3:.1f} | {med * 1e3:.1f} | {n / med / 1e9:.2f} |"
-                     f" {n * c.bpp / med / 1e9:.1f} ({c.bpp}) | {c.note} |")
-    for name, why in skipped:
-        lines.append(f"| {name} | - | - | - | - | not run: {why} |")
-
-    lines += ["", "## Paired ratios (per round, then the median; min-max in brackets)", ""]
-    q = paired(roof, main_c)
-    lines.append(f"- {main_c.name} vs the step's roof: **{q[0]:.0%}** of its bandwidth [{q[1]:.0%}-{q[2]:.0%}]"
-                 " (target >= 90%)")
-    if ds_c is not None:
-        q = paired(ds_c, main_c)
-        lines.append(f"- {main_c.name} vs {ds_c.name}: **{q[0]:.2f}x** [{q[1]:.2f}-{q[2]:.2f}] (target >= 1.25x)")
-    for c in contenders:
-        if c.name.startswith("torch AdamW fused"):
-            q = paired(c, main_c)
-            lines.append(f"- {main_c.name} vs {c.name}: {q[0]:.2f}x [{q[1]:.2f}-{q[2]:.2f}]")
+    summary = []
+    for n in args.sizes:
+        rounds = args.rounds if n >= 64 << 20 else 3 * args.rounds
+        print(f"{n:,} params, {rounds} rounds", flush=True)
+        cs, notes = bench_size(n, rounds, torch, memtide, not args.no_deepspeed, args.verbose)
+        part, ratios = report_size(n, cs, notes)
+        print("\n".join(part), flush=True)
+        lines += part + [""]
+        summary.append((n, ratios))
+        del cs
+        gc.collect()
+        host.release_free_slabs()
+    head = ["## Summary (paired medians)", "", "| params | " + " | ".join(
+        f"{a.split(' (')[0].replace('memtide fused', 'memtide')} {a[a.find('('):] if '(' in a else ''} vs {b}"
+        for a, b, *_ in summary[0][1]) + " |", "|---:|" + "---:|" * len(summary[0][1])]
+    for n, ratios in summary:
+        head.append(f"| {n:,} | " + " | ".join(fmt_ratio(q, pct) for _, _, q, _, pct in ratios) + " |")
+    head.append("")
+    head.append("Targets: " + "; ".join(f"{a} vs {b} {t}" for a, b, _, t, _ in summary[0][1]))
+    lines[6:6] = head + [""]
     text = "\n".join(lines) + "\n"
-    print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
