@@ -7,9 +7,9 @@
 ///
 /// The probe can stream those bytes several ways (StreamWay): the benchmark tries them all, with
 /// and without huge pages under the arrays and on one thread or the pool, and calls the best one
-/// the roof. On the 2-core EPYC VM of bench/results/adamw/, non-temporal stores for the write-only
-/// copy and huge pages were the two that paid; software prefetch and streaming p, m and v (which
-/// are read first, so their lines are in cache anyway) were slower.
+/// the roof. Which way wins depends on the size and the machine (bench/results/adamw/); streaming
+/// p, m and v too (read first, so their lines are in cache anyway) and software prefetch ahead of
+/// the hardware prefetchers were slower at every size measured there.
 
 #include <cstddef>
 #include <cstdint>
