@@ -437,12 +437,10 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   // Without a loss scaler nothing waits for the verdict: when every segment is updated on the
   // CPU, the fused kernel's own flag (raised in the same pass that updates) replaces a separate
   // scan of every gradient, which cost one more read of the gradients (4 B/param on top of 28).
-  bool all_cpu = !skip_if_nonfinite;
-  for (const Segment& s : segments) all_cpu = all_cpu && placement[s.subgroup] == Placement::cpu;
-  const bool flag_from_kernel = !trust_path && all_cpu;
+  bool every_cpu = true;
+  for (const Segment& s : segments) every_cpu = every_cpu && placement[s.subgroup] == Placement::cpu;
+  const bool flag_from_kernel = !trust_path && !skip_if_nonfinite && every_cpu;
   if (!sources.empty()) {
-    bool every_cpu = true;
-    for (const Segment& s : segments) every_cpu = every_cpu && placement[s.subgroup] == Placement::cpu;
     if (!every_cpu || !(trust_path || flag_from_kernel) || any_kept) {
       throw InvalidArgument("UpdateEngine::step: gradients read where they lie need a step whose every segment is "
                             "updated on the CPU and whose NaN/Inf verdict needs no scan (the path's verdict, or no "

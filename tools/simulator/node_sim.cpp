@@ -50,7 +50,7 @@ HostSpec dgx_like() {
 // cannot exceed `nominal` (what it would get alone).
 struct Flow {
   int rank = 0;
-  int kind = 0;  // 0 cpu, 1 h2d, 2 d2h, 3 nvme read, 4 nvme write
+  enum class Kind { cpu, h2d, d2h, nvme_read, nvme_write } kind = Kind::cpu;
   double nominal = 0;
   std::vector<std::pair<std::size_t, double>> use;  // resource, units per unit of rate
   double rate = 0;
@@ -286,7 +286,7 @@ std::vector<RankShare> share_host(const HostSpec& host, HostPlacement placement,
     // run on (memtide: its socket's; else all of them).
     Flow cpu;
     cpu.rank = r;
-    cpu.kind = 0;
+    cpu.kind = Flow::Kind::cpu;
     double reachable = 0, remote = 0;
     for (std::size_t s = 0; s < sockets; ++s) {
       if (q[s] > 0) {
@@ -302,14 +302,14 @@ std::vector<RankShare> share_host(const HostSpec& host, HostPlacement placement,
 
     // DMA: the GPU's link, its switch uplink, DRAM where the pages are, the link between
     // sockets for pages away from the GPU's socket.
-    for (int dir = 1; dir <= 2; ++dir) {
+    for (const Flow::Kind dir : {Flow::Kind::h2d, Flow::Kind::d2h}) {
       Flow dma;
       dma.rank = r;
       dma.kind = dir;
       dma.nominal = host.gpu_link_bytes_per_s;
-      dma.use.emplace_back(dir == 1 ? link_in[static_cast<std::size_t>(r)] : link_out[static_cast<std::size_t>(r)], 1.0);
+      dma.use.emplace_back(dir == Flow::Kind::h2d ? link_in[static_cast<std::size_t>(r)] : link_out[static_cast<std::size_t>(r)], 1.0);
       if (gpu.uplink >= 0) {
-        dma.use.emplace_back(dir == 1 ? up_in[static_cast<std::size_t>(gpu.uplink)] : up_out[static_cast<std::size_t>(gpu.uplink)], 1.0);
+        dma.use.emplace_back(dir == Flow::Kind::h2d ? up_in[static_cast<std::size_t>(gpu.uplink)] : up_out[static_cast<std::size_t>(gpu.uplink)], 1.0);
       }
       for (std::size_t s = 0; s < sockets; ++s) {
         if (p[s] > 0) dma.use.emplace_back(dram[s], p[s]);
@@ -318,12 +318,12 @@ std::vector<RankShare> share_host(const HostSpec& host, HostPlacement placement,
       flows.push_back(dma);
     }
     // NVMe: the drives, shared by every rank that spills.
-    for (int dir = 3; dir <= 4; ++dir) {
+    for (const Flow::Kind dir : {Flow::Kind::nvme_read, Flow::Kind::nvme_write}) {
       Flow nvme;
       nvme.rank = r;
       nvme.kind = dir;
-      nvme.nominal = dir == 3 ? drives * host.nvme_read_bytes_per_s : drives * host.nvme_write_bytes_per_s;
-      nvme.use.emplace_back(dir == 3 ? nvme_read : nvme_write, 1.0);
+      nvme.nominal = dir == Flow::Kind::nvme_read ? drives * host.nvme_read_bytes_per_s : drives * host.nvme_write_bytes_per_s;
+      nvme.use.emplace_back(dir == Flow::Kind::nvme_read ? nvme_read : nvme_write, 1.0);
       if (nvme.nominal > 0) flows.push_back(nvme);
     }
   }
@@ -336,15 +336,14 @@ std::vector<RankShare> share_host(const HostSpec& host, HostPlacement placement,
   for (const Flow& f : flows) {
     RankShare& share = out[static_cast<std::size_t>(f.rank)];
     switch (f.kind) {
-      case 0:
+      case Flow::Kind::cpu:
         share.cpu_update_params_per_s = f.rate;
         share.busiest = f.capped_by;
         break;
-      case 1: share.h2d_bytes_per_s = f.rate; break;
-      case 2: share.d2h_bytes_per_s = f.rate; break;
-      case 3: share.nvme_read_bytes_per_s = f.rate; break;
-      case 4: share.nvme_write_bytes_per_s = f.rate; break;
-      default: break;
+      case Flow::Kind::h2d: share.h2d_bytes_per_s = f.rate; break;
+      case Flow::Kind::d2h: share.d2h_bytes_per_s = f.rate; break;
+      case Flow::Kind::nvme_read: share.nvme_read_bytes_per_s = f.rate; break;
+      case Flow::Kind::nvme_write: share.nvme_write_bytes_per_s = f.rate; break;
     }
     for (const auto& [j, a] : f.use) {
       for (std::size_t s = 0; s < sockets; ++s) {
