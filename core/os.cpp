@@ -1,12 +1,15 @@
 #include "memtide/core/os.hpp"
 #include "memtide/core/detail/os_testing.hpp"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #ifdef MEMTIDE_HAVE_NUMA
 #include <numa.h>
@@ -37,11 +40,67 @@ bool injected(testing::Call call) noexcept {
   return false;
 }
 
+// The first line of a small sysfs file ("" when it cannot be read).
+std::string read_small_file(const std::string& path) noexcept {
+  char buf[64];
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return {};
+  const ssize_t got = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (got <= 0) return {};
+  std::string line(buf, static_cast<std::size_t>(got));
+  return line.substr(0, line.find('\n'));
+}
+
 }  // namespace
 
 std::size_t page_bytes() noexcept {
   static const auto p = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   return p;
+}
+
+std::size_t parse_cache_size(const char* text) noexcept {
+  if (text == nullptr || *text < '0' || *text > '9') return 0;
+  std::size_t value = 0;
+  for (; *text >= '0' && *text <= '9'; ++text) {
+    if (value > SIZE_MAX / 10 - 9) return 0;
+    value = value * 10 + static_cast<std::size_t>(*text - '0');
+  }
+  int shift = 0;
+  switch (*text) {
+    case 'K': shift = 10; break;
+    case 'M': shift = 20; break;
+    case 'G': shift = 30; break;
+    default: break;
+  }
+  if (shift != 0) ++text;
+  const std::size_t unit = std::size_t{1} << shift;
+  while (*text == '\n' || *text == ' ') ++text;
+  if (*text != '\0' || value > SIZE_MAX / unit) return 0;
+  return value * unit;
+}
+
+std::size_t last_level_cache_bytes() noexcept {
+  static const std::size_t bytes = [] {
+    std::size_t best = 0;
+    int best_level = 0;
+    for (int index = 0; index < 16; ++index) {
+      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+      const std::string type = read_small_file(dir + "type");
+      if (type.empty()) break;
+      if (type.rfind("Instruction", 0) == 0) continue;
+      const int level = std::atoi(read_small_file(dir + "level").c_str());
+      const std::size_t size = parse_cache_size(read_small_file(dir + "size").c_str());
+      if (level > best_level && size > 0) {
+        best = size;
+        best_level = level;
+      }
+    }
+    if (best > 0) return best;
+    const long conf = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return conf > 0 ? static_cast<std::size_t>(conf) : std::size_t{0};
+  }();
+  return bytes;
 }
 
 namespace {

@@ -538,7 +538,8 @@ void SimDevice::do_copy_async(void* dst, const void* src, std::size_t bytes, Cop
   switch (kind) {
     case CopyKind::host_to_device: {
       check_device_range_locked(dst, bytes, "H2D destination");
-      const bool pinned = host_pinned_locked(src, bytes);
+      // A copy onto itself stands for the pinned upload that the CPU step's in-place write replaced.
+      const bool pinned = src == dst || host_pinned_locked(src, bytes);
       // A pageable copy is staged through a pinned bounce buffer: three passes over host DRAM.
       schedule_locked(s, h2d_, n, pinned ? config_.h2d_bytes_per_s : config_.h2d_pageable_bytes_per_s,
                       pinned ? 1.0 : 3.0);
@@ -557,7 +558,8 @@ void SimDevice::do_copy_async(void* dst, const void* src, std::size_t bytes, Cop
       schedule_locked(s, compute_, n, config_.hbm_bytes_per_s / 2.0, 0.0);  // read + write
       break;
   }
-  if (!config_.phantom) std::memmove(dst, src, bytes);
+  // A copy onto itself (the CPU step wrote the model's copy in place) is timed but moves nothing.
+  if (!config_.phantom && dst != src) std::memmove(dst, src, bytes);
 }
 
 void SimDevice::do_memset_async(void* ptr, int value, std::size_t bytes, Stream stream) {

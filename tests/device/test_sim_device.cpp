@@ -90,6 +90,25 @@ TEST(SimDevice, PageableCopyIsSlower) {
   EXPECT_NEAR(d.now_ns() / 1e9, static_cast<double>(bytes) / (9 * kGB), 1e-6);
 }
 
+// The CPU step writes the model's copy where it lives when device memory is host memory: its
+// "upload" is then a copy onto itself, which must keep the bytes and cost what the pinned
+// upload it stands for costs, so simulated timelines do not change.
+TEST(SimDevice, CopyOntoItselfKeepsTheBytesAndIsTimedAsAPinnedUpload) {
+  SimConfig c;
+  c.capacity = 64ULL << 20;
+  c.op_latency_ns = 0;
+  SimDevice d(c);
+  ASSERT_TRUE(d.properties().host_addressable);
+  const std::size_t bytes = 16ULL << 20;
+  auto* dev = static_cast<unsigned char*>(d.allocate(bytes));
+  for (std::size_t i = 0; i < bytes; ++i) dev[i] = static_cast<unsigned char>(i * 7 + 3);
+  d.copy_async(dev, dev, bytes, CopyKind::host_to_device, Stream{});
+  d.synchronize();
+  for (std::size_t i = 0; i < bytes; i += 4093) ASSERT_EQ(dev[i], static_cast<unsigned char>(i * 7 + 3)) << i;
+  EXPECT_NEAR(d.now_ns() / 1e9, static_cast<double>(bytes) / c.h2d_bytes_per_s, 1e-9);
+  d.deallocate(dev, 0);
+}
+
 TEST(SimDevice, H2DAndD2HOverlapButSameDirectionSerializes) {
   SimDevice d(phantom_config());
   const std::size_t bytes = 1ULL << 30;

@@ -525,7 +525,14 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
   a.exp_avg = h.m;
   a.exp_avg_sq = h.v;
   a.grad = g.grad;
-  if (a.param_out != nullptr) a.param_out = staging_[b].data();
+  // On a device whose memory is host memory (params on CPU tensors, a SimDevice) the kernel writes
+  // the model's low-precision copy where it lives: the upload below then moves nothing, and the
+  // device still counts its time. Elsewhere the copy waits in pinned staging for the upload.
+  const bool in_place = g.model_param != nullptr && device_.properties().host_addressable;
+  if (a.param_out != nullptr) a.param_out = in_place ? g.model_param : staging_[b].data();
+  // The model's copy is next read by the forward after the whole step, not by this subgroup's
+  // upload: whether it survives in cache until then depends on the step's size, not the piece's.
+  if (in_place) a.out_stores = resolve_out_stores(OutStores::automatic, state_.total_params());
 
   const double n = static_cast<double>(g.n);
   const double cpu_start = host_now_ns() - phase_start_ns_;
@@ -540,7 +547,7 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
 
   if (g.model_param != nullptr) {
     const std::size_t out_bytes = g.n * dtype_size(a.param_out_dtype);
-    void* staged = staging_[b].data();
+    void* staged = in_place ? g.model_param : staging_[b].data();
     staging_free_[b] = enqueue(OpKind::h2d, "param upload", i, upload_, Event{}, static_cast<double>(out_bytes), 0, [&] {
       device_.copy_async(g.model_param, staged, out_bytes, CopyKind::host_to_device, upload_);
     });

@@ -7,11 +7,11 @@
 #include <limits>
 #include <string>
 
-#include <unistd.h>
 
 #include "adamw_impl.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/options.hpp"
+#include "memtide/core/os.hpp"
 #include "memtide/core/thread_pool.hpp"
 
 namespace memtide::tiering {
@@ -190,8 +190,8 @@ OutStores resolve_out_stores(OutStores how, std::size_t n) noexcept {
   // Streaming pays when the copy would be evicted before anyone reads it: the step's streams
   // (28 B/param at most) are larger than the last-level cache.
   static const std::size_t llc = [] {
-    const long bytes = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
-    return bytes > 0 ? static_cast<std::size_t>(bytes) : std::size_t{32} << 20;
+    const std::size_t bytes = os::last_level_cache_bytes();
+    return bytes > 0 ? bytes : std::size_t{32} << 20;
   }();
   return n * 28 > llc ? OutStores::streaming : OutStores::cached;
 }

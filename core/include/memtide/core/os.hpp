@@ -49,4 +49,13 @@ int bind_to_node(void* p, std::size_t bytes, int node, bool strict) noexcept;
 /// -EFAULT not mapped). Nothing moves. 0 or errno; ENOSYS without libnuma.
 int page_nodes(void* const* pages, std::size_t count, int* nodes) noexcept;
 
+/// The last-level cache the first CPU's core shares, in bytes: the highest cache level Linux lists
+/// under /sys/devices/system/cpu/cpu0/cache. In a VM this is the slice the guest's cores reach
+/// (32 MiB on one EPYC guest) where sysconf(_SC_LEVEL3_CACHE_SIZE) gives the whole socket's
+/// (320 MiB there). Falls back to sysconf, then 0 when neither knows.
+[[nodiscard]] std::size_t last_level_cache_bytes() noexcept;
+
+/// A sysfs cache size ("32768K", "1M", "512") in bytes; 0 if `text` is not one.
+[[nodiscard]] std::size_t parse_cache_size(const char* text) noexcept;
+
 }  // namespace memtide::os
