@@ -3,6 +3,7 @@
 
 #include <optional>
 
+#include "memtide/core/os.hpp"
 #include "memtide/core/thread_pool.hpp"
 #include "memtide/tiering/kernels/bandwidth_probe.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
@@ -225,6 +226,9 @@ void bind_kernels(nb::module_& m) {
           return std::string(memtide::tiering::resolve_out_stores(memtide::tiering::OutStores::automatic, n) ==
                                      memtide::tiering::OutStores::streaming ? "streaming" : "cached");
         }, "n"_a, "What out_stores=\"auto\" becomes for a step over n params here: \"cached\" or \"streaming\".");
+  m.def("last_level_cache_bytes", [] { return memtide::os::last_level_cache_bytes(); },
+        "The last-level cache the first core shares, in bytes (0: unknown): the figure out_stores=\"auto\"\n"
+        "compares the step's streams with.");
   m.def("stream_probe_cpu", &stream_probe_cpu, "p"_a.noconvert(), "m"_a.noconvert(), "v"_a.noconvert(),
         "g"_a.noconvert(), "out"_a.noconvert(), "threads"_a = 0,
         "tile"_a = memtide::tiering::kAdamwTile, "stream_out"_a = false, "stream_all"_a = false, "prefetch"_a = 0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -171,3 +173,16 @@ def test_copy_grad_names_bad_inputs():
         cg(torch.zeros(4), torch.zeros(4), "fast")
     assert memtide._memtide.out_stores_for(1) == "cached"
     assert memtide._memtide.out_stores_for(1 << 30) == "streaming"
+
+
+def test_streaming_starts_where_the_steps_streams_outgrow_the_cache_the_core_shares():
+    llc = memtide._memtide.last_level_cache_bytes()
+    if llc == 0:
+        pytest.skip("this machine does not say how large its caches are")
+    fits = llc // 28  # the step's streams are 28 B/param at most
+    assert memtide._memtide.out_stores_for(fits) == "cached"
+    assert memtide._memtide.out_stores_for(fits + 1) == "streaming"
+    # The figure is the slice one core shares (sysfs), never more than the socket's (sysconf).
+    socket = os.sysconf("SC_LEVEL3_CACHE_SIZE") if "SC_LEVEL3_CACHE_SIZE" in os.sysconf_names else -1
+    if socket > 0:
+        assert llc <= socket
