@@ -260,21 +260,28 @@ TEST(AdamwCpu, CopyGradUpcastsExactlyAndChecksFiniteness) {
   EXPECT_TRUE(copy_grad(nullptr, nullptr, DType::fp32, 0, nullptr));
 }
 
+// Every tile is stepped exactly once whoever takes it (a share's owner or a thief): a tile run
+// twice or never would change the bits. Pools larger than the tile count included.
 TEST(AdamwCpu, ThreadCountsGiveIdenticalBits) {
-  const std::size_t n = 5 * kAdamwTile + 3;
-  ThreadPool one(1), two(2), three(3);
-  State a(n, 0, 3), b(n, 0, 3), c(n, 0, 3);
-  for (int step = 1; step <= 3; ++step) {
-    auto aa = a.args(n, DType::fp16, DType::bf16, false);
-    auto ba = b.args(n, DType::fp16, DType::bf16, false);
-    auto ca = c.args(n, DType::fp16, DType::bf16, false);
-    aa.step = ba.step = ca.step = step;
-    adamw_step(aa, &one);
-    adamw_step(ba, &two);
-    adamw_step(ca, &three);
+  ThreadPool one(1), two(2), three(3), five(5);
+  for (std::size_t n : {5 * kAdamwTile + 3, 2 * kAdamwTile + 1, 37 * kAdamwTile}) {
+    SCOPED_TRACE(n);
+    State a(n, 0, 3), b(n, 0, 3), c(n, 0, 3), d(n, 0, 3);
+    for (int step = 1; step <= 3; ++step) {
+      auto aa = a.args(n, DType::fp16, DType::bf16, false);
+      auto ba = b.args(n, DType::fp16, DType::bf16, false);
+      auto ca = c.args(n, DType::fp16, DType::bf16, false);
+      auto da = d.args(n, DType::fp16, DType::bf16, false);
+      aa.step = ba.step = ca.step = da.step = step;
+      adamw_step(aa, &one);
+      adamw_step(ba, &two);
+      adamw_step(ca, &three);
+      adamw_step(da, &five);
+    }
+    EXPECT_TRUE(a == b);
+    EXPECT_TRUE(a == c);
+    EXPECT_TRUE(a == d);
   }
-  EXPECT_TRUE(a == b);
-  EXPECT_TRUE(a == c);
 }
 
 TEST(AdamwCpu, NonFiniteGradientsAreReportedAndSkipped) {
