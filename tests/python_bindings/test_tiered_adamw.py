@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import math
 import os
@@ -640,6 +641,21 @@ def test_cpu_policy_reads_gradients_where_they_lie(dtype, scaled):
     ref.engine.sync_host()  # its (simulated) GPU residents hold the newest state
     for name in ("exp_avg", "exp_avg_sq", "params"):
         assert torch.equal(getattr(opt.buffers, name), getattr(ref.buffers, name)), name
+
+
+def test_gradients_read_where_they_lie_are_let_go_after_the_step():
+    # Held until the next step, they outlived zero_grad(set_to_none=True): the next backward's
+    # gradients could not reuse their memory and faulted in fresh pages.
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), policy="cpu", subgroup_size=SUBGROUP, **HYPER)
+    for x, y in DATA[:2]:
+        backward(model, opt, x, y)
+        assert opt._grads.direct()
+        addresses = {p.grad.data_ptr() for p in model.parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.data_ptr() in addresses]
 
 
 def test_max_grad_norm_matches_clip_grad_norm():

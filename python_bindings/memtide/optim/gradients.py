@@ -170,6 +170,10 @@ class GradientPath:
         return (opt.engine is not None and opt.engine.host_memory and opt.policy == "cpu" and opt._eager is None
                 and opt.nvme is None and not opt._shards and opt._ddp is None and not self.reduced_by_ddp)
 
+    def release(self) -> None:
+        """Forgets the gradients gather() left where they lie (after the step that read them)."""
+        self.sources, self._source_tensors = [], []
+
     def materialize(self) -> None:
         """Copies the gradients gather() left where they lie into the flat buffer (for a step that
         must scan the buffer); afterwards there are no sources."""

@@ -447,6 +447,16 @@ class TieredAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        try:
+            return self._step(closure)
+        finally:
+            if self._grads is not None:
+                # Gradients the step read where they lay are let go now: held until the next
+                # step, they outlived zero_grad(set_to_none=True), and the next backward's
+                # gradients could not reuse their memory (fresh pages, faulted in during backward).
+                self._grads.release()
+
+    def _step(self, closure: Optional[Callable[[], Any]]) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
