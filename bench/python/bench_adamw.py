@@ -12,7 +12,8 @@ copy reads 2 B of gradient and writes 2 B of copy (28 B); torch then needs a sep
 of the params (read 4 B, write 2 B: 34 B in all).
 
 Memory: memtide's state lives where TieredAdamW puts it, in its host arena (2 MiB transparent huge
-pages, each array skewed 4 KiB + 64 B from the last as the engine does); torch's state where torch.optim puts it (torch's allocator, 4 KiB pages here). A third
+pages, each array's start skewed from the last's by 4 KiB + 64 B, as the engine places its own);
+torch's state where torch.optim puts it (torch's allocator, 4 KiB pages here). A third
 contender runs torch's fused step on memtide's own huge-page buffers: the same work on the same
 memory, to tell the kernel apart from the pages.
 
@@ -136,13 +137,11 @@ def bench_size(n, rounds, torch, memtide, deepspeed, verbose):
     init = torch.randn(n, generator=gen)
     grad = torch.randn(n, generator=gen) * 1e-2
 
-    # memtide's state in its host arena (huge pages), as TieredAdamW's engine holds it: array k
-    # starts k * (4 KiB + 64 B) into its 2 MiB-aligned block, so the streams do not share cache sets.
-    def arena(k, dtype=torch.float32):
-        skew = k * (4096 + 64) // torch.empty(0, dtype=dtype).element_size()
-        return host.empty(n + skew, dtype=dtype)[skew:]
-
-    P, M, V, G32, G16, O16 = arena(0), arena(1), arena(2), arena(3), arena(4, torch.bfloat16), arena(5, torch.float16)
+    # memtide's state in its host arena (huge pages), as TieredAdamW's engine holds it. host.empty
+    # starts consecutive large buffers at different offsets into their 2 MiB-aligned blocks (as the
+    # engine places its arrays), so the streams do not share cache sets.
+    P, M, V, G32 = (host.empty(n) for _ in range(4))
+    G16, O16 = host.empty(n, dtype=torch.bfloat16), host.empty(n, dtype=torch.float16)
     P.copy_(init)
     M.zero_()
     V.zero_()

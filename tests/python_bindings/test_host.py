@@ -55,22 +55,42 @@ def test_default_dtype_and_shape_forms():
     assert z.shape == (0, 3) and z.numel() == 0
 
 
+SKEW = 4096 + 64  # large buffers start k * SKEW into their block, k = 0..7
+
+
 def test_buffer_goes_back_to_the_arena_when_the_tensor_dies():
     before = allocated()
     t = memtide.host.empty((1024, 1024), dtype=torch.float32)  # 4 MiB
-    assert allocated() == before + 4 * 1024 * 1024
+    held = allocated() - before
+    assert 4 * 1024 * 1024 <= held <= 4 * 1024 * 1024 + 7 * SKEW + 256
     view = t[10:20]
     del t
-    assert allocated() == before + 4 * 1024 * 1024, "a view keeps the buffer alive"
+    assert allocated() == before + held, "a view keeps the buffer alive"
     view.fill_(1.0)
     del view
     assert allocated() == before
-    # The freed memory is reused: the next tensor of that size starts where the last one did.
+    # The freed memory is reused: the next tensor of that size starts in the block the last one
+    # did (at its own skew).
     a = memtide.host.empty((1024, 1024))
     p = a.data_ptr()
     del a
     b = memtide.host.empty((1024, 1024))
-    assert b.data_ptr() == p
+    assert (b.data_ptr() - p) % SKEW == 0 and abs(b.data_ptr() - p) <= 7 * SKEW
+
+
+def test_large_buffers_streamed_together_do_not_share_cache_sets():
+    # Buffers of 2 MiB and more start on huge-page boundaries; aligned alike, element i of each
+    # falls in one cache set and a step streaming them evicts itself.
+    ts = [memtide.host.empty(1 << 20) for _ in range(4)]  # 4 MiB each
+    offsets = [t.data_ptr() % (2 << 20) for t in ts]
+    assert len(set(offsets)) == 4, offsets
+    for t in ts:
+        assert t.data_ptr() % 64 == 0  # still cache-line (and AVX-512) aligned
+    for i, t in enumerate(ts):
+        t.fill_(i)
+    assert [int(t.min()) for t in ts] == [int(t.max()) for t in ts] == [0, 1, 2, 3]
+    small = [memtide.host.empty(1000) for _ in range(3)]
+    assert all(t.data_ptr() % 256 == 0 for t in small)
 
 
 def test_buffers_do_not_overlap():
