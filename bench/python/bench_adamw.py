@@ -54,8 +54,9 @@ KW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 class Contender:
     """One timed step: `fn` runs it once; `bpp` is the bytes per param it must move at least."""
 
-    def __init__(self, name, fn, bpp, note="", roof_way=False):
+    def __init__(self, name, fn, bpp, note="", roof_way=False, group="step"):
         self.name, self.fn, self.bpp, self.note, self.roof_way = name, fn, bpp, note, roof_way
+        self.group = group  # "step", or "grad" for the gradient copy
         self.times = []
 
     def median(self):
@@ -178,6 +179,19 @@ def bench_size(n, rounds, torch, memtide, deepspeed, verbose):
     hopt.state[hp] = {"step": torch.tensor(0.0), "exp_avg": M, "exp_avg_sq": V}
     cs.append(Contender("torch fused=True on memtide's huge-page buffers", hopt.step, 28, "same memory as memtide"))
 
+    # The gradient path's host side, for CPU tensors under a policy that copies (all but "cpu"):
+    # a bf16 gradient where autograd left it (torch's allocator) into the flat fp32 buffer.
+    autograd_grad = grad.to(torch.bfloat16)
+    stores = _memtide.out_stores_for(n)  # what TieredAdamW picks for a model of n params
+    cs.append(Contender("grad copy: memtide copy_grad_cpu (bf16 -> fp32, NaN/Inf verdict in the pass)",
+                        lambda: _memtide.copy_grad_cpu(G32, autograd_grad, stores), 6,
+                        f"read 2 B, write 4 B ({stores} stores)", group="grad"))
+    cs.append(Contender("grad copy: torch copy_ (bf16 -> fp32)", lambda: G32.copy_(autograd_grad), 6,
+                        "read 2 B, write 4 B; no verdict", group="grad"))
+    cs.append(Contender("grad copy: torch copy_ + isfinite().all()",
+                        lambda: (G32.copy_(autograd_grad), bool(torch.isfinite(autograd_grad).all())), 6,
+                        "the same verdict, a second read", group="grad"))
+
     # The roof, several ways. 4 KiB pages: torch's tensors above (meaningless values, only traffic).
     st = topt.state[tp]
     small = (tp.detach(), st["exp_avg"], st["exp_avg_sq"], torch.zeros(n, dtype=torch.bfloat16),
@@ -254,6 +268,9 @@ def report_size(n, cs, notes):
     ]
     if "DeepSpeedCPUAdam + separate fp16 copy" in by:
         rows.insert(3, (m16, by["DeepSpeedCPUAdam + separate fp16 copy"], ">= 1.35x", False))
+    mg = by["grad copy: memtide copy_grad_cpu (bf16 -> fp32, NaN/Inf verdict in the pass)"]
+    rows += [(mg, by["grad copy: torch copy_ (bf16 -> fp32)"], ">= 1.00x", False),
+             (mg, by["grad copy: torch copy_ + isfinite().all()"], "(the same verdict)", False)]
     out = []
     for num, den, target, pct in rows:
         # Both move the same bytes where pct (28 B/param): the time ratio is the share of the roof.

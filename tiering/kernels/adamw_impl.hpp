@@ -251,8 +251,23 @@ bool nonfinite_t(const void* grad, float gs, float clip, std::size_t begin, std:
 // pass (the values are in registers anyway). Returns true if every element was finite.
 template <DType G, bool kStream>
 bool copy_grad_t(float* dst, const void* src, std::size_t begin, std::size_t end) {
-  alignas(64) float g[kBlock];
   std::uint32_t bad = 0;
+  if constexpr (!kStream && G != DType::fp16) {
+    // Plain stores: one loop that widens, checks and stores (the compiler vectorises it), with
+    // no block staged in L1 and copied out again. fp16 keeps the staged path and its F16C loads.
+    for (std::size_t i = begin; i < end; ++i) {
+      float x;
+      if constexpr (G == DType::fp32) {
+        x = static_cast<const float*>(src)[i];
+      } else {
+        x = bf16_to_f(load_u16(src, i));
+      }
+      bad |= nonfinite_bit(x);
+      dst[i] = x;
+    }
+    return bad == 0;
+  }
+  alignas(64) float g[kBlock];
   for (std::size_t i = begin; i < end; i += kBlock) {
     const std::size_t k = end - i < kBlock ? end - i : kBlock;
     load_grad<G>(src, i, k, g);

@@ -250,7 +250,10 @@ TEST(AdamwCpu, CopyGradUpcastsExactlyAndChecksFiniteness) {
         bad16[where] = dt == DType::fp16 ? 0x7E00 : 0x7FC0;  // NaN
         std::vector<float> dst(n);
         const void* src = dt == DType::fp32 ? static_cast<const void*>(bad32.data()) : bad16.data();
-        EXPECT_FALSE(copy_grad(dst.data(), src, dt, n, &pool, OutStores::streaming, isa)) << where;
+        for (OutStores st : {OutStores::cached, OutStores::streaming}) {
+          EXPECT_FALSE(copy_grad(dst.data(), src, dt, n, &pool, st, isa)) << where;
+          EXPECT_TRUE(std::isinf(dst[where]) || std::isnan(dst[where])) << where;
+        }
       }
     }
   }
