@@ -13,8 +13,10 @@ are taken per round (paired), then the median.
 
 Bytes per param of the step: torch's fused AdamW on an fp32 model reads and writes p, m, v and
 reads g (28 B); on a bf16 model it keeps p, m, v and g in bf16 (14 B). TieredAdamW keeps fp32
-masters and moments whatever the model's dtype (24 B), reads the fp32 gradient the hook copied
-(4 B) and, for a bf16 model, writes the model's bf16 params in the same pass (2 B): 28 or 30 B.
+masters and moments whatever the model's dtype (24 B), reads the gradient where backward left it
+(4 B fp32, 2 B bf16) and, for a bf16 model, writes the model's bf16 params in place in the same
+pass (2 B): 28 B either way. What a bf16 model's 14 more bytes buy is the last table: the update
+each optimizer keeps, against the exact one.
 """
 
 from __future__ import annotations
