@@ -80,6 +80,10 @@ void ThreadPool::worker_main(std::size_t index) {
       if (stop_) return;
       seen = generation_;
       if (index >= job_participants_) continue;  // not needed for this job
+      if (team_) {
+        if (!open_) continue;  // the caller finished the team's work without this worker
+        ++pending_;
+      }
       chunks = job_chunks_;
       participants = job_participants_;
       task = job_task_;
@@ -93,10 +97,15 @@ void ThreadPool::worker_main(std::size_t index) {
   }
 }
 
-void ThreadPool::run(std::size_t n_chunks, Task task, void* ctx) {
+void ThreadPool::run(std::size_t n_chunks, Task task, void* ctx, bool team) {
   if (n_chunks == 0) return;
+  if (team) n_chunks = std::min(n_chunks, size());  // one call per participant, at most
   const std::size_t participants = std::min(n_chunks, size());
   if (participants == 1 || t_inside == this) {
+    if (team) {
+      task(ctx, 0);  // a team of one: the caller does all its work
+      return;
+    }
     for (std::size_t i = 0; i < n_chunks; ++i) task(ctx, i);
     return;
   }
@@ -107,15 +116,19 @@ void ThreadPool::run(std::size_t n_chunks, Task task, void* ctx) {
     job_participants_ = participants;
     job_task_ = task;
     job_ctx_ = ctx;
-    pending_ = participants - 1;
+    team_ = team;
+    open_ = team;
+    pending_ = team ? 0 : participants - 1;  // a team's workers count themselves in as they join
     error_ = nullptr;
     ++generation_;
   }
   wake_.notify_all();
+  // A team's chunks are its participants: work() hands participant p the call fn(p).
   work(0, participants, n_chunks, task, ctx);
   std::exception_ptr error;
   {
     std::unique_lock lock(mutex_);
+    open_ = false;  // a worker not in yet finds the team closed
     done_.wait(lock, [&] { return pending_ == 0; });
     error = std::exchange(error_, nullptr);
   }

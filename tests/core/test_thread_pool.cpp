@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
 #include <numeric>
 #include <stdexcept>
 #include <vector>
@@ -92,4 +95,62 @@ TEST(ThreadPool, BindsWorkersToCpus) {
   pool.parallel_for(2, [&](std::size_t) { count.fetch_add(1); });
   EXPECT_EQ(count.load(), 2);
   EXPECT_ANY_THROW(ThreadPool(2, {-1}));
+}
+
+// A team: the caller always takes part, a worker only if it joins in time; the work is shared
+// out by the calls themselves, so whoever runs finishes it, each call once per participant.
+TEST(ThreadPool, TeamCallsTheCallerAndEachJoinedWorkerOnce) {
+  for (std::size_t threads : {1U, 2U, 4U}) {
+    ThreadPool pool(threads);
+    for (int round = 0; round < 200; ++round) {
+      std::atomic<std::size_t> next{0};
+      std::atomic<std::size_t> done{0};
+      std::vector<std::atomic<int>> calls(8);
+      const std::size_t items = 1000;
+      pool.parallel_team(3, [&](std::size_t me) {
+        calls.at(me).fetch_add(1);
+        while (next.fetch_add(1) < items) done.fetch_add(1);
+      });
+      EXPECT_EQ(done.load(), items);
+      EXPECT_EQ(calls[0].load(), 1) << "the caller always takes part";
+      for (std::size_t p = 1; p < calls.size(); ++p) {
+        EXPECT_LE(calls[p].load(), p < std::min<std::size_t>(3, threads) ? 1 : 0) << p;
+      }
+    }
+  }
+}
+
+// A worker that joined is waited for, however long it takes; one that did not may come late,
+// and must then leave the next job (team or not) whole.
+TEST(ThreadPool, TeamWaitsForWhoJoinedAndLateWorkersSkipIt) {
+  ThreadPool pool(3);
+  for (int round = 0; round < 300; ++round) {
+    std::atomic<bool> finished{false};
+    std::atomic<bool> worker_ran{false};
+    pool.parallel_team(3, [&](std::size_t me) {
+      if (me != 0) {
+        worker_ran = true;
+        if (round % 50 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        finished = true;
+      }
+    });
+    if (worker_ran) {
+      EXPECT_TRUE(finished.load()) << round;
+    }
+    std::vector<std::atomic<int>> hits(7);
+    pool.parallel_for(hits.size(), [&](std::size_t i) { hits[i].fetch_add(1); });
+    for (const auto& h : hits) EXPECT_EQ(h.load(), 1) << round;
+  }
+}
+
+TEST(ThreadPool, TeamExceptionsReachTheCallerAndNestedTeamsRunInline) {
+  ThreadPool pool(2);
+  EXPECT_THROW(pool.parallel_team(2, [](std::size_t me) {
+    if (me == 0) throw std::runtime_error("boom");
+  }),
+               std::runtime_error);
+  std::atomic<int> inner{0};
+  pool.parallel_team(2, [&](std::size_t) { pool.parallel_team(2, [&](std::size_t me) { inner += me == 0 ? 1 : 100; }); });
+  // Each outer call (the caller's, and a worker's if it joined) ran the inner team inline: fn(0) once.
+  EXPECT_TRUE(inner.load() == 1 || inner.load() == 2) << inner.load();
 }

@@ -101,8 +101,9 @@ class TileShare {
 
 // Runs body(begin, end) over tiles, on the pool when there is one; ORs the results. Each
 // participant walks its own contiguous share front to back (one long stream per array for the
-// prefetchers and the DRAM pages), then takes tiles from the back of the others' shares. A
-// fixed split alone left the caller waiting for a worker that takes a futex wake-up (tens of
+// prefetchers and the DRAM pages), then takes tiles from the back of the others' shares; a
+// worker whose wake-up comes after the caller took everything is not waited for (a team). A
+// fixed split left the caller waiting for a worker that takes a futex wake-up (tens of
 // microseconds on a VM) to start: a tenth of the step at 1M params; tiles claimed one by one
 // in turn cost a quarter of the bandwidth at 16M (every tile a new stream).
 template <typename Body>
@@ -122,7 +123,7 @@ bool over_tiles(std::size_t n, ThreadPool* pool, Body&& body) {
   TileShare shares[kMaxParts];
   for (std::size_t p = 0; p < parts; ++p) shares[p].reset(p * count / parts, (p + 1) * count / parts);
   std::atomic<bool> any{false};
-  pool->parallel_for(parts, [&](std::size_t me) {
+  pool->parallel_team(parts, [&](std::size_t me) {
     auto run = [&](std::size_t t) {
       const std::size_t begin = t * kAdamwTile;
       if (body(begin, std::min(begin + kAdamwTile, n))) any.store(true, std::memory_order_relaxed);

@@ -43,9 +43,21 @@ class ThreadPool {
         const_cast<void*>(static_cast<const void*>(std::addressof(fn))));
   }
 
+  /// Calls fn(p) on the caller (p = 0) and on each worker p < min(`participants`, size()) that joins before
+  /// the caller's own call returns; returns when every call made has finished. Workers that wake
+  /// later skip the job: fn must share its work out itself (tiles taken from a common pool), so
+  /// that whoever runs finishes it, and the caller never waits for a wake-up that brings nothing.
+  /// Exceptions and nesting as in parallel_for.
+  template <typename F>
+  void parallel_team(std::size_t participants, F&& fn) {
+    using Fn = std::remove_reference_t<F>;
+    run(participants, [](void* ctx, std::size_t i) { (*static_cast<Fn*>(ctx))(i); },
+        const_cast<void*>(static_cast<const void*>(std::addressof(fn))), /*team=*/true);
+  }
+
  private:
   using Task = void (*)(void*, std::size_t);
-  void run(std::size_t n_chunks, Task task, void* ctx);
+  void run(std::size_t n_chunks, Task task, void* ctx, bool team = false);
   void work(std::size_t participant, std::size_t participants, std::size_t n_chunks, Task task, void* ctx);
   void worker_main(std::size_t index);
 
@@ -58,6 +70,8 @@ class ThreadPool {
   std::uint64_t generation_ = 0;
   bool stop_ = false;
   std::size_t pending_ = 0;  // workers still running the current job
+  bool team_ = false;        // the current job is a parallel_team: workers join while it is open
+  bool open_ = false;        // a team job still takes workers
   std::size_t job_chunks_ = 0;
   std::size_t job_participants_ = 0;
   Task job_task_ = nullptr;
