@@ -54,9 +54,8 @@ KW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 class Contender:
     """One timed step: `fn` runs it once; `bpp` is the bytes per param it must move at least."""
 
-    def __init__(self, name, fn, bpp, note="", roof_way=False, group="step"):
+    def __init__(self, name, fn, bpp, note="", roof_way=False):
         self.name, self.fn, self.bpp, self.note, self.roof_way = name, fn, bpp, note, roof_way
-        self.group = group  # "step", or "grad" for the gradient copy
         self.times = []
 
     def median(self):
@@ -185,12 +184,12 @@ def bench_size(n, rounds, torch, memtide, deepspeed, verbose):
     stores = _memtide.out_stores_for(n)  # what TieredAdamW picks for a model of n params
     cs.append(Contender("grad copy: memtide copy_grad_cpu (bf16 -> fp32, NaN/Inf verdict in the pass)",
                         lambda: _memtide.copy_grad_cpu(G32, autograd_grad, stores), 6,
-                        f"read 2 B, write 4 B ({stores} stores)", group="grad"))
+                        f"read 2 B, write 4 B ({stores} stores)"))
     cs.append(Contender("grad copy: torch copy_ (bf16 -> fp32)", lambda: G32.copy_(autograd_grad), 6,
-                        "read 2 B, write 4 B; no verdict", group="grad"))
+                        "read 2 B, write 4 B; no verdict"))
     cs.append(Contender("grad copy: torch copy_ + isfinite().all()",
                         lambda: (G32.copy_(autograd_grad), bool(torch.isfinite(autograd_grad).all())), 6,
-                        "the same verdict, a second read", group="grad"))
+                        "the same verdict, a second read"))
 
     # The roof, several ways. 4 KiB pages: torch's tensors above (meaningless values, only traffic).
     st = topt.state[tp]
@@ -247,7 +246,7 @@ def report_size(n, cs, notes):
     if len(m32.times) < 2:
         pick = held = slice(None)
     ways = [c for c in cs if c.roof_way]
-    best = max(ways, key=lambda c: -statistics.median(c.times[pick]))
+    best = min(ways, key=lambda c: statistics.median(c.times[pick]))
     roof = best if statistics.median(best.times[pick]) <= statistics.median(t.times[pick]) else t
     roof_gbs = n * roof.bpp / statistics.median(roof.times[held]) / 1e9
     lines = [f"## {n:,} params ({n * 28 / 1e9:.2f} GB moved per step at 28 B/param)", "",
@@ -303,6 +302,7 @@ def main():
     lines = [
         "# CPU AdamW step: memtide's fused kernel, torch's fused AdamW and the step's memory roof",
         "",
+        f"- command: `python {' '.join(sys.argv)}`",
         f"- date: {datetime.date.today().isoformat()}; machine: {cpu_model()}, {os.cpu_count()} CPUs"
         + ("; **shared: other processes (builds) ran at the same time**" if args.shared else ""),
         f"- python {platform.python_version()}, torch {torch.__version__}, memtide {memtide.version()};"
@@ -334,7 +334,7 @@ def main():
         head.append(f"| {n:,} | " + " | ".join(fmt_ratio(q, pct) for _, _, q, _, pct in ratios) + " |")
     head.append("")
     head.append("Targets: " + "; ".join(f"{a} vs {b} {t}" for a, b, _, t, _ in summary[0][1]))
-    lines[7:7] = head + [""]
+    lines[8:8] = head + [""]
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:

@@ -67,6 +67,7 @@ def main():
     lines = [
         "# Where users meet it: a model on CPU tensors, TieredAdamW(policy=\"cpu\") vs torch.optim.AdamW(fused=True)",
         "",
+        f"- command: `python {' '.join(sys.argv)}`",
         f"- date: {datetime.date.today().isoformat()}; machine: {cpu_model()}, {os.cpu_count()} CPUs"
         + ("; **shared: other processes (builds) ran at the same time**" if args.shared else ""),
         f"- python {platform.python_version()}, torch {torch.__version__}, memtide {memtide.version()};"

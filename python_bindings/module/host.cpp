@@ -44,11 +44,10 @@ nb::ndarray<> host_empty(const std::vector<std::int64_t>& shape, std::uint8_t co
     bytes *= u;
     dims.push_back(u);
   }
-  // Large buffers start on 2 MiB boundaries (huge pages): tensors streamed together (a step's
-  // params, moments and gradients) would then map element i of each to one cache set and evict
-  // each other (64M-element stream probe, 2-core EPYC VM: 107 ms aligned, 64 ms skewed). Each
-  // large buffer starts k * (4 KiB + 64 B) in, k turning over 0..7, as the engine's own arrays do.
-  constexpr std::size_t kSkew = 4096 + 64, kSkews = 8, kSkewFrom = std::size_t{2} << 20;
+  // Large buffers start on 2 MiB boundaries, and tensors may be streamed together (a step's
+  // params, moments and gradients): each starts k * kStreamSkew in, k turning over 0..7, as the
+  // engine's own arrays do.
+  constexpr std::size_t kSkew = memtide::kStreamSkew, kSkews = 8, kSkewFrom = std::size_t{2} << 20;
   static std::atomic<std::size_t> turn{0};
   const std::size_t skew =
       bytes >= kSkewFrom ? (turn.fetch_add(1, std::memory_order_relaxed) % kSkews) * kSkew : 0;

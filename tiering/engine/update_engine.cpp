@@ -103,12 +103,8 @@ UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::s
     // The param and moment arrays are the NVMe tier's mappings.
     for (; made < 3; ++made) arrays_[made] = nvme_->array(made);
   }
-  // The arena aligns large blocks to 2 MiB (huge pages), so p, m, v and g would start at the same
-  // offset modulo every cache's way size: element i of all four maps to one cache set, and the
-  // step's streams evict each other. Array k starts k * kArraySkew bytes into its block (4 KiB +
-  // one line: other sets, and no 4K aliasing between loads and stores). Measured on the 2-core
-  // EPYC VM, 64M-element stream probe: 107 ms aligned, 64 ms skewed (torch's own tensors: 68 ms).
-  constexpr std::size_t kArraySkew = 4096 + 64;
+  // p, m, v and g are streamed together: array k starts k * kStreamSkew bytes into its block.
+  constexpr std::size_t kArraySkew = kStreamSkew;
   try {
     for (; made < 4; ++made) {
       blocks_[made] = arena_.allocate(n_ * sizeof(float) + 3 * kArraySkew);

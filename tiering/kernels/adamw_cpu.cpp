@@ -9,7 +9,6 @@
 #include <limits>
 #include <string>
 
-
 #include "adamw_impl.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/options.hpp"
@@ -111,23 +110,19 @@ bool over_tiles(std::size_t n, ThreadPool* pool, Body&& body) {
   if (pool == nullptr || pool->size() == 1 || n <= kAdamwTile) return n != 0 && body(std::size_t{0}, n);
   const std::size_t count = tiles(n);
   const std::size_t parts = std::min(pool->size(), count);
+  std::atomic<bool> any{false};
+  auto run = [&](std::size_t t) {
+    const std::size_t begin = t * kAdamwTile;
+    if (body(begin, std::min(begin + kAdamwTile, n))) any.store(true, std::memory_order_relaxed);
+  };
   constexpr std::size_t kMaxParts = 256;
   if (count > 0xffffffffu || parts > kMaxParts) {  // beyond what a share packs: fixed shares
-    std::atomic<bool> any{false};
-    pool->parallel_for(count, [&](std::size_t t) {
-      const std::size_t begin = t * kAdamwTile;
-      if (body(begin, std::min(begin + kAdamwTile, n))) any.store(true, std::memory_order_relaxed);
-    });
+    pool->parallel_for(count, run);
     return any.load(std::memory_order_relaxed);
   }
   TileShare shares[kMaxParts];
   for (std::size_t p = 0; p < parts; ++p) shares[p].reset(p * count / parts, (p + 1) * count / parts);
-  std::atomic<bool> any{false};
   pool->parallel_team(parts, [&](std::size_t me) {
-    auto run = [&](std::size_t t) {
-      const std::size_t begin = t * kAdamwTile;
-      if (body(begin, std::min(begin + kAdamwTile, n))) any.store(true, std::memory_order_relaxed);
-    };
     std::size_t t = 0;
     while (shares[me].take_front(t)) run(t);
     for (std::size_t k = 1; k < parts; ++k) {
