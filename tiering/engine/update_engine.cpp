@@ -422,8 +422,9 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
   // first: the step reads them from there.
   if (nvme_) nvme_->before_step();
   // One check of every gradient before anything is stepped: the gradient path's verdict, or a
-  // scan of the host arrays.
-  const bool trust_path = path_verdict.has_value() && grad_scale * clip <= 1.0;
+  // scan of the host arrays. The verdict was taken on the gradients as they came; a factor of
+  // magnitude <= 1 cannot make a finite one overflow (a negative scale is maximize=True).
+  const bool trust_path = path_verdict.has_value() && std::abs(grad_scale) * clip <= 1.0;
   if (trust_path) out.nonfinite = !*path_verdict;
   auto kept = [&](std::size_t subgroup) {
     return grad_state_ != nullptr && (*grad_state_)[subgroup].device_grad != nullptr;

@@ -3,6 +3,7 @@ Each raises ValueError naming the bad value and what is accepted, before anythin
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -115,10 +116,56 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
     each group's hyperparameters, and the loss scaler's state (or None). Raises ValueError naming
     the first problem: structure, counts, shapes, dtypes, a param index or a step that is not a
     whole number in range, a hyperparameter or loss-scaler value outside its range, amsgrad state,
-    a checkpoint format other than memtide's.
+    a checkpoint format other than memtide's, a tensor whose data cannot be read (meta, sparse,
+    mkldnn, nested, a subclass, a device other than the CPU or CUDA). Loading then writes nothing
+    that can fail: every value it reads was checked here.
     """
+    import numbers
+
     def bad(message: str) -> ValueError:
         return ValueError(f"{where}: {message}")
+
+    # The floating dtypes the engine's float32 buffers can be filled from (torch.optim converts a
+    # floating state tensor to its param's dtype on load; memtide converts to its float32 state).
+    readable = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
+    readable |= {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                                             "float8_e8m0fnu") if hasattr(torch, n)}
+
+    def unreadable(value: Any) -> str:
+        """What makes `value` a tensor whose values cannot be read here ("" if it can be)."""
+        if not isinstance(value, torch.Tensor):
+            return f"a {type(value).__name__}"
+        t, plain = local(value), (torch.Tensor, torch.nn.Parameter)
+        if not is_dtensor(value) and type(value) not in plain:
+            return f"a {type(value).__name__} (a torch.Tensor subclass)"
+        if type(t) not in plain:
+            return f"a DTensor whose local shard is a {type(t).__name__} (a torch.Tensor subclass)"
+        if t.is_nested:
+            return "a nested tensor"
+        if t.layout != torch.strided:
+            return f"a {str(t.layout).replace('torch.', '')} tensor"
+        if t.device.type == "meta":
+            return "a meta tensor, which holds no data"
+        if t.device.type not in ("cpu", "cuda"):
+            return f"a tensor on the {t.device} device"
+        return ""
+
+    def number_problem(value: Any) -> str:
+        """Why `value` is not a real number or a one-element real tensor ("" if it is one)."""
+        if isinstance(value, torch.Tensor):
+            problem = unreadable(value)
+            if problem:
+                return problem
+            if value.numel() != 1:
+                return f"a tensor of {value.numel()} elements"
+            if value.dtype == torch.bool or value.is_complex() or value.is_quantized:
+                return f"a tensor of dtype {value.dtype}"
+            return ""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return "None" if value is None else f"a {type(value).__name__}"
+        return ""
+
+    number = "a real number or a one-element real tensor with data on the CPU or a CUDA device"
 
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), (list, tuple)) \
             or not isinstance(state_dict.get("state"), dict):
@@ -136,9 +183,22 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
         if saved.get("amsgrad", False):
             raise bad("the state dict comes from amsgrad=True, which TieredAdamW does not support")
         values = {k: v for k, v in saved.items() if k != "params"}
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key not in values:
+                continue
+            value, accepted = values[key], number
+            if key == "betas":
+                accepted = f"a pair (a tuple or a list of two), each {number}"
+                problem = (f"a {type(value).__name__}" if not isinstance(value, (tuple, list))
+                           else f"{len(value)} value{'s' * (len(value) != 1)}" if len(value) != 2
+                           else next((f"{p} in it" for p in map(number_problem, value) if p), ""))
+            else:
+                problem = number_problem(value)
+            if problem:
+                raise bad(f"param group {gi}: {key} must be {accepted}; got {problem}: {value!r}")
         try:
             check_group({**group, **values})
-        except ValueError as e:
+        except (ValueError, TypeError, RuntimeError) as e:
             raise bad(f"param group {gi}: {e}") from None
         groups.append(values)
     order = [p for g in param_groups for p in g["params"]]
@@ -173,9 +233,14 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
                 if key == "master_param":
                     continue
                 raise bad(f"state of param {idx} has no {key!r}")
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                raise bad(f"{key} of param {idx} must be a floating-point tensor, got "
-                          f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}")
+            problem = unreadable(value)
+            if not problem and local(value).dtype not in readable:
+                problem = f"a tensor of dtype {local(value).dtype}"
+            if problem:
+                raise bad(f"{key} of param {idx} must be a floating-point tensor (float32, float64, float16, bfloat16 "
+                          "or float8, converted to the optimizer's float32 state as torch.optim converts state to "
+                          "its param's dtype), dense (strided), with data on the CPU or a CUDA device; got "
+                          f"{problem} (group {gi})")
             if value.numel() != p.numel():
                 raise bad(f"{key} of param {idx} has {value.numel()} elements, the param has {p.numel()} (group {gi})")
             if value.shape != p.shape:
@@ -189,14 +254,21 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
                           f"{tuple(local(p).shape)}), got " + (f"a DTensor whose shard is {tuple(local(value).shape)}"
                                                                if is_dtensor(value) else "a whole tensor")
                           + f" (group {gi}); load sharded state with torch.distributed.checkpoint")
+            if not is_dtensor(p) and is_dtensor(value) and local(value).shape != p.shape:
+                raise bad(f"{key} of param {idx} is a DTensor whose local shard is {tuple(local(value).shape)}, the "
+                          f"param (not a DTensor) has {tuple(p.shape)} (group {gi}); accepted: a tensor of the "
+                          "param's shape, or a DTensor whose local shard has it")
             tensors[key] = value
         step = entry.get("step", 0)
-        if isinstance(step, torch.Tensor):
-            step = step.item() if step.numel() == 1 and not step.dtype == torch.bool else None
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
+        problem = number_problem(step)
+        if not problem and isinstance(step, torch.Tensor):
+            step = step.item()
+        elif not problem and not isinstance(step, (int, float)):
+            step = float(step)  # another real number type (numpy's)
+        if problem or not isinstance(step, (int, float)) or not math.isfinite(step) \
                 or step < 0 or step != int(step) or step > MAX_STEP:
-            raise bad(f"step of param {idx} must be a whole number >= 0 and <= {MAX_STEP} (group {gi}), got "
-                      f"{entry.get('step')!r}")
+            raise bad(f"step of param {idx} must be a whole number >= 0 and <= {MAX_STEP} ({number}) (group {gi}), "
+                      "got " + (f"{problem}: " if problem else "") + f"{entry.get('step')!r}")
         entries.append((p, tensors["exp_avg"], tensors["exp_avg_sq"], int(step), tensors.get("master_param")))
     memtide_state = state_dict.get("memtide") or {}
     if not isinstance(memtide_state, dict):
@@ -206,6 +278,16 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
         raise bad(f"'memtide'['format'] must be 1, the one checkpoint format this memtide reads; got {fmt!r}")
     scaler_state = memtide_state.get("loss_scaler")
     if scaler_state is not None:
+        if not isinstance(scaler_state, dict):
+            raise bad(f"the loss scaler's state must be a dict, got a {type(scaler_state).__name__}")
+        for key, accepted in (("scale", numbers.Real), ("growth_factor", numbers.Real),
+                              ("backoff_factor", numbers.Real), ("dynamic", bool)):
+            if key not in scaler_state:
+                raise bad(f"the loss scaler's state has no {key!r}")
+            value = scaler_state[key]
+            if isinstance(value, bool) is not (accepted is bool) or not isinstance(value, accepted):
+                raise bad(f"the loss scaler's {key} must be " + ("a bool" if accepted is bool else "a number")
+                          + f", got {value!r}")
         try:
             check = LossScaler(init_scale=scaler_state["scale"], growth_factor=scaler_state["growth_factor"],
                                backoff_factor=scaler_state["backoff_factor"],
@@ -218,11 +300,32 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
     return entries, groups, scaler_state
 
 
+@functools.lru_cache(maxsize=None)
+def torch_group_defaults() -> Dict[str, Any]:
+    """Every key of a torch.optim.AdamW param group on the installed torch, with its default
+    (``maximize``, ``foreach``, ``fused``, ``capturable``, ``differentiable`` and, since torch 2.7,
+    ``decoupled_weight_decay`` beside the hyper-parameters). TieredAdamW's groups carry each one,
+    so its state dicts load into torch.optim.AdamW, directly and through DCP, and torch's into it."""
+    return dict(torch.optim.AdamW([torch.zeros(0, requires_grad=True)]).defaults)
+
+
 def check_group(group: Dict[str, Any]) -> None:
     """Rejects hyperparameters the kernel cannot take, naming the value and what is accepted."""
     if group.get("amsgrad", False):
         raise ValueError("TieredAdamW: amsgrad=True is not supported (accepted: False); "
                          "use torch.optim.AdamW(amsgrad=True) for AMSGrad")
+    if group.get("differentiable", False):
+        raise ValueError("TieredAdamW: differentiable=True is not supported (accepted: False): memtide's fused step "
+                         "updates in place outside autograd; use torch.optim.AdamW(differentiable=True)")
+    if group.get("decoupled_weight_decay", True) is not True:
+        raise ValueError(f"TieredAdamW: decoupled_weight_decay={group['decoupled_weight_decay']!r} is not supported "
+                         "(accepted: True): TieredAdamW is AdamW; Adam's L2 penalty is torch.optim.Adam")
+    for key, accepted in (("maximize", (bool,)), ("capturable", (bool,)), ("foreach", (bool, type(None))),
+                          ("fused", (bool, type(None)))):
+        if not isinstance(group.get(key, False), accepted):
+            raise ValueError(f"TieredAdamW: {key} must be " + (" or ".join("None" if t is type(None) else "a bool"
+                                                                          for t in accepted))
+                             + f", got {group[key]!r}")
     lr = group["lr"]
     lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
     if not (math.isfinite(lr) and lr >= 0.0):

@@ -82,14 +82,18 @@ def _apart_from(buffers: Any, entries: List[Tuple[Any, ...]]) -> List[Tuple[Any,
     """The entries with every tensor that is a view of the optimizer's own buffers copied: the
     dict may be this optimizer's own state_dict(), or one torch.distributed.checkpoint loaded in
     place into it, and loading zeroes the buffers before it reads the entries."""
-    own = {t.untyped_storage().data_ptr() for t in (buffers.params, buffers.exp_avg, buffers.exp_avg_sq, buffers.lowp)
-           if t is not None}
+    # By address range, not by storage: a DTensor's local tensor may lie on a slice of a buffer's
+    # storage (distributed.like).
+    own = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+           for t in (buffers.params, buffers.exp_avg, buffers.exp_avg_sq, buffers.lowp) if t is not None]
 
     def apart(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if t is None:
             return None
         t = local(t)
-        return t.clone() if t.untyped_storage().data_ptr() in own else t
+        start = t.untyped_storage().data_ptr()
+        end = start + t.untyped_storage().nbytes()
+        return t.clone() if any(start < hi and lo < end for lo, hi in own) else t
 
     return [(p, apart(exp_avg), apart(exp_avg_sq), step, apart(master))
             for p, exp_avg, exp_avg_sq, step, master in entries]

@@ -11,7 +11,9 @@ whether any rank saw a non-finite gradient (a loss scaler then skips the step ev
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import functools
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,8 +38,22 @@ def like(param: torch.Tensor, local_view: torch.Tensor) -> torch.Tensor:
     saves and reshards it like the param; `local_view` itself otherwise."""
     if not is_dtensor(param):
         return local_view
-    return DTensor.from_local(local_view, param.device_mesh, param.placements, run_check=False,
+    return DTensor.from_local(_from_offset_zero(local_view), param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
+
+
+def _from_offset_zero(t: torch.Tensor) -> torch.Tensor:
+    """`t` (contiguous) as a tensor over a storage of its own that starts where `t` does, sharing
+    `t`'s memory (a storage slice keeps the whole storage alive). torch.save cannot pickle a
+    DTensor whose local tensor starts inside its storage ("Attempted to access the data pointer
+    on an invalid python storage", torch 2.11-2.15: the wrapper then has a nonzero data pointer
+    and is taken for a plain tensor), and a view of the engine's flat buffers does."""
+    offset = t.storage_offset()
+    if offset == 0:
+        return t
+    size = t.element_size()
+    storage = t.untyped_storage()[offset * size:(offset + t.numel()) * size]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage).view(t.shape)
 
 
 class ShardGroup:
@@ -114,16 +130,22 @@ _agreements = 0  # check_agreement calls so far: every rank makes them in the sa
 
 def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
     """Raises ValueError on every rank of `group` (a process group, or a list of ranks; None: the
-    whole job) when the ranks' `settings` differ, naming the
-    first setting that does and what each rank has: ranks that disagree on the optimizer (a
-    policy, a subgroup size, NVMe on one rank only) would otherwise fail later, or silently
-    train apart. Every rank of the group must call it: it waits for the others at most the
-    process group's timeout, then raises TimeoutError naming the ranks that did not come.
+    whole job) when the ranks' `settings` differ: ranks that disagree on the optimizer (a policy,
+    a subgroup size, NVMe on one rank only, a hyper-parameter, a param left out) would otherwise
+    fail later, or silently train apart. The error names the first setting that differs and each
+    rank's value (ranks with the same value together), and which other settings differ too. A
+    setting whose name starts with "params" is a list of param descriptions (describe_param),
+    compared item by item: the error names the counts and the first param that differs, not the
+    whole list. Every rank must call it: it waits for the others at most the process group's
+    timeout, then raises TimeoutError naming the ranks that did not come.
 
     The settings travel through the process group's key-value store, not a collective: gloo
     frees a collective's tensors on its own thread after the collective ends, and a program that
     exits right after building its optimizer was at times aborted by that thread taking the GIL
-    during interpreter shutdown."""
+    during interpreter shutdown. Each rank posts its settings and their digest, and reads every
+    rank's digest; only where the digests differ does it read the settings of one rank per
+    digest, so that the store carries little more than a digest per rank pair."""
+    import hashlib
     import json
 
     import torch.distributed as dist
@@ -136,8 +158,11 @@ def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
     else:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     prefix = f"memtide/agreement/{_agreements}/{'-'.join(map(str, ranks))}/"
-    text = json.dumps(settings, sort_keys=True, default=repr)
-    store.set(prefix + str(dist.get_rank()), text)
+    text = json.dumps(settings, default=repr)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    rank = dist.get_rank()
+    store.set(prefix + "settings/" + str(rank), text)
+    store.set(prefix + str(rank), digest)  # after the settings: a digest there means they are too
     keys = [prefix + str(r) for r in ranks]
     try:
         store.wait(keys)  # at most the store's timeout: the process group's
@@ -148,14 +173,121 @@ def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
         raise TimeoutError(f"{who}: rank(s) {', '.join(map(str, absent))} did not build the optimizer within the "
                            f"process group's timeout ({store.timeout.total_seconds():g} s): a rank died, or builds "
                            "its optimizer at another point of the program than the others") from e
-    gathered = [json.loads(store.get(k)) for k in keys]
-    mine = json.loads(text)  # as the others see it (tuples become lists)
-    for key in mine:
-        values = [g.get(key) for g in gathered]
-        if any(v != values[0] for v in values):
-            listed = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))
-            raise ValueError(f"{who}: the ranks disagree on {key} ({listed}); every rank must build its "
-                             "optimizer with the same settings")
+    digests = [store.get(k).decode() for k in keys]
+    if len(set(digests)) == 1:
+        return
+    # One rank's settings per digest (the lowest rank's): every rank builds the same message.
+    first: Dict[str, int] = {}
+    for r, d in zip(ranks, digests):
+        first.setdefault(d, r)
+    read = {d: (settings if r == rank else json.loads(store.get(prefix + "settings/" + str(r))))
+            for d, r in first.items()}
+    read = {d: json.loads(json.dumps(v, default=repr)) for d, v in read.items()}  # as the others see it
+    gathered = [read[d] for d in digests]
+    names: List[str] = []
+    for g in [read[d] for d in first]:
+        names += [k for k in g if k not in names]
+    differ = [k for k in names if len({_canonical(g.get(k)) for g in gathered}) > 1]
+    if not differ:
+        return  # the same settings, their keys in another order
+    what = _disagreement(differ[0], ranks, [g.get(differ[0]) for g in gathered])
+    also = differ[1:]
+    more = "" if not also else (f"; they also disagree on {', '.join(also[:3])}" +
+                                (f" and {len(also) - 3} more" if len(also) > 3 else ""))
+    raise ValueError(f"{who}: the ranks disagree on {what}{more}. Every rank must build its optimizer with the "
+                     "same settings over the same params")
+
+
+def _canonical(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True)
+
+
+def _rank_names(ranks: List[int]) -> str:
+    """"rank 3", "ranks 0, 1", "ranks 0-30, 32-63"."""
+    runs: List[List[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    parts = [f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def _by_rank(ranks: List[int], values: List[Any], show: Callable[[Any], str]) -> str:
+    """Each value and the ranks that have it: "rank 0: 0.01; rank 1: 0.1" (at most four values)."""
+    groups: Dict[str, Tuple[Any, List[int]]] = {}
+    for r, v in zip(ranks, values):
+        groups.setdefault(_canonical(v), (v, []))[1].append(r)
+    parts = [f"{_rank_names(rs)}: {show(v)}" for v, rs in groups.values()]
+    if len(parts) > 4:
+        parts = parts[:4] + [f"{len(parts) - 4} other values"]
+    return "; ".join(parts)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _disagreement(name: str, ranks: List[int], values: List[Any]) -> str:
+    """What the message says of one setting the ranks disagree on."""
+    if not name.startswith("params"):
+        return f"{name} ({_by_rank(ranks, values, _short)})"
+    lists = [v if isinstance(v, list) else [] for v in values]
+    counts = [len(v) for v in lists]
+    i = next((i for i in range(max(counts)) if len({_canonical(v[i] if i < len(v) else None)
+                                                    for v in lists}) > 1), min(counts))
+    item = _by_rank(ranks, [v[i] if i < len(v) else None for v in lists],
+                    lambda d: "none" if d is None else str(d))
+    if len(set(counts)) == 1:
+        return f"{name}: param {i} is the first that differs ({item})"
+    n = _by_rank(ranks, counts, lambda c: f"{c} param{'' if c == 1 else 's'}")
+    return f"{name} ({n}), and param {i} is the first that differs ({item})"
+
+
+def describe_param(p: torch.Tensor) -> str:
+    """What the ranks must agree on of a param: its (global) shape and dtype, a DTensor's
+    placements, whether it is frozen. E.g. "[61, 7] float32 (Shard(dim=0))"."""
+    text = f"{list(p.shape)} {str(p.dtype).replace('torch.', '')}"
+    if is_dtensor(p):
+        text += f" ({', '.join(map(repr, p.placements))})"
+    return text if p.requires_grad else text + " frozen"
+
+
+def plain(value: Any) -> Any:
+    """A group's hyper-parameter as JSON compares it: numbers, strings and lists as they are, a
+    small tensor as its values, anything else as its repr without memory addresses."""
+    import numbers
+    import re
+
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        return value.tolist() if value.numel() <= 8 else f"tensor of shape {list(value.shape)}, {value.dtype}"
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+def mesh_ranks(params: List[torch.Tensor]) -> List[int]:
+    """Every rank of the device meshes the DTensor params lie on (HSDP's replicas included): the
+    ranks whose optimizers must agree. Empty when no param is a DTensor."""
+    ranks: set = set()
+    meshes: set = set()
+    for p in params:
+        if is_dtensor(p) and id(p.device_mesh) not in meshes:
+            meshes.add(id(p.device_mesh))
+            ranks.update(p.device_mesh.mesh.flatten().tolist())
+    return sorted(ranks)
 
 
 def shard_group(params: List[torch.Tensor]) -> Optional[ShardGroup]:
@@ -176,9 +308,8 @@ class DdpGradients:
     unless they change later."""
 
     def __init__(self, opt: Any, ddp: Any) -> None:
-        import weakref
-
         self._opt = weakref.ref(opt)  # DDP keeps the hook: it must not keep the optimizer
+        self.model = weakref.ref(ddp)
         self._group = ddp.process_group
         self.params = {id(p) for p in ddp.module.parameters()}
         self._sent: List[int] = []
@@ -227,3 +358,131 @@ class DdpGradients:
         opt = self._opt()
         if opt is not None and opt._grads is not None:
             opt._grads.record(sent)
+
+
+def comm_hook_of(model: Any) -> Optional[str]:
+    """The communication hook a DDP model has already (its name), None without one: DDP takes one
+    (its reducer refuses a second after DDP's Python side has recorded it, so it is checked first)."""
+    hooks = getattr(model, "_comm_hooks", None) or []  # register_comm_hook's (Python) hooks
+    if hooks:
+        hook = hooks[0][0]
+        if isinstance(getattr(hook, "__self__", None), DdpGradients):
+            return "another TieredAdamW's"
+        return getattr(hook, "__qualname__", None) or repr(hook)
+    try:  # a built-in hook (_register_builtin_comm_hook) is in DDP's logging data only
+        name = model._get_ddp_logging_data().get("comm_hook")
+    except Exception:  # noqa: BLE001 - an older or newer DDP without it: none known
+        name = None
+    return str(name) if name else None
+
+
+def attach_ddp(opt: Any, model: Any, who: str, explicit: bool) -> None:
+    """Makes DDP model `model` the source of TieredAdamW `opt`'s gradients (register_ddp, or found at
+    the model's first forward by DdpWatch): the ranks of its process group must agree on the
+    optimizer (check_agreement), then DdpGradients becomes DDP's communication hook. Where DDP
+    cannot take it (a hook of its own, its Python reducer, every all-reduce delayed), step() copies
+    the reduced gradients as before: explicit=True raises ValueError for a hook already there
+    (register_ddp asked for what cannot be), else a warning says what is lost."""
+    import warnings
+
+    check_agreement(opt._settings(), model.process_group, who)
+    hook = comm_hook_of(model)
+    why = None
+    if hook is not None:
+        why = f"the DDP model has a communication hook of its own already ({hook}), and DDP takes only one"
+        if explicit:
+            raise ValueError(f"{who}: {why}. Leave register_ddp out to keep that hook: TieredAdamW then takes "
+                             "the reduced gradients at step() (copying them does not overlap backward; the "
+                             "results are the same)")
+    elif getattr(model, "_use_python_reducer", False):
+        why = "DDP runs its Python reducer (torch.compile's optimize_ddp='python_reducer'), which has no buckets"
+    elif getattr(model, "_delay_all_reduce_all_params", False):
+        why = "DDP all-reduces every param after backward (delay_all_reduce_named_params)"
+    if why is not None:
+        warnings.warn(f"{who}: {why}: TieredAdamW leaves it and takes the reduced gradients at step(), so "
+                      "copying them does not overlap backward; results are unaffected", UserWarning, stacklevel=3)
+        return
+    ddp = DdpGradients(opt, model)
+    model.register_comm_hook(None, ddp.hook)
+    opt._ddp = ddp
+    opt._grads.follow_ddp(ddp)
+
+
+def _module_called(watch: "weakref.ref[DdpWatch]", module: torch.nn.Module, _args: Any) -> None:
+    if torch.compiler.is_compiling():
+        return  # traced by torch.compile: nothing of this in the graph (the eager calls find DDP)
+    w = watch()
+    if w is not None:
+        w.called(module)
+
+
+class DdpWatch:
+    """Finds the DistributedDataParallel model that holds a TieredAdamW's params at its first
+    forward, and registers it as TieredAdamW.register_ddp does (attach_ddp): frameworks (Hugging
+    Face Trainer, Accelerate, Lightning) wrap the model in DDP themselves, and nobody calls
+    register_ddp there.
+
+    A global module forward pre-hook sees every module call: DDP's own (the module is the DDP
+    model, before DDP's forward starts; or ``torch.compile(ddp)``, before anything is traced), or,
+    were DDP's call bypassed, the first module inside its forward (DDP names itself in
+    ``DistributedDataParallel._active_ddp_module`` there; a torch without it: nothing is found).
+    While torch.compile traces, the hook does nothing. A DDP model that holds none of the
+    optimizer's params is remembered and left alone. The hook goes at the first DDP model found;
+    once the optimizer has stepped (found nothing by then: the next module call removes it); with
+    the optimizer (it holds the optimizer weakly); or by stop()."""
+
+    def __init__(self, opt: Any, ddp_class: type) -> None:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self._opt = weakref.ref(opt)
+        self._ddp_class = ddp_class
+        self._seen: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        handle = register_module_forward_pre_hook(functools.partial(_module_called, weakref.ref(self)))
+        self._remove = weakref.finalize(self, handle.remove)  # this watch (its optimizer) collected: the hook goes
+
+    def stop(self) -> None:
+        """Removes the global hook (once)."""
+        self._remove()
+        opt = self._opt()
+        if opt is not None and opt.__dict__.get("_ddp_watch") is self:
+            opt._ddp_watch = None
+
+    def called(self, module: torch.nn.Module) -> None:
+        opt = self._opt()
+        if opt is None or opt._ddp is not None or opt.stats.steps or opt.stats.skipped:
+            self.stop()
+            return
+        cls = self._ddp_class
+        ddp = module if isinstance(module, cls) else getattr(module, "_orig_mod", None)  # torch.compile(ddp)
+        if not isinstance(ddp, cls):
+            ddp = getattr(cls, "_active_ddp_module", None)
+        if ddp is None or ddp in self._seen:
+            return
+        self._seen.add(ddp)
+        if getattr(ddp, "_use_python_reducer", False):
+            return  # no buckets: step() takes the reduced gradients as they are
+        mine = opt._grads.index if opt._grads is not None else {}
+        if not any(id(p) in mine for p in ddp.module.parameters()):
+            return
+        self.stop()
+        attach_ddp(opt, ddp, "TieredAdamW", explicit=False)
+
+
+def watch_for_ddp(opt: Any) -> Optional[DdpWatch]:
+    """A DdpWatch for `opt` where a DDP model may come (torch.distributed initialized with more
+    than one rank, or a launcher's WORLD_SIZE above 1), else None."""
+    import os
+
+    try:
+        import torch.distributed as dist
+        from torch.nn.modules.module import register_module_forward_pre_hook  # noqa: F401
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed support
+        return None
+    if not dist.is_available():
+        return None
+    try:
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return None
+    return DdpWatch(opt, DistributedDataParallel) if world > 1 else None

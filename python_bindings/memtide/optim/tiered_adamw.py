@@ -29,7 +29,8 @@ import torch
 
 from .. import _memtide
 from . import checkpoint
-from .arguments import NvmeTier, check_group, check_options, device_of, engine_unavailable, nvme_tier
+from .arguments import (NvmeTier, check_group, check_options, device_of, engine_unavailable, nvme_tier,
+                        torch_group_defaults)
 from .backward_updates import BackwardUpdates
 from .distributed import check_agreement, is_dtensor, like, local, shard_group
 from .gradients import SUPPORTED_DTYPES, GradientPath
@@ -65,6 +66,9 @@ class _Layout:
     aliased: List[bool]  # the model param's storage is a view of the flat buffers
     subgroups: Tuple[Tuple[int, int], ...]
     numel: int
+    #: Each param's (dtype, device) when the layout was made: a param that no longer has them was
+    #: cast or moved, and the engine is rebuilt around it.
+    kinds: List[Tuple[torch.dtype, torch.device]]
     copied: List[int] = field(init=False)  # the params that are not views: step() copies them back
 
     def __post_init__(self) -> None:
@@ -81,6 +85,9 @@ class UpdateStats:
     #: they stand (changed in place since, or never sent).
     regathered: int = 0
     params_updated: int = 0
+    #: Params whose values the optimizer took from the model because something else replaced or
+    #: wrote them since the last step (``module.to(...)``, ``p.data = x``, ``model.load_state_dict``).
+    followed: int = 0
     engine_seconds: float = 0.0
     step_seconds: float = 0.0
     last_engine_seconds: float = 0.0
@@ -114,6 +121,12 @@ class TieredAdamW(torch.optim.Optimizer):
     Args:
         params, lr, betas, eps, weight_decay: as torch.optim.AdamW; per-group values are honoured
             at every step (LR schedulers work). ``amsgrad=True`` is rejected.
+        maximize: as torch.optim.AdamW (steps along the gradient), the same for every group.
+        foreach, fused, capturable: accepted as torch.optim.AdamW takes them, so that code and
+            configs written for it build this optimizer unchanged; memtide's own fused kernel
+            runs whatever they say (its step is not captured in CUDA graphs). They are kept in
+            each param group, as torch keeps them, with ``differentiable`` (False only: the step
+            runs outside autograd) and ``decoupled_weight_decay`` (True only: this is AdamW).
         policy: where subgroups are updated: "cpu", "static", "interleaved" or "auto". Placement
             never changes the result.
         subgroup_size: elements per subgroup (the last one may be smaller).
@@ -146,11 +159,17 @@ class TieredAdamW(torch.optim.Optimizer):
 
     The model's params stay where they are. CPU params become views of the optimizer's buffers
     (fp32: of the master params; fp16/bf16: of the low-precision copy the kernel writes), so
-    their update costs no copy; params on a GPU are copied back after each step.
+    their update costs no copy; params on a GPU are copied back after each step. Like
+    torch.optim.AdamW it trains the Parameter objects it was given, whatever their storage
+    becomes: a param a framework moves or replaces after this optimizer was built (HF Trainer's
+    and Accelerate's ``model.to("cpu:0")``, ``p.data = x``, ``model.half()``) is followed at the
+    next step, its new values becoming the master (see :meth:`_follow_params`).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, policy: str = "auto",
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, decoupled_weight_decay: bool = True, policy: str = "auto",
                  subgroup_size: int = 100_000_000, gpu_static_fraction: float = 0.0, k: Optional[float] = None,
                  loss_scale: Union[None, str, float, LossScaler] = None,
                  max_grad_norm: Optional[float] = None, host_budget: Union[None, int, str] = None,
@@ -158,7 +177,13 @@ class TieredAdamW(torch.optim.Optimizer):
                  update_during_backward: Union[bool, int] = False) -> None:
         check_options(policy, subgroup_size, gpu_static_fraction, k, max_grad_norm, update_during_backward)
         self.nvme: Optional[NvmeTier] = nvme_tier(nvme_dir, host_budget, nvme_read_ahead)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+        defaults = {**torch_group_defaults(), **dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                                     amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                                                     capturable=capturable, differentiable=differentiable,
+                                                     fused=fused)}
+        if "decoupled_weight_decay" in defaults or decoupled_weight_decay is not True:
+            defaults["decoupled_weight_decay"] = decoupled_weight_decay
+        check_group({**defaults, "params": []})
         self._ready = False
         self.policy = policy
         self.subgroup_size = subgroup_size
@@ -180,6 +205,7 @@ class TieredAdamW(torch.optim.Optimizer):
         #: the micro-batches before the last). Updates during backward happen only in the last.
         self.last_micro_batch = True
         self._eager: Optional[BackwardUpdates] = None
+        self._update_during_backward = update_during_backward  # as given: compared across ranks (_settings)
         self._grads: Optional[GradientPath] = None
         self._ddp: Optional[Any] = None  # DdpGradients once register_ddp() was called
         super().__init__(params, defaults)
@@ -194,11 +220,23 @@ class TieredAdamW(torch.optim.Optimizer):
         self._check_agreement()
 
     def _check_agreement(self) -> None:
-        """Once the params are sharded (at construction, or once a wrapper swapped them for
-        FSDP2's), every rank must have built its optimizer alike."""
-        if self._shards and not self._agreed:
-            check_agreement(self._settings(), self._shards.ranks, "TieredAdamW")
+        """Every rank must build its optimizer alike (_settings): compared over every rank of the
+        params' device mesh (HSDP's replicas included) once they are DTensors (at construction, or
+        once a wrapper swapped them for FSDP2's), and over the process group of the DDP model that
+        holds plain params, found at its first forward (DdpWatch) or given to register_ddp."""
+        if getattr(self, "_agreed", False):
+            return
+        from .distributed import mesh_ranks, watch_for_ddp
+
+        watch = self.__dict__.get("_ddp_watch")
+        ranks = mesh_ranks(self._layout.params)
+        if ranks:
+            if watch is not None:
+                watch.stop()
+            check_agreement(self._settings(), ranks, "TieredAdamW")
             self._agreed = True
+        elif watch is None and self._ddp is None and not (self.stats.steps or self.stats.skipped):
+            self._ddp_watch = watch_for_ddp(self)
 
     # -- param groups -----------------------------------------------------------------------------
 
@@ -213,15 +251,108 @@ class TieredAdamW(torch.optim.Optimizer):
             self._build()
 
     def _follow_params(self) -> None:
-        """Rebuilds over the params the groups hold now when they are not those it was built
-        over: a wrapper may swap them after construction (Accelerate's FSDP2 prepare replaces
-        each param with its sharded DTensor). As with torch.optim.AdamW, whose state is keyed by
-        param, a param new to the optimizer starts without state; known params keep theirs."""
+        """Keeps training the Parameter objects the user holds, as torch.optim.AdamW does, whatever
+        happened to them since the last step. Frameworks move params after the optimizer is built:
+
+        - a wrapper swapped the groups' params for others (Accelerate's FSDP2 prepare replaces each
+          param with its sharded DTensor): rebuilt over the new ones. As with torch.optim.AdamW,
+          whose state is keyed by param, a param new to the optimizer starts without state;
+        - a param's storage was replaced (``module.to("cpu:0")`` copies every param, since
+          ``cpu:0`` is not ``cpu`` to torch; ``p.data = x``; HF Trainer and Accelerate do the
+          former) or written in place while it is not a view of the optimizer's buffers
+          (``model.load_state_dict`` on a GPU or FSDP2 param): its new values become the master
+          (an fp16/bf16 param's only if they differ from the copy the optimizer wrote, so that a
+          plain move keeps the fp32 master's bits), its moments and step stay, and a param that
+          was a view of the optimizer's buffers becomes one again;
+        - a param was cast or moved to another device (``model.half()``, ``model.cuda()``): the
+          engine is rebuilt around it, its moments and step kept. A param whose size changed after
+          its first step is refused, naming it.
+
+        The check reads one data pointer and one version counter per param: per step, not per
+        element."""
+        layout = self._layout
         held = [p for group in self.param_groups for p in group["params"]]
-        if len(held) == len(self._layout.params) and all(a is b for a, b in zip(held, self._layout.params)):
+        swapped = len(held) != len(layout.params) or any(a is not b for a, b in zip(held, layout.params))
+        now = self._bindings()
+        if now != self._bound:
+            keep = {id(p) for p in held} if swapped else None
+            changed = [i for i, a, b in zip(self._watched_index, now, self._bound)
+                       if a != b and (keep is None or id(layout.params[i]) in keep)]
+            if changed:
+                self._follow_values(changed)
+            else:
+                self._bound = now
+        if swapped:
+            self._build()
+            self._check_agreement()
+
+    def _bindings(self) -> List[Any]:
+        """What each watched param holds now: for a view of the optimizer's buffers its data
+        pointer (a write into it is a write of the master itself), for any other its data pointer
+        and torch's count of in-place writes to it."""
+        return [p.data_ptr() if aliased else ((t := p._local_tensor if dt else p).data_ptr(), t._version)
+                for p, dt, aliased in self._watched]
+
+    @torch.no_grad()
+    def _follow_values(self, changed: List[int]) -> None:
+        """Takes the values of the params in `changed` (indices) from the model (_follow_params)."""
+        layout = self._layout
+        if self.engine is None:  # nothing to update: only a size that is no longer 0 matters
+            if any(local(layout.params[i]).numel() for i in changed):
+                self._build()
+            else:
+                self._bound = self._bindings()
             return
-        self._build()
-        self._check_agreement()
+        b = self.buffers
+        steps = torch.from_dlpack(self.engine.steps()).tolist()
+        recast, adopt = [], []
+        for i in changed:
+            p, (lo, hi) = layout.params[i], layout.ranges[i]
+            t = local(p)
+            if t.numel() != hi - lo:
+                if steps[i] > 0:
+                    gi, k = self._where(i)
+                    raise ValueError(f"TieredAdamW: param {k} of group {gi} now has {t.numel()} elements "
+                                     f"(shape {tuple(t.shape)}), {hi - lo} when the optimizer took its first step: "
+                                     "its exp_avg and exp_avg_sq no longer fit it. Resize params before building "
+                                     "the optimizer, or build a new one")
+                recast.append(i)
+            elif (t.dtype, t.device) != layout.kinds[i]:
+                recast.append(i)
+            else:
+                adopt.append(i)
+        self.stats.followed += len(recast) + len(adopt)
+        if self._eager is not None:
+            self._eager.rollback()
+        self._wait_for_copies()
+        if recast:
+            self._build(fresh={id(layout.params[i]) for i in recast + adopt})
+            return
+        if self.spilled_subgroups:
+            self.sync_state()  # the spilled ranges in host memory, so that what is written here counts
+        for i in adopt:
+            p, (lo, hi) = layout.params[i], layout.ranges[i]
+            t = local(p).detach().reshape(-1)
+            if layout.lowp_of[i]:
+                if not torch.equal(t, b.lowp[lo:hi].to(t.device)):
+                    b.lowp[lo:hi].copy_(t)
+                    b.params[lo:hi].copy_(b.lowp[lo:hi])
+            else:
+                b.params[lo:hi].copy_(t)
+            if layout.aliased[i]:
+                p.data = (b.lowp if layout.lowp_of[i] else b.params)[lo:hi].view(p.shape)
+        self._host_changed()
+        if self.spilled_subgroups:
+            self.engine.spill_host(layout.numel)
+        self._bound = self._bindings()
+
+    def _where(self, i: int) -> Tuple[int, int]:
+        """(group, index in the group) of the layout's param i."""
+        for gi, group in enumerate(self.param_groups):
+            if i < len(group["params"]):
+                return gi, i
+            i -= len(group["params"])
+        return -1, i
 
     def _params(self) -> Tuple[List[torch.nn.Parameter], List[int], Optional[torch.dtype]]:
         """Every param in group order, its group, and the one low-precision dtype among them."""
@@ -243,13 +374,16 @@ class TieredAdamW(torch.optim.Optimizer):
                 group_of.append(gi)
         return params, group_of, lowp_dtype
 
-    def _build(self) -> None:
-        """(Re)creates the engine from param_groups, keeping the state of known params."""
+    def _build(self, fresh: Iterable[int] = ()) -> None:
+        """(Re)creates the engine from param_groups, keeping the state of known params. The known
+        params in `fresh` (by id) keep their moments and step but take their values from the model
+        (they were cast or moved since)."""
         if self._eager is not None:
             self._eager.rollback()
         old = getattr(self, "_layout", None)
         old_buffers: Optional[FlatBuffers] = getattr(self, "buffers", None)
         old_index = {id(p): i for i, p in enumerate(old.params)} if old else {}
+        fresh = set(fresh)
         old_steps = torch.from_dlpack(self.engine.steps()).tolist() if old and self.engine is not None else None
         if old_buffers is not None and self.engine is not None:
             self.engine.sync_host()  # residents may hold newer state than the old host buffers
@@ -284,13 +418,16 @@ class TieredAdamW(torch.optim.Optimizer):
             with torch.no_grad():
                 for i, (p, (lo, hi)) in enumerate(zip(params, ranges)):
                     j = old_index.get(id(p))
+                    if j is not None and old.ranges[j][1] - old.ranges[j][0] != hi - lo:
+                        j = None  # resized before its first step (_follow_params refuses it after): starts anew
                     if j is not None and old_buffers is not None:
                         olo, ohi = old.ranges[j]
-                        buffers.params[lo:hi].copy_(old_buffers.params[olo:ohi])
+                        if id(p) not in fresh:
+                            buffers.params[lo:hi].copy_(old_buffers.params[olo:ohi])
                         buffers.exp_avg[lo:hi].copy_(old_buffers.exp_avg[olo:ohi])
                         buffers.exp_avg_sq[lo:hi].copy_(old_buffers.exp_avg_sq[olo:ohi])
                         steps[i] = float(old_steps[j])
-                    else:
+                    if j is None or old_buffers is None or id(p) in fresh:
                         buffers.params[lo:hi].copy_(local(p).detach().reshape(-1))
                     if lowp_of[i]:
                         buffers.lowp[lo:hi].copy_(local(p).detach().reshape(-1))
@@ -318,7 +455,13 @@ class TieredAdamW(torch.optim.Optimizer):
             self.sync_after_step = not (self.model_attached and all(l and a for l, a in zip(lowp_of, aliased)))
             engine.set_sync_after_step(self.sync_after_step)
 
-        self._layout = _Layout(params, ranges, lowp_of, aliased, bounds, numel)
+        self._layout = _Layout(params, ranges, lowp_of, aliased, bounds, numel,
+                               [(local(p).dtype, local(p).device) for p in params])
+        # What _follow_params checks each step: every param but a LayerWindow's, which moves them
+        # between device slots and their home in the optimizer's buffers itself.
+        self._watched_index = [i for i, p in enumerate(params) if not getattr(p, "_memtide_windowed", False)]
+        self._watched = [(params[i], is_dtensor(params[i]), aliased[i]) for i in self._watched_index]
+        self._bound = self._bindings()
         # The gradient path: each gradient leaves for the host the moment backward finishes it.
         if self._grads is not None:
             self._grads.remove()
@@ -370,7 +513,7 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def _versions(self) -> Tuple[int, ...]:
         """torch's in-place write counters of the host state and of the params that are views of it
-        (a write through ``p.data`` is not counted: call sync_master_from_model after one)."""
+        (a write through ``p.data`` in place is not counted: call sync_master_from_model after one)."""
         b, layout = self.buffers, self._layout
         return (b.params._version, b.exp_avg._version, b.exp_avg_sq._version,
                 *(p._version for p, a in zip(layout.params, layout.aliased) if a))
@@ -397,36 +540,67 @@ class TieredAdamW(torch.optim.Optimizer):
     # -- phases, loss scale -----------------------------------------------------------------------
 
     def register_ddp(self, model: torch.nn.Module) -> None:
-        """Under DistributedDataParallel, call once with the DDP model: its gradients then enter
-        this optimizer after DDP's all-reduce, bucket by bucket during backward (a communication
-        hook doing DDP's default all-reduce), instead of the local gradients first and the reduced
-        ones again at step(). Takes DDP's one communication hook."""
+        """Names the DistributedDataParallel model that holds this optimizer's params. Rarely
+        needed: TieredAdamW finds that model itself at its first forward, whoever wrapped it (the
+        user, Hugging Face Trainer, Accelerate, Lightning), and does what this call does. Call it
+        where that cannot work (a DDP model compiled in place with ``ddp.compile()``, whose calls
+        are all traced; a first forward after the first step()), or to fail early:
+
+        - the ranks of the model's process group must have built their optimizers alike (else
+          ValueError on every rank, naming the setting and each rank's value);
+        - the reduced gradients then enter this optimizer bucket by bucket during backward
+          (DdpGradients, a communication hook doing DDP's default all-reduce) instead of being
+          copied again at step().
+
+        DDP takes one communication hook: a model that has one of its own is refused here
+        (ValueError naming it); found at its first forward instead, it keeps its hook, with one
+        warning (step() copies the reduced gradients; the results are the same). Calling this
+        again with the model already registered, or found, does nothing."""
         from torch.nn.parallel import DistributedDataParallel
 
-        from .distributed import DdpGradients
+        from .distributed import attach_ddp
 
+        who = "TieredAdamW.register_ddp"
         if not isinstance(model, DistributedDataParallel):
-            raise ValueError(f"TieredAdamW.register_ddp: expected a DistributedDataParallel model, got "
-                             f"{type(model).__name__}")
+            raise ValueError(f"{who}: expected a DistributedDataParallel model, got {type(model).__name__}")
         if self._ddp is not None:
-            raise ValueError("TieredAdamW.register_ddp: a DDP model is registered already")
-        check_agreement(self._settings(), model.process_group, "TieredAdamW.register_ddp")
-        ddp = DdpGradients(self, model)
-        model.register_comm_hook(None, ddp.hook)
-        self._ddp = ddp
-        self._grads.follow_ddp(ddp)
+            if self._ddp.model() is model:
+                return
+            raise ValueError(f"{who}: another DDP model is registered already; one per optimizer")
+        mine = self._grads.index
+        if mine and not any(id(p) in mine for p in model.module.parameters()):
+            raise ValueError(f"{who}: the DDP model holds none of this optimizer's params")
+        watch = self.__dict__.get("_ddp_watch")
+        if watch is not None:
+            watch.stop()
+        attach_ddp(self, model, who, explicit=True)
 
     def _settings(self) -> Dict[str, Any]:
-        """What every rank's optimizer must agree on (compared across ranks at construction)."""
-        return {"policy": self.policy, "subgroup_size": self.subgroup_size, "k": self.k,
-                "gpu_static_fraction": self.gpu_static_fraction, "max_grad_norm": self.max_grad_norm,
-                "loss_scale": None if self.scaler is None else (self.scaler.dynamic, self.scaler.scale),
-                "nvme": None if self.nvme is None else ("on NVMe" if self.nvme.dir else "host budget only"),
-                "host_budget": None if self.nvme is None else self.nvme.host_budget,
-                "update_during_backward": None if self._eager is None else self._eager.max_subgroups,
-                "param_groups": len(self.param_groups),
-                "hyper-parameters": [(g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"])
-                                     for g in self.param_groups]}
+        """What every rank's optimizer must agree on (check_agreement): each setting of the
+        constructor, each group's hyper-parameters (every key but "params") and its params
+        (count, global shape, dtype, a DTensor's placements). The NVMe directory may differ."""
+        from .distributed import describe_param, plain
+
+        scaler, nvme = self.scaler, self.nvme
+        eager = self.__dict__.get("_update_during_backward",
+                                  None if self._eager is None else self._eager.max_subgroups)
+        settings: Dict[str, Any] = {
+            "policy": self.policy, "subgroup_size": self.subgroup_size, "k": self.k,
+            "gpu_static_fraction": self.gpu_static_fraction, "max_grad_norm": self.max_grad_norm,
+            "loss_scale": None if scaler is None else "dynamic" if scaler.dynamic else scaler.scale,
+            "nvme": "off" if nvme is None else "on NVMe" if nvme.dir else "host budget only",
+            "host_budget": None if nvme is None else nvme.host_budget,
+            "nvme_read_ahead": None if nvme is None else nvme.read_ahead,
+            "update_during_backward": eager if eager else False,
+            "param_groups": len(self.param_groups)}
+        if scaler is not None and scaler.dynamic:
+            settings.update({f"loss_scale.{k}": v for k, v in scaler.state_dict().items() if k != "dynamic"})
+        first = ("lr", "betas", "eps", "weight_decay")
+        for gi, group in enumerate(self.param_groups):
+            keys = [k for k in first if k in group] + sorted(k for k in group if k not in first and k != "params")
+            settings.update({f"{k} of group {gi}": plain(group[k]) for k in keys})
+            settings[f"params of group {gi}"] = [describe_param(p) for p in group["params"]]
+        return settings
 
     def attach(self, model: torch.nn.Module):
         """Installs memtide phase marks on `model` and this optimizer (see memtide.install_phase_hooks)."""
@@ -486,7 +660,7 @@ class TieredAdamW(torch.optim.Optimizer):
         clip = 1.0
         nonfinite = False
         if self.max_grad_norm is not None:
-            norm = math.sqrt(self._grads.norm_squares(has_grad)) * grad_scale
+            norm = math.sqrt(self._grads.norm_squares(has_grad)) * abs(grad_scale)
             self.last_grad_norm = norm
             if math.isfinite(norm):
                 clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
@@ -523,7 +697,7 @@ class TieredAdamW(torch.optim.Optimizer):
             nonfinite_done = self._eager is not None and self._eager.nonfinite()
             marks = [sg in done for sg in range(len(self._layout.subgroups))] if done else []
             sources = self._grads.sources
-            if sources and not (self.scaler is None or (path_verdict is not None and grad_scale * clip <= 1.0)):
+            if sources and not (self.scaler is None or (path_verdict is not None and abs(grad_scale) * clip <= 1.0)):
                 self._grads.materialize()  # the engine must scan the gradient buffer: it needs them all
                 sources = []
             t1 = time.perf_counter()
@@ -590,7 +764,17 @@ class TieredAdamW(torch.optim.Optimizer):
         return wrote
 
     def _grad_scale(self) -> float:
-        return 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+        """The factor the kernel multiplies each gradient by: the loss scale's inverse, negative
+        under ``maximize=True`` (torch's AdamW steps along ``-grad`` then: the same bits)."""
+        scale = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+        return -scale if self._maximize() else scale
+
+    def _maximize(self) -> bool:
+        directions = {bool(g.get("maximize", False)) for g in self.param_groups}
+        if len(directions) > 1:
+            raise ValueError("TieredAdamW: the param groups mix maximize=True and maximize=False; one direction per "
+                             "optimizer is supported (make one TieredAdamW per direction)")
+        return directions == {True}
 
     def _step_groups(self) -> List[Any]:
         """Each param group's hyper-parameters as the engine takes them."""
@@ -653,6 +837,7 @@ class TieredAdamW(torch.optim.Optimizer):
         """
         self._follow_params()
         checkpoint.load_state_dict(self, state_dict)
+        self._bound = self._bindings()
 
     spilled_subgroups = 0  #: subgroups whose params and moments live on NVMe (0 without an NVMe tier)
     engine = None  #: memtide._memtide.UpdateEngine (None while there is nothing to update)
@@ -667,14 +852,16 @@ class TieredAdamW(torch.optim.Optimizer):
     def sync_master_from_model(self) -> None:
         """Re-reads the master params from the model's params.
 
-        Needed only after the model's params changed outside step() and load_state_dict (e.g.
-        ``model.load_state_dict`` after this optimizer was created) for params that are not views
-        of the optimizer's buffers: params on a GPU, and fp16/bf16 params (whose fp32 master is
-        then rebuilt from the low-precision values). In-place changes to the other params
-        (``model.load_state_dict``, ``torch.nn.init``) are noticed at the next step; a write
-        through ``p.data`` is not, so call this after one.
+        step(), state_dict() and load_state_dict() notice by themselves a param whose storage was
+        replaced (``module.to(...)``, ``p.data = x``) or that torch counted as written in place
+        (``model.load_state_dict``, ``torch.nn.init``). A write torch does not count, through
+        ``p.data`` in place (``p.data.copy_(x)``) into a param that is not a view of the
+        optimizer's buffers (a GPU param, an FSDP2 shard), is not: call this after one. For an
+        fp16/bf16 param this rebuilds the fp32 master from the low-precision values.
         """
+        self._follow_params()
         checkpoint.sync_master_from_model(self)
+        self._bound = self._bindings()
 
     def __repr__(self) -> str:
         plan = self.plan.summary() if self.engine is not None else "nothing to update"

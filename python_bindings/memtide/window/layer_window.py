@@ -87,6 +87,9 @@ class LayerWindow(_Hooks, _Buffers, _Sizing):
             flat = self._host_buffer(layout.bytes)
             homes = layout.views(flat)
             for k, p in enumerate(layout.params):
+                # The window moves this param between its home and device slots: an optimizer
+                # must not take a move for someone replacing its values (TieredAdamW's follow).
+                p._memtide_windowed = True
                 if self._owned_elsewhere(p):
                     homes[k] = p.data
                     self._flat_home[b] = False
@@ -181,6 +184,7 @@ class LayerWindow(_Hooks, _Buffers, _Sizing):
             self._evict(b)
         for layout in self.layouts:
             for p in layout.params:
+                p._memtide_windowed = False
                 p.data = p.data.to(self.device, copy=True)
                 if p.grad is not None:
                     p.grad = p.grad.to(self.device)
