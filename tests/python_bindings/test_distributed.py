@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
 import pytest
 import torch
@@ -161,19 +162,130 @@ def test_a_rank_that_leaves_makes_the_others_fail_not_hang(when, words, tmp_path
         assert w in said, (w, said)
 
 
-@pytest.mark.parametrize("wrap, setting, words", [("fsdp2", "policy", ["policy", "'cpu'", "'auto'"]),
-                                                  ("ddp", "subgroup_size", ["subgroup_size", "32", "16"]),
-                                                  ("fsdp2", "lr", ["hyper-parameters", "0.5"]),
-                                                  ("fsdp2", "whole_state", ["DTensor", "whole tensor", "state kept"])])
-def test_ranks_that_disagree_on_the_optimizer_or_its_state_are_refused_naming_it(wrap, setting, words, tmp_path):
-    worker = WORKER.with_name("distributed_settings_worker.py")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(worker), wrap, setting], env=clean_env(), cwd=tmp_path, capture_output=True, text=True,
-                       timeout=600)
+def launch_every_rank(worker: str, ranks: int, args: List[str], where: Path) -> List[dict]:
+    """Runs `worker` on `ranks` ranks in `where`; what each rank wrote there (rank<N>.json)."""
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                        str(WORKER.with_name(worker)), *args], env=clean_env(OMP_NUM_THREADS="1"), cwd=where,
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
-    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
-    for line in lines:  # every rank fails, naming the setting, both values and the ranks
-        if setting != "whole_state":
-            assert "disagree" in line and "rank 0" in line and "rank 1" in line, line
-        for w in words:
-            assert w in line, (w, line)
+    return [json.loads((where / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def disagreements(tmp_path_factory) -> List[dict]:
+    """Every case of distributed_settings_worker.py on 2 ranks, one launch: what each rank got."""
+    return launch_every_rank("distributed_settings_worker.py", 2, ["pairs"], tmp_path_factory.mktemp("pairs"))
+
+
+@pytest.fixture(scope="module")
+def hsdp_disagreements(tmp_path_factory) -> List[dict]:
+    """The HSDP cases (4 ranks, 2 replicas of 2 shards; the second replica differs), one launch."""
+    return launch_every_rank("distributed_settings_worker.py", 4, ["hsdp"], tmp_path_factory.mktemp("hsdp"))
+
+
+# What rank 1 passes against rank 0 (distributed_settings_worker.py), and what every rank's error
+# says; {p} is a param's placements under FSDP2.
+DISAGREEMENTS = {
+    "policy": ["policy (rank 0: 'cpu'; rank 1: 'auto')"],
+    "subgroup_size": ["subgroup_size (rank 0: 32; rank 1: 16)"],
+    "lr": ["lr of group 0 (rank 0: 0.001; rank 1: 0.5); they also disagree on lr of group 1."],
+    "weight_decay": ["weight_decay of group 0 (rank 0: 0.01; rank 1: 0.1)."],
+    "betas": ["betas of group 0 (rank 0: [0.9, 0.999]; rank 1: [0.8, 0.999])"],
+    "eps": ["eps of group 0 (rank 0: 1e-08; rank 1: 1e-06)"],
+    "max_grad_norm": ["max_grad_norm (rank 0: None; rank 1: 1.0)"],
+    "loss_scale": ["loss_scale (rank 0: 'dynamic'; rank 1: 1024.0)"],
+    "growth_interval": ["loss_scale.growth_interval (rank 0: 2000; rank 1: 100)"],
+    "host_budget": ["host_budget (rank 0: 68719476736; rank 1: 34359738368)"],
+    "update_during_backward": ["update_during_backward (rank 0: False; rank 1: True)"],
+    "k": ["disagree on k (rank 0: None; rank 1: 4.0)"],
+    "gpu_static_fraction": ["gpu_static_fraction (rank 0: 0.0; rank 1: 0.5)"],
+    "group_key": ["tag of group 1 (rank 0: 'no_decay'; rank 1: 'other')"],
+    "left_out": ["params of group 0 (rank 0: 4 params; rank 1: 3 params), and param 3 is the first that differs "
+                 "(rank 0: [2] float32{p}; rank 1: none)"],
+    "shape": ["params of group 1: param 0 is the first that differs (rank 0: [4, 3] float32{p}; "
+              "rank 1: [3, 4] float32{p})"],
+    "dtype": ["params of group 1: param 0 is the first that differs (rank 0: [4, 3] float32{p}; "
+              "rank 1: [4, 3] bfloat16{p})"],
+}
+
+
+@pytest.mark.parametrize("case", list(DISAGREEMENTS))
+@pytest.mark.parametrize("wrap", ["fsdp2", "ddp", "ddp-auto"])
+def test_ranks_that_disagree_on_a_setting_or_their_params_all_fail_naming_it(disagreements, wrap, case):
+    # FSDP2: at construction. DDP: at register_ddp, or (ddp-auto, nobody calls it) at the first
+    # forward, where TieredAdamW finds the DDP model holding its params. Every rank fails alike.
+    who = "TieredAdamW.register_ddp" if wrap == "ddp" else "TieredAdamW"
+    placements = " (Shard(dim=0))" if wrap == "fsdp2" else ""
+    for rank, said in enumerate(disagreements):
+        line = said[f"{wrap}/{case}"]
+        assert line.startswith(f"{who}: the ranks disagree on "), (rank, line)
+        assert line == disagreements[0][f"{wrap}/{case}"]
+        for w in DISAGREEMENTS[case]:
+            assert w.format(p=placements) in line, (rank, w, line)
+
+
+def test_ranks_that_agree_build_alike_even_with_uneven_shards(disagreements, hsdp_disagreements):
+    # Updates during backward on every rank: FSDP2's uneven shards cut 23 subgroups on one rank and
+    # 20 on the other, so the quarter taken differs (6 and 5): the setting is True on both.
+    for said in disagreements:
+        assert [said[f"{wrap}/same"] for wrap in ("fsdp2", "ddp", "ddp-auto")] == ["no error"] * 3, said
+    for said in hsdp_disagreements:
+        assert said["hsdp/same"] == "no error", said
+
+
+def test_hsdp_replicas_that_disagree_all_fail_naming_each_replicas_ranks(hsdp_disagreements):
+    # Each replica agrees within itself: only a comparison over the whole 2-D mesh sees it.
+    placements = "(Replicate(), Shard(dim=0))"
+    expected = {
+        "weight_decay": "weight_decay of group 0 (ranks 0, 1: 0.01; ranks 2, 3: 0.1).",
+        "shape": f"params of group 1: param 0 is the first that differs (ranks 0, 1: [4, 3] float32 {placements}; "
+                 f"ranks 2, 3: [3, 4] float32 {placements})",
+        "left_out": f"params of group 0 (ranks 0, 1: 4 params; ranks 2, 3: 3 params), and param 3 is the first that "
+                    f"differs (ranks 0, 1: [2] float32 {placements}; ranks 2, 3: none)"}
+    for rank, said in enumerate(hsdp_disagreements):
+        for case, words in expected.items():
+            line = said[f"hsdp/{case}"]
+            assert line.startswith("TieredAdamW: the ranks disagree on "), (rank, line)
+            assert words in line, (rank, case, line)
+
+
+def test_a_whole_moment_loaded_into_a_sharded_param_is_refused_on_every_rank(disagreements):
+    for rank, said in enumerate(disagreements):
+        line = said["fsdp2/whole_state"]
+        for w in ["DTensor", "whole tensor", "state kept"]:
+            assert w in line, (rank, w, line)
+
+
+def test_ddp_without_register_ddp_is_found_at_its_first_forward(tmp_path):
+    # Frameworks wrap DDP themselves (HF Trainer, Accelerate, Lightning): nobody calls register_ddp.
+    # TieredAdamW finds the DDP model at its first forward and takes its reduced gradients during
+    # backward, as register_ddp does; a hook of the user's own stays, with one warning.
+    said = launch_every_rank("distributed_ddp_worker.py", 2, [], tmp_path)
+    for rank, r in enumerate(said):
+        for scenario in ("auto", "auto+eager", "auto-inner", "own-hook", "builtin-hook", "explicit",
+                         "explicit-own-hook"):
+            s = r[scenario]
+            assert s["moved"] > 1e-3 and s["max_diff"] <= 1e-6, (rank, scenario, s)  # trained as torch.optim.AdamW
+            assert not s["watching"], (rank, scenario)
+            mine = not scenario.endswith("hook")
+            # Found at the first forward (or registered): every gradient came reduced, during backward.
+            assert s["found_at_first_forward"] is mine and s["found"] is mine, (rank, scenario, s)
+            assert s["regathered"] == (0 if mine else 6 * 4), (rank, scenario, s)  # else 6 params x 4 steps
+            hooked = scenario in ("own-hook", "builtin-hook")
+            assert len(s["warnings"]) == (1 if hooked else 0), (rank, scenario, s["warnings"])
+        assert "communication hook of its own already (allreduce_hook)" in r["own-hook"]["warnings"][0]
+        assert "(BuiltinCommHookType.ALLREDUCE)" in r["builtin-hook"]["warnings"][0]
+        for w in r["own-hook"]["warnings"]:
+            assert "does not overlap backward; results are unaffected" in w
+        assert r["auto+eager"]["eager_kept"] > 0
+        assert r["auto"]["register_again"] == r["explicit"]["register_again"] == "no error"
+        assert r["explicit"]["register"] == "no error"
+        assert r["explicit-own-hook"]["register"].startswith(
+            "TieredAdamW.register_ddp: the DDP model has a communication hook of its own already (allreduce_hook)")
+        # An optimizer whose params are not in the DDP model is left alone; its watch ends with its
+        # first step.
+        assert r["not-mine"] == {"mine": True, "other": False, "other_watching_before_step": True,
+                                 "other_watching_after_step": False, "hooks_left": 0}
+        # Dropped before any forward: collected (the global hook holds it weakly) and its hook gone.
+        assert r["collected"] == {"watching": 1, "alive": False, "hooks_left": 0, "ddp_hooks": 0}
+        assert r["hooks_at_end"] == 0

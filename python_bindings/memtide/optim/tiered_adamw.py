@@ -289,8 +289,10 @@ class TieredAdamW(torch.optim.Optimizer):
     def _bindings(self) -> List[Any]:
         """What each watched param holds now: for a view of the optimizer's buffers its data
         pointer (a write into it is a write of the master itself), for any other its data pointer
-        and torch's count of in-place writes to it."""
-        return [p.data_ptr() if aliased else ((t := p._local_tensor if dt else p).data_ptr(), t._version)
+        and torch's count of in-place writes to it. (torch.Tensor's own data_ptr: Accelerate's
+        FSDP2 prepare sets an int attribute of that name on the params it replaces.)"""
+        data_ptr = torch.Tensor.data_ptr
+        return [data_ptr(p) if aliased else (data_ptr(t := p._local_tensor if dt else p), t._version)
                 for p, dt, aliased in self._watched]
 
     @torch.no_grad()
