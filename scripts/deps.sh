@@ -52,6 +52,18 @@ if ((${#missing_pip[@]})); then
   log "installing Python packages into .venv: ${missing_pip[*]}"
   .venv/bin/python -m pip install -q --progress-bar off "${missing_pip[@]}"
 fi
+# Packages whose own requirements are far more than what memtide's tests import of them
+# (torchtitan: wandb, tensorboard, datasets, ...): installed without them; MEMTIDE_EXTRA_PIP names
+# the few that are needed.
+read -r -a nodeps_pip <<< "${MEMTIDE_EXTRA_PIP_NODEPS:-}"
+missing_pip=()
+for p in "${nodeps_pip[@]}"; do
+  .venv/bin/python -m pip show -q "$p" >/dev/null 2>&1 || missing_pip+=("$p")
+done
+if ((${#missing_pip[@]})); then
+  log "installing Python packages into .venv without their requirements: ${missing_pip[*]}"
+  .venv/bin/python -m pip install -q --progress-bar off --no-deps "${missing_pip[@]}"
+fi
 
 # nvcc is optional: CudaDevice is built when it is on PATH or in the usual toolkit location.
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then

@@ -5,7 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MEMTIDE_EXTRA_APT="chromium"  # the timeline report is opened in a headless browser
-export MEMTIDE_EXTRA_PIP="accelerate"  # Accelerate's FSDP2 set-up with TieredAdamW is tested
+# The frameworks TieredAdamW is tested under (test_frameworks.py, docs/distributed.md); of torchtitan
+# the tests import its optimizer container and Llama 3 model, which need only the five beside it.
+export MEMTIDE_EXTRA_PIP="accelerate transformers lightning tyro spmd_types==0.2.3 einops torch_checkpointing torchdata"
+export MEMTIDE_EXTRA_PIP_NODEPS="torchtitan"
 source scripts/deps.sh
 jobs=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 t0=$(date +%s)
