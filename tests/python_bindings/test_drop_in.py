@@ -161,7 +161,14 @@ def test_torch_adamw_keyword_arguments_are_accepted(kw):
                                        (dict(decoupled_weight_decay=False), "decoupled_weight_decay=False"),
                                        (dict(maximize="yes"), "maximize must be a bool"),
                                        (dict(fused="always"), "fused must be a bool or None"),
-                                       (dict(amsgrad=True), "amsgrad=True is not supported")])
+                                       (dict(amsgrad=True), "amsgrad=True is not supported"),
+                                       (dict(capturable=None), "capturable must be a bool"),
+                                       # torch refuses these with a TypeError somewhere inside; a str lr
+                                       # used to be taken and converted at every step
+                                       (dict(lr="0.1"), "lr must be a real number .*; got a str"),
+                                       (dict(lr=True), "lr must be a real number .*; got a bool"),
+                                       (dict(weight_decay=None), "weight_decay must be a real number .*; got None"),
+                                       (dict(lr=torch.tensor([0.1, 0.2])), "got a tensor of 2 elements")])
 def test_torch_keyword_values_memtide_cannot_honour_are_refused_naming_them(kw, words):
     with pytest.raises(ValueError, match=words):
         TieredAdamW(model().parameters(), **kw)

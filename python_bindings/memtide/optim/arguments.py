@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -120,7 +121,6 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
     mkldnn, nested, a subclass, a device other than the CPU or CUDA). Loading then writes nothing
     that can fail: every value it reads was checked here.
     """
-    import numbers
 
     def bad(message: str) -> ValueError:
         return ValueError(f"{where}: {message}")
@@ -131,41 +131,6 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
     readable |= {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
                                              "float8_e8m0fnu") if hasattr(torch, n)}
 
-    def unreadable(value: Any) -> str:
-        """What makes `value` a tensor whose values cannot be read here ("" if it can be)."""
-        if not isinstance(value, torch.Tensor):
-            return f"a {type(value).__name__}"
-        t, plain = local(value), (torch.Tensor, torch.nn.Parameter)
-        if not is_dtensor(value) and type(value) not in plain:
-            return f"a {type(value).__name__} (a torch.Tensor subclass)"
-        if type(t) not in plain:
-            return f"a DTensor whose local shard is a {type(t).__name__} (a torch.Tensor subclass)"
-        if t.is_nested:
-            return "a nested tensor"
-        if t.layout != torch.strided:
-            return f"a {str(t.layout).replace('torch.', '')} tensor"
-        if t.device.type == "meta":
-            return "a meta tensor, which holds no data"
-        if t.device.type not in ("cpu", "cuda"):
-            return f"a tensor on the {t.device} device"
-        return ""
-
-    def number_problem(value: Any) -> str:
-        """Why `value` is not a real number or a one-element real tensor ("" if it is one)."""
-        if isinstance(value, torch.Tensor):
-            problem = unreadable(value)
-            if problem:
-                return problem
-            if value.numel() != 1:
-                return f"a tensor of {value.numel()} elements"
-            if value.dtype == torch.bool or value.is_complex() or value.is_quantized:
-                return f"a tensor of dtype {value.dtype}"
-            return ""
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return "None" if value is None else f"a {type(value).__name__}"
-        return ""
-
-    number = "a real number or a one-element real tensor with data on the CPU or a CUDA device"
 
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), (list, tuple)) \
             or not isinstance(state_dict.get("state"), dict):
@@ -183,23 +148,10 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
         if saved.get("amsgrad", False):
             raise bad("the state dict comes from amsgrad=True, which TieredAdamW does not support")
         values = {k: v for k, v in saved.items() if k != "params"}
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            if key not in values:
-                continue
-            value, accepted = values[key], number
-            if key == "betas":
-                accepted = f"a pair (a tuple or a list of two), each {number}"
-                problem = (f"a {type(value).__name__}" if not isinstance(value, (tuple, list))
-                           else f"{len(value)} value{'s' * (len(value) != 1)}" if len(value) != 2
-                           else next((f"{p} in it" for p in map(number_problem, value) if p), ""))
-            else:
-                problem = number_problem(value)
-            if problem:
-                raise bad(f"param group {gi}: {key} must be {accepted}; got {problem}: {value!r}")
         try:
             check_group({**group, **values})
         except (ValueError, TypeError, RuntimeError) as e:
-            raise bad(f"param group {gi}: {e}") from None
+            raise bad(f"param group {gi}: {str(e).removeprefix('TieredAdamW: ')}") from None
         groups.append(values)
     order = [p for g in param_groups for p in g["params"]]
     group_of = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
@@ -233,7 +185,7 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
                 if key == "master_param":
                     continue
                 raise bad(f"state of param {idx} has no {key!r}")
-            problem = unreadable(value)
+            problem = tensor_problem(value)
             if not problem and local(value).dtype not in readable:
                 problem = f"a tensor of dtype {local(value).dtype}"
             if problem:
@@ -267,7 +219,7 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
             step = float(step)  # another real number type (numpy's)
         if problem or not isinstance(step, (int, float)) or not math.isfinite(step) \
                 or step < 0 or step != int(step) or step > MAX_STEP:
-            raise bad(f"step of param {idx} must be a whole number >= 0 and <= {MAX_STEP} ({number}) (group {gi}), "
+            raise bad(f"step of param {idx} must be a whole number >= 0 and <= {MAX_STEP} ({NUMBER}) (group {gi}), "
                       "got " + (f"{problem}: " if problem else "") + f"{entry.get('step')!r}")
         entries.append((p, tensors["exp_avg"], tensors["exp_avg_sq"], int(step), tensors.get("master_param")))
     memtide_state = state_dict.get("memtide") or {}
@@ -300,6 +252,45 @@ def check_state_dict(state_dict: Any, param_groups: List[Dict[str, Any]], where:
     return entries, groups, scaler_state
 
 
+#: What a hyper-parameter (lr, eps, weight_decay, each beta) may be, as torch.optim.AdamW takes it.
+NUMBER = "a real number or a one-element real tensor with data on the CPU or a CUDA device"
+
+
+def tensor_problem(value: Any) -> str:
+    """What makes `value` a tensor whose values cannot be read here ("" if it can be)."""
+    if not isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__}"
+    t, plain = local(value), (torch.Tensor, torch.nn.Parameter)
+    if not is_dtensor(value) and type(value) not in plain:
+        return f"a {type(value).__name__} (a torch.Tensor subclass)"
+    if type(t) not in plain:
+        return f"a DTensor whose local shard is a {type(t).__name__} (a torch.Tensor subclass)"
+    if t.is_nested:
+        return "a nested tensor"
+    if t.layout != torch.strided:
+        return f"a {str(t.layout).replace('torch.', '')} tensor"
+    if t.device.type == "meta":
+        return "a meta tensor, which holds no data"
+    if t.device.type not in ("cpu", "cuda"):
+        return f"a tensor on the {t.device} device"
+    return ""
+
+def number_problem(value: Any) -> str:
+    """Why `value` (a hyper-parameter) is not a real number or a one-element real tensor ("" if it is one)."""
+    if isinstance(value, torch.Tensor):
+        problem = tensor_problem(value)
+        if problem:
+            return problem
+        if value.numel() != 1:
+            return f"a tensor of {value.numel()} elements"
+        if value.dtype == torch.bool or value.is_complex() or value.is_quantized:
+            return f"a tensor of dtype {value.dtype}"
+        return ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return "None" if value is None else f"a {type(value).__name__}"
+    return ""
+
+
 @functools.lru_cache(maxsize=None)
 def torch_group_defaults() -> Dict[str, Any]:
     """Every key of a torch.optim.AdamW param group on the installed torch, with its default
@@ -326,6 +317,17 @@ def check_group(group: Dict[str, Any]) -> None:
             raise ValueError(f"TieredAdamW: {key} must be " + (" or ".join("None" if t is type(None) else "a bool"
                                                                           for t in accepted))
                              + f", got {group[key]!r}")
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        value, accepted = group[key], NUMBER
+        if key == "betas":
+            accepted = f"a pair (a tuple or a list of two), each {NUMBER}"
+            problem = (f"a {type(value).__name__}" if not isinstance(value, (tuple, list))
+                       else f"{len(value)} value{'s' * (len(value) != 1)}" if len(value) != 2
+                       else next((f"{p} in it" for p in map(number_problem, value) if p), ""))
+        else:
+            problem = number_problem(value)
+        if problem:
+            raise ValueError(f"TieredAdamW: {key} must be {accepted}; got {problem}: {value!r}")
     lr = group["lr"]
     lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
     if not (math.isfinite(lr) and lr >= 0.0):
