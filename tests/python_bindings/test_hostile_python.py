@@ -142,6 +142,49 @@ def test_the_cli_names_every_bad_argument_without_a_traceback(argv, words):
         assert word.lower() in p.stderr.lower(), (word, p.stderr)
 
 
+# ---- every file the CLI reads: a FIFO is refused naming it, never waited on -----------------------
+
+# {fifo}: a FIFO named like a trace; {pickle}: one named like a snapshot; {folder}: a folder whose
+# only trace is a FIFO; {trace}: a real trace beside them. The FIFO named in the error is `named`.
+FIFO_CASES = [
+    (["timeline", "{fifo}"], "{fifo}"),
+    (["timeline", "{pickle}"], "{pickle}"),
+    (["timeline", "{folder}"], "{folder}/r.trace.jsonl"),
+    (["timeline", "{folder}/*.trace.jsonl"], "{folder}/r.trace.jsonl"),
+    (["timeline", "{trace}", "{fifo}"], "{fifo}"),  # the traces of a job's ranks
+    (["probe", "--topology", "{fifo}"], "{fifo}"),
+    (["simulate", "--topology", "{fifo}"], "{fifo}"),
+    (["observe", "--log", "{fifo}", "--", "true"], "{fifo}"),
+]
+
+
+@pytest.mark.parametrize("argv, named", FIFO_CASES, ids=[" ".join(a) for a, _ in FIFO_CASES])
+def test_a_fifo_given_as_any_file_the_cli_reads_is_refused_naming_it(tmp_path, argv, named):
+    where = {"fifo": str(tmp_path / "t.trace.jsonl"), "pickle": str(tmp_path / "s.pickle"),
+             "folder": str(tmp_path / "runs"), "trace": str(tmp_path / "a.trace.jsonl")}
+    os.mkfifo(where["fifo"])
+    os.mkfifo(where["pickle"])
+    os.mkdir(where["folder"])
+    os.mkfifo(os.path.join(where["folder"], "r.trace.jsonl"))
+    with open(where["trace"], "w") as f:
+        f.write(json.dumps({"memtide_trace": 1, "source": "test", "clock": "virtual", "rank": 0}) + "\n")
+    # A reader that opened a FIFO would wait for a writer that never comes: the timeout fails it.
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", *[a.format(**where) for a in argv]],
+                       env=clean_env(MEMTIDE_DEVICE="sim"), cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert named.format(**where) in p.stderr and "not a regular file" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_a_fifo_as_memtide_topology_is_refused_naming_it(tmp_path):
+    fifo = str(tmp_path / "topo.xml")
+    os.mkfifo(fifo)
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "probe"], env=clean_env(MEMTIDE_TOPOLOGY=fifo),
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "MEMTIDE_TOPOLOGY" in p.stderr and fifo in p.stderr, p.stderr[-2000:]
+    assert "not a regular file" in p.stderr and "Traceback" not in p.stderr
+
+
 # ---- the environment: a bad MEMTIDE_* value stops the first use, naming it -------------------------
 
 ENV_CASES = [

@@ -236,3 +236,12 @@ def test_ctrl_c_is_passed_on_and_what_was_observed_is_kept(tmp_path, fake_cudart
     assert "interrupted" in err
     assert "96.00 MiB" in out  # the summary of what was observed
     assert (tmp_path / "obs.html").stat().st_size > 1000 and (tmp_path / "obs.trace.jsonl").exists()
+
+
+def test_a_log_whose_first_line_nests_deeply_is_not_taken_for_an_observe_log(tmp_path):
+    log = tmp_path / "t.jsonl"
+    log.write_text("[" * 3000 + "]" * 3000 + "\n")
+    p = observe(tmp_path, "--log", str(log), "--", sys.executable, "-c", "pass")
+    assert p.returncode == 2 and "is not a memtide observe log" in p.stderr, p.stderr
+    assert "recursion" not in p.stderr and "Traceback" not in p.stderr
+    assert log.read_text().startswith("[[[")

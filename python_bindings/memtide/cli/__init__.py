@@ -10,6 +10,7 @@ import sys
 from typing import Optional, Sequence
 
 import memtide
+from memtide._files import FileRefused
 
 from . import info, observe, plan, probe, run, simulate, timeline
 from ._common import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_USAGE, UsageError, error
@@ -35,7 +36,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_USAGE
     try:
         return int(args.func(args))
-    except (memtide.ConfigError, UsageError) as e:
+    except (memtide.ConfigError, UsageError, FileRefused) as e:
+        # FileRefused: a path given where memtide reads or writes a regular file is none (a link,
+        # a FIFO, a folder), or a file that is not what it must be: the user's to change.
         error(e)
         return EXIT_USAGE
     except BrokenPipeError:

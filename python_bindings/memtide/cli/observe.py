@@ -12,6 +12,7 @@ import sys
 from typing import Any, Dict, List, Tuple
 
 import memtide
+from memtide._files import FileRefused, check_target, json_value, open_input
 from memtide._memtide import format_bytes
 
 from ._common import EXIT_INTERRUPTED, UsageError
@@ -27,13 +28,13 @@ def _read_timeline(path: str) -> Dict[str, Any]:
     last_current: Dict[Any, int] = {}  # per process, what its last event left allocated
     peak, peak_t = 0, None
     t0 = None
-    with open(path, errors="replace") as f:
+    with open_input(path, "--log", binary=False, errors="replace") as f:
         lines = f.read().split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the file ends with a newline, as every whole line does
     for n, line in enumerate(lines, 1):
         try:
-            rec = json.loads(line)
+            rec = json_value(line)  # nested too deeply is a ValueError too
             if not isinstance(rec, dict):
                 raise ValueError("not an object")
         except ValueError:
@@ -70,9 +71,9 @@ def _read_timeline(path: str) -> Dict[str, Any]:
 def _is_observer_log(path: str) -> bool:
     """Whether `path` starts as the observer's logs do: a header line with the process id."""
     try:
-        with open(path, "rb") as f:
-            first = json.loads(f.readline(4096))
-    except (OSError, ValueError):
+        with open_input(path, "--log") as f:
+            first = json_value(f.readline(4096))
+    except (OSError, ValueError):  # FileRefused and json_value's NestedTooDeep among them
         return False
     return isinstance(first, dict) and first.get("type") == "header" and "pid" in first
 
@@ -129,9 +130,10 @@ def _cmd_observe(args: argparse.Namespace) -> int:
     if not args.log:
         raise UsageError("memtide observe: --log needs a file name")
     log = os.path.abspath(args.log)
-    if os.path.lexists(log) and (os.path.islink(log) or not os.path.isfile(log)):
-        raise UsageError(f"memtide observe: --log {args.log} exists and is not a regular file "
-                         "(a link, a device or a folder); choose another path")
+    try:  # the observer (C++) writes the log; a link, FIFO, device or folder there is refused first
+        check_target(args.log)
+    except FileRefused as e:
+        raise UsageError(f"memtide observe: --log: {e}") from None
     replace = os.path.isfile(log) and os.path.getsize(log) > 0
     if replace and not _is_observer_log(log):
         raise UsageError(f"memtide observe: --log {args.log} exists and is not a memtide observe log; memtide "

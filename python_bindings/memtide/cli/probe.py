@@ -9,6 +9,7 @@ import sys
 from typing import Any, Dict
 
 import memtide
+from memtide._files import check_input
 from memtide._memtide import format_bytes, format_cpu_list
 
 from ._common import EXIT_USAGE, UsageError, positive_size
@@ -96,11 +97,12 @@ def _cmd_probe_nvme(args: argparse.Namespace) -> int:
 def _cmd_probe(args: argparse.Namespace) -> int:
     if args.nvme is not None:
         return _cmd_probe_nvme(args)
-    if args.topology is not None and not os.path.isfile(args.topology):
-        what = "is not a file" if os.path.exists(args.topology) else "does not exist"
-        print(f"memtide probe: --topology {args.topology!r} {what}; expected an hwloc XML file (lstopo --of xml)",
-              file=sys.stderr)
-        return EXIT_USAGE
+    if args.topology is not None:
+        check_input(args.topology, "--topology")  # a FIFO or a folder: refused naming it, exit 2
+        if not os.path.exists(args.topology):
+            print(f"memtide probe: --topology {args.topology!r} does not exist; expected an hwloc XML file "
+                  "(lstopo --of xml)", file=sys.stderr)
+            return EXIT_USAGE
     topo = memtide.topology(args.topology)
     if args.json:
         json.dump(_probe_json(topo), sys.stdout, indent=2)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, Dict, List, TextIO
 
 import memtide
+from memtide._files import SHARED, FileRefused, open_output
 
 from ._common import UsageError
 
@@ -62,14 +62,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(sweep, indent=2))
         return 0
     if args.csv and args.csv != "-":
-        tmp = f"{args.csv}.tmp-{os.getpid()}"
         try:  # the whole file or none: a failed run leaves an earlier CSV as it was
-            with open(tmp, "w") as f:
+            with open_output(args.csv, mode=SHARED) as f:
                 write_csv(sweep["rows"], f)
-            os.replace(tmp, args.csv)
+        except FileRefused as e:
+            raise UsageError(f"--csv: {e}") from None
         except OSError as e:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
             raise UsageError(f"--csv {args.csv}: {e.strerror or e}") from None
     else:
         write_csv(sweep["rows"], sys.stdout)

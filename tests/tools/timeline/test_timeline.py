@@ -390,3 +390,130 @@ def test_a_png_skipped_for_want_of_matplotlib_is_said_with_how_to_install_it(tmp
                         str(tmp_path / "t.html"), "--json"], env=env, capture_output=True, text=True, timeout=300)
     assert q.returncode == 0 and "pip install matplotlib" in q.stderr, q.stderr
     assert json.loads(q.stdout)["png"] is None
+
+
+# ---- hostile inputs: special files, deep nesting, links at the outputs ---------------------------
+
+# Every reader of the package, each given a FIFO (named like a trace; for trace_inputs, the only
+# trace in a folder): each must refuse it naming it, never open it and wait for a writer.
+READ_A_FIFO_EVERY_WAY = r"""
+import os, sys
+import memtide_timeline as timeline
+fifo, folder, real, out = sys.argv[1:5]
+calls = {
+    "read_trace": lambda: timeline.read_trace(fifo),
+    "read_snapshot": lambda: timeline.read_snapshot(fifo),
+    "looks_like_pickle": lambda: timeline.looks_like_pickle(fifo),
+    "trace_inputs": lambda: timeline.trace_inputs([folder]),
+    "render": lambda: timeline.render(fifo, os.path.join(out, "r.html")),
+    "render_ranks": lambda: timeline.render_ranks([real, fifo], os.path.join(out, "k.html")),
+    "trace_from_observer": lambda: timeline.trace_from_observer(fifo, os.path.join(out, "o.trace.jsonl")),
+}
+for name, call in calls.items():
+    try:
+        call()
+        print(name, "read it")
+    except timeline.TraceError as e:
+        print(name, "refused:", e)
+"""
+
+
+def test_every_reader_refuses_a_fifo_naming_it_without_waiting_on_it(tmp_path):
+    fifo, folder = tmp_path / "t.trace.jsonl", tmp_path / "runs"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    os.mkfifo(folder / "r.trace.jsonl")
+    real = make_trace(tmp_path / "a.trace.jsonl", ops=2)
+    (tmp_path / "out").mkdir()
+    p = subprocess.run([sys.executable, "-c", READ_A_FIFO_EVERY_WAY, str(fifo), str(folder), str(real),
+                        str(tmp_path / "out")], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 7, p.stdout
+    for line in lines:
+        named = folder / "r.trace.jsonl" if line.startswith("trace_inputs") else fifo
+        assert "refused:" in line and f"{named} is a FIFO, not a regular file" in line, line
+    assert os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("line", [1, 2])
+def test_a_trace_nested_100000_deep_is_refused_naming_the_file_and_the_line(tmp_path, line):
+    deep = "[" * 100_000 + "]" * 100_000
+    path = tmp_path / "deep.jsonl"
+    if line == 1:
+        path.write_text('{"memtide_trace": 1, "x": ' + deep + "}\n")
+    else:
+        _one_event_trace(path, '{"type": "phase", "t": 0, "phase": "forward", "x": ' + deep + "}")
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", str(path), "-o", str(tmp_path / "r.html")],
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"{path}: line {line} is nested 100,001 levels deep" in p.stderr, p.stderr[-2000:]
+    assert "recursion" not in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_an_observer_log_line_nested_too_deeply_is_skipped_like_a_line_cut_short(tmp_path):
+    log = tmp_path / "o.jsonl"
+    event = {"type": "event", "t_ns": 1000, "op": "cudaMalloc", "ptr": "0x10", "size": 4096, "current": 4096, "pid": 7}
+    log.write_text(json.dumps({"type": "header", "pid": 7}) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n"
+                   + json.dumps(event) + "\n")
+    assert timeline.trace_from_observer(str(log), str(tmp_path / "o.trace.jsonl")) == 2  # the alloc and its memory
+
+
+# A stand-in matplotlib whose savefig writes where it is told, as the real one does (a path or a
+# file): render() must hand it the one writer's file, never the PNG's path.
+FAKE_MATPLOTLIB = '''
+class _Any:
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+class _Figure(_Any):
+    def savefig(self, fname, **kwargs):
+        if hasattr(fname, "write"):
+            fname.write(b"PNG")
+        else:
+            with open(fname, "wb") as f:
+                f.write(b"PNG")
+
+def subplots(*a, **k):
+    return _Figure(), (_Any(), _Any())
+
+def close(fig):
+    pass
+'''
+
+
+RENDER_PNG = "import memtide_timeline as t, sys; t.render(*sys.argv[1:3], png=sys.argv[3])"
+
+
+def test_a_png_target_that_is_a_link_is_refused_and_its_target_untouched(tmp_path):
+    fake = tmp_path / "fake" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("def use(name):\n    pass\n")
+    (fake / "pyplot.py").write_text(FAKE_MATPLOTLIB)
+    trace = make_trace(tmp_path / "t.jsonl", ops=5)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "p.png").symlink_to(victim)
+    env = clean_env(PYTHONPATH=str(tmp_path / "fake") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "memtide.cli", "timeline", str(trace), "-o", str(tmp_path / "r.html"),
+                        "--png", str(tmp_path / "p.png")], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and f"{tmp_path / 'p.png'} is a symbolic link" in p.stderr, p.stderr[-2000:]
+    assert victim.read_text() == "precious" and (tmp_path / "p.png").is_symlink()
+    q = subprocess.run([sys.executable, "-c", RENDER_PNG,
+                        str(trace), str(tmp_path / "r.html"), str(tmp_path / "p.png")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert q.returncode == 1 and "is a symbolic link" in q.stderr, q.stderr[-2000:]
+    assert victim.read_text() == "precious"
+    q = subprocess.run([sys.executable, "-c", RENDER_PNG,
+                        str(trace), str(tmp_path / "r.html"), str(tmp_path / "real.png")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert q.returncode == 0, q.stderr[-2000:]
+    assert (tmp_path / "real.png").read_bytes() == b"PNG"
+    assert stat.S_IMODE(os.stat(tmp_path / "real.png").st_mode) == 0o600
+
+
+def test_a_trace_writer_refused_at_its_header_leaves_no_file(tmp_path):
+    with pytest.raises(ValueError, match="JSON compliant"):
+        timeline.TraceWriter(str(tmp_path / "t.jsonl"), capacity_bytes=float("nan"))
+    assert os.listdir(tmp_path) == []  # neither the trace nor its temporary file

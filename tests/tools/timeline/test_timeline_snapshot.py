@@ -156,6 +156,7 @@ def test_a_hostile_pickle_is_refused_without_running_its_code(tmp_path):
 @pytest.mark.parametrize("content, words", [
     (b"\x80\x04\x95", "is not a readable pickle"),  # cut short
     (pickle.dumps([1, 2, 3]), "expected a dict with 'segments'"),
+    (pickle.dumps({1: 2, "a": 3}), "a dict without 'segments' (keys 'a', 1)"),  # keys that do not sort together
     (pickle.dumps({"segments": {"a": 1}}), "'segments' must be a list, got dict"),
     (pickle.dumps({"segments": [{"total_size": "big", "blocks": []}]}), "segments[0].total_size must be a whole number"),
     (pickle.dumps({"segments": [{"total_size": 4096, "blocks": [{"size": -1}]}]}), "segments[0].blocks[0].size"),
@@ -180,3 +181,40 @@ def test_bad_snapshots_are_named(tmp_path, content, words):
 def test_memory_viz_output_is_refused_for_a_snapshot(tmp_path):
     p = cli(COMMITTED, "-o", str(tmp_path / "s.html"), "--memory-viz", str(tmp_path / "x.pickle"))
     assert p.returncode in (1, 2) and "--memory-viz" in p.stderr and "Traceback" not in p.stderr
+
+
+_MARKER = "DEEP_VALUE_HERE"
+
+
+def _with_deep_value(obj, depth: int = 100_000) -> bytes:
+    """`obj` pickled with a list nested `depth` deep in place of the text _MARKER: built from
+    opcodes (EMPTY_LIST `depth` times, then APPEND), as no pickler nests that deep."""
+    import io
+
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=2)
+    pickler.fast = True  # no memo: the marker's bytes stand alone
+    pickler.dump(obj)
+    marker = b"X" + len(_MARKER).to_bytes(4, "little") + _MARKER.encode()
+    assert buf.getvalue().count(marker) == 1
+    return buf.getvalue().replace(marker, b"]" * depth + b"a" * (depth - 1))
+
+
+@pytest.mark.parametrize("snapshot", [
+    {"segments": [{"total_size": _MARKER, "blocks": []}]},
+    {"segments": [{"total_size": 4096, "blocks": [{"size": 8, "state": _MARKER}]}]},
+    {"segments": [], "device_traces": [[{"action": _MARKER, "size": 8}]]},
+    {"segments": [], "device_traces": [[{"action": "alloc", "size": 8, "frames": [{"name": _MARKER}]}]]},
+    {"segments": [], "x": {"y": _MARKER}},
+    {"segments": _MARKER},
+], ids=["a size", "a state", "an action", "a frame", "a field not drawn", "the segments"])
+def test_a_snapshot_nested_100000_deep_is_refused_naming_the_file(tmp_path, snapshot):
+    path = tmp_path / "deep.pickle"
+    path.write_bytes(_with_deep_value(snapshot))
+    p = cli(str(path), "-o", str(tmp_path / "d.html"))
+    if "x" in snapshot:  # nothing reads it: drawn as any snapshot without segments
+        assert p.returncode == 0, p.stderr[-2000:]
+        return
+    assert p.returncode == 2 and str(path) in p.stderr, p.stderr[-2000:]
+    assert "recursion" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "d.html").exists()

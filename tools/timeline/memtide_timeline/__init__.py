@@ -51,8 +51,9 @@ aligned).
 The modules: ``trace`` (the format, writer and reader), ``record`` (traces from the allocator's
 events and the observer's log), ``model`` (the Timeline a report draws), ``html_report`` (the
 HTML), ``export`` (Chrome trace, memory_viz pickle, PNG, and render() for all of them), ``files``
-(the report's files, written atomically), ``snapshot`` (torch's memory snapshots, read without
-running code: ``memtide timeline snapshot.pickle``), ``ranks`` (the traces of a job's ranks in one
+(the report's files and the targets refused; every file is written by memtide._files.open_output,
+atomically), ``snapshot`` (torch's memory snapshots, read without running code:
+``memtide timeline snapshot.pickle``), ``ranks`` (the traces of a job's ranks in one
 report).
 """
 

@@ -8,7 +8,9 @@ import os
 import sys
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
-from .files import AtomicFile, check_outputs
+from memtide._files import open_output
+
+from .files import check_outputs
 from .html_report import write_html
 from .model import COLORS, ENGINES, Timeline
 from .snapshot import SnapshotView, looks_like_pickle, read_snapshot
@@ -28,7 +30,7 @@ def write_chrome_processes(path: str, source: Any,
     written (the common time axis). Streams the events; returns how many were written."""
     tids = {e: i + 1 for i, e in enumerate(ENGINES)}
     n = 0
-    with AtomicFile(path) as f:
+    with open_output(path) as f:
         f.write('{"displayTimeUnit":"ms","otherData":' + json.dumps({"memtide_trace": VERSION, "source": source}))
         f.write(',"traceEvents":[')
         first = True
@@ -81,7 +83,7 @@ def write_memory_viz(events: Iterable[Dict[str, Any]], path: str) -> int:
         elif kind == "oom":
             entries.append({"action": "oom", "addr": 0, "size": number(ev.get("bytes")),
                             "stream": number(ev.get("stream")), "time_us": int(float(ev["t"]) * 1e6), "frames": []})
-    with AtomicFile(path, "wb") as f:
+    with open_output(path, binary=True) as f:
         pickle.dump({"segments": [], "device_traces": [entries]}, f, protocol=4)
     return len(entries)
 
@@ -117,8 +119,11 @@ def write_png(tl: Timeline, path: str) -> bool:
     ax2.set_yticks([r + 0.4 for r in range(len(engines))], engines)
     ax2.set_xlabel("s")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with open_output(path, binary=True) as f:  # matplotlib given a path would open it itself
+            fig.savefig(f, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return True
 
 

@@ -1,16 +1,17 @@
-"""The files of a report (REPORT.html and its companions): where they go, and how they are written:
-atomically, never through a link, never over anything but a regular file."""
+"""The files of a report (REPORT.html and its companions): where they go, and which targets are
+refused. They are written by memtide._files.open_output, memtide's one writer: atomically, never
+through a link, never over anything but a regular file."""
 
 from __future__ import annotations
 
 import os
-import stat
-import tempfile
 from typing import Dict, Optional
 
+from memtide._files import FileRefused, check_target
 
-class TraceError(ValueError):
-    """A trace file memtide cannot read, or a target it will not write."""
+#: A trace file memtide cannot read, or a target it will not write: memtide's one error for a file
+#: it refuses (memtide._files.FileRefused), which the command line reports with exit status 2.
+TraceError = FileRefused
 
 
 def companions(report: str) -> Dict[str, str]:
@@ -33,11 +34,8 @@ def rank_report(report: str, rank: int) -> str:
 def check_report_target(report: str) -> None:
     """Refuses a report path (and its companions) that cannot be written, before any work is
     done for it: a missing folder, or a link, device or folder where a file would go."""
-    folder = os.path.dirname(os.path.abspath(report))
-    if not os.path.isdir(folder):
-        raise TraceError(f"cannot write {report}: folder {folder} does not exist")
     for path in [report, *companions(report).values()]:
-        _safe_target(path)
+        check_target(path)
 
 
 def _identity(path: str):
@@ -67,45 +65,3 @@ def check_outputs(source: str, outputs: Dict[str, Optional[str]], source_name: s
         if ident in seen:
             raise TraceError(f"{name} and {seen[ident]} are the same file ({path}); give each its own path")
         seen[ident] = name
-
-
-def _safe_target(path: str) -> None:
-    """Refuses to replace anything but a regular file (a link, a device, a folder)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        raise TraceError(f"{path} is {kind}; memtide writes only regular files (remove it or choose another path)")
-
-
-class AtomicFile:
-    """A new file under an unpredictable name beside `path` (0600, never through a link), renamed
-    over `path` when closed without error; removed otherwise."""
-
-    def __init__(self, path: str, mode: str = "w"):
-        self.path = os.path.abspath(path)
-        folder = os.path.dirname(self.path)
-        if not os.path.isdir(folder):
-            raise TraceError(f"cannot write {path}: folder {folder} does not exist")
-        _safe_target(self.path)
-        fd, self.tmp = tempfile.mkstemp(prefix=".memtide-", dir=folder)
-        self.f = os.fdopen(fd, mode, **({"encoding": "utf-8"} if "b" not in mode else {}))
-
-    def __enter__(self):
-        return self.f
-
-    def __exit__(self, kind, value, tb):
-        try:
-            if kind is None:
-                self.f.flush()
-                os.fsync(self.f.fileno())
-        finally:
-            self.f.close()
-        if kind is None:
-            _safe_target(self.path)
-            os.replace(self.tmp, self.path)
-        else:
-            os.unlink(self.tmp)
-        return False

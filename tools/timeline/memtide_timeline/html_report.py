@@ -5,9 +5,9 @@ from __future__ import annotations
 import html
 from typing import List, Optional, Sequence, Tuple
 
+from memtide._files import open_output
 from memtide._memtide import format_bytes
 
-from .files import AtomicFile
 from .model import COLORS, ENGINES, HOST_SERIES, NVME_LANES, PHASES, Timeline
 
 
@@ -217,7 +217,7 @@ def _write_page(path: str, title: str, body: Sequence[str]) -> None:
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}</style>",
         "</head><body>", f"<h1 style='font-size:18px'>{html.escape(title)}</h1>", *body, "</body></html>",
     ]
-    with AtomicFile(path) as f:
+    with open_output(path) as f:
         f.write("\n".join(doc))
 
 

@@ -23,6 +23,8 @@ import glob
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from memtide._files import check_input
+
 from .export import write_chrome_processes
 from .files import TraceError, _identity, check_outputs
 from .html_report import write_ranks_html
@@ -38,7 +40,8 @@ def trace_inputs(args: Sequence[str]) -> List[str]:
     """The trace files the command line names: a file as it is; a folder: its ``*.trace.jsonl``
     files; a pattern (``'run.rank*.trace.jsonl'``, quoted so the shell left it) that names no
     file: the files it matches. Sorted within each folder or pattern. A folder or pattern without
-    a match is refused naming it."""
+    a match is refused naming it, and so is any of the files that is not a regular file (a FIFO
+    would make its reader wait forever), before anything is opened."""
     paths: List[str] = []
     for arg in args:
         if os.path.isdir(arg):
@@ -47,12 +50,14 @@ def trace_inputs(args: Sequence[str]) -> List[str]:
                 raise TraceError(f"folder {arg} holds no traces (*.trace.jsonl)")
             paths += found
         elif not os.path.exists(arg) and any(c in arg for c in _PATTERN):
-            found = sorted(p for p in glob.glob(arg) if os.path.isfile(p))
+            found = sorted(p for p in glob.glob(arg) if not os.path.isdir(p))
             if not found:
                 raise TraceError(f"no trace matches {arg}")
             paths += found
         else:
             paths.append(arg)  # read_trace names it if it cannot be read
+    for p in paths:
+        check_input(p, "trace")
     return paths
 
 

@@ -3,8 +3,9 @@ LD_PRELOAD observer's log."""
 
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, Iterable, Tuple
+
+from memtide._files import json_value, open_input
 
 from .trace import TraceWriter
 
@@ -48,12 +49,13 @@ def trace_from_observer(log: str, path: str, **header: Any) -> int:
     """`memtide observe`'s log (the LD_PRELOAD observer's JSON Lines) as a trace: every
     cudaMalloc and cudaFree, and the memory of all observed processes together."""
     current: Dict[Any, int] = {}
-    with TraceWriter(path, clock="steady", **header) as w, open(log, errors="replace") as f:
+    with open_input(log, "observer log", binary=False, errors="replace") as f, \
+            TraceWriter(path, clock="steady", **header) as w:
         for line in f:
             try:
-                rec = json.loads(line)
+                rec = json_value(line)
             except ValueError:
-                continue  # a line cut short: the observe summary already reports it
+                continue  # a line cut short (or nested too deeply): the observe summary already reports it
             if not isinstance(rec, dict) or rec.get("type") != "event":
                 continue
             t = rec["t_ns"] / 1e9

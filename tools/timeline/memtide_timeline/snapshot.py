@@ -27,7 +27,10 @@ from __future__ import annotations
 import html
 import io
 import pickle
+import reprlib
 from typing import Any, Dict, Iterator, List, Tuple
+
+from memtide._files import open_input
 
 from .files import TraceError
 from .trace import MAX_BYTES
@@ -49,7 +52,7 @@ def looks_like_pickle(path: str) -> bool:
     if path.endswith((".pickle", ".pkl")):
         return True
     try:
-        with open(path, "rb") as f:
+        with open_input(path, "trace") as f:
             return f.read(1) == b"\x80"
     except OSError:
         return False
@@ -75,7 +78,7 @@ class _PlainUnpickler(pickle.Unpickler):
 
 def _load(path: str) -> Any:
     try:
-        with open(path, "rb") as f:
+        with open_input(path, "snapshot") as f:
             data = f.read(_MAX_BYTES_READ + 1)
     except OSError as e:
         raise TraceError(f"cannot read snapshot {path}: {e.strerror or e}") from None
@@ -95,9 +98,15 @@ def _load(path: str) -> Any:
                          "is written by torch.cuda.memory._dump_snapshot") from None
 
 
+# What a message shows of a value the snapshot holds: a few levels and items of it. repr() itself
+# recurses once per level, and a pickle can nest a list 100,000 deep.
+_shown = reprlib.Repr()
+_shown.maxlevel, _shown.maxstring, _shown.maxother = 3, 60, 60
+
+
 def _int(v: Any, where: str, path: str, lo: int = 0, hi: int = MAX_BYTES) -> int:
     if type(v) is not int or not lo <= v <= hi:
-        raise TraceError(f"{path}: {where} must be a whole number from {lo} to {hi}, got {v!r}")
+        raise TraceError(f"{path}: {where} must be a whole number from {lo} to {hi}, got {_shown.repr(v)}")
     return v
 
 
@@ -113,7 +122,7 @@ def _frames(v: Any, where: str, path: str) -> List[Tuple[str, int, str]]:
         name, filename, line = f.get("name", "?"), f.get("filename", "?"), f.get("line", 0)
         if type(name) is not str or type(filename) is not str or type(line) is not int:
             raise TraceError(f"{path}: {where}[{i}] must have text name and filename and a whole line number, got "
-                             f"{f!r:.200}")
+                             f"{_shown.repr(f):.200}")
         out.append((name, line, filename))
     return out
 
@@ -128,8 +137,16 @@ def read_snapshot(path: str) -> Dict[str, Any]:
     """The snapshot at `path`, checked: {"segments": [...], "trace": [...] (one device's entries),
     "device": int}. Raises TraceError naming the file and the field for anything else."""
     snap = _load(path)
+    try:
+        return _checked(snap, path)
+    except RecursionError:  # the messages show values through _shown; anything else that recursed
+        raise TraceError(f"{path} is not a torch memory snapshot: nested too deeply") from None
+
+
+def _checked(snap: Any, path: str) -> Dict[str, Any]:
     if not isinstance(snap, dict) or "segments" not in snap:
-        got = type(snap).__name__ if not isinstance(snap, dict) else f"a dict without 'segments' ({sorted(snap)[:6]})"
+        keys = ", ".join(sorted(_shown.repr(k) for k in snap)[:6]) if isinstance(snap, dict) else ""
+        got = type(snap).__name__ if not isinstance(snap, dict) else f"a dict without 'segments' (keys {keys})"
         raise TraceError(f"{path} is not a torch memory snapshot: expected a dict with 'segments' (from "
                          f"torch.cuda.memory._dump_snapshot), got {got}")
     segments = []
@@ -144,7 +161,7 @@ def read_snapshot(path: str) -> Dict[str, Any]:
                 raise TraceError(f"{path}: {bw} must be a dict, got {type(b).__name__}")
             state = b.get("state", "inactive")
             if type(state) is not str:
-                raise TraceError(f"{path}: {bw}.state must be text, got {state!r}")
+                raise TraceError(f"{path}: {bw}.state must be text, got {_shown.repr(state)}")
             blocks.append({"address": _int(b.get("address", 0), bw + ".address", path, hi=2**64 - 1),
                            "size": _int(b.get("size"), bw + ".size", path), "state": state,
                            "frames": _frames(b.get("frames"), bw + ".frames", path)})
@@ -167,7 +184,7 @@ def read_snapshot(path: str) -> Dict[str, Any]:
             raise TraceError(f"{path}: {where} must be a dict, got {type(e).__name__}")
         action = e.get("action")
         if type(action) is not str:
-            raise TraceError(f"{path}: {where}.action must be text, got {action!r}")
+            raise TraceError(f"{path}: {where}.action must be text, got {_shown.repr(action)}")
         t = e.get("time_us", None)
         trace.append({"action": action, "addr": _int(e.get("addr", 0), where + ".addr", path, hi=2**64 - 1),
                       "size": _int(e.get("size", 0), where + ".size", path),

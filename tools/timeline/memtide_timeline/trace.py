@@ -10,7 +10,9 @@ import re
 import sys
 from typing import Any, Dict, Iterator, Optional, Tuple
 
-from .files import AtomicFile, TraceError
+from memtide._files import nested_too_deep, open_input, open_output
+
+from .files import TraceError
 
 VERSION = 1
 # A header line longer than this is not a trace's (and is not read whole into memory).
@@ -132,10 +134,14 @@ class TraceWriter:
     """Writes a trace event by event. ``with TraceWriter(path, source="run") as w: w.op(...)``."""
 
     def __init__(self, path: str, **header: Any):
-        self._file = AtomicFile(path)
-        self._f = self._file.__enter__()
+        self._file = open_output(path)
+        self._f = self._file.file
         # allow_nan=False: a writer never writes what the reader refuses (nor what is not JSON).
-        self._f.write(json.dumps({"memtide_trace": VERSION, **header}, allow_nan=False) + "\n")
+        try:
+            self._f.write(json.dumps({"memtide_trace": VERSION, **header}, allow_nan=False) + "\n")
+        except BaseException:
+            self._file.discard()  # no `with` has begun to do it
+            raise
         self.events = 0
 
     def event(self, **fields: Any) -> None:
@@ -153,9 +159,9 @@ class TraceWriter:
 
     def close(self, error: Optional[BaseException] = None) -> None:
         if error is None:
-            self._file.__exit__(None, None, None)
+            self._file.commit()
         else:
-            self._file.__exit__(type(error), error, None)
+            self._file.discard()
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -170,12 +176,15 @@ def read_trace(path: str, progress: bool = False) -> Tuple[Dict[str, Any], Itera
     the field: every number a reader uses is range-checked (see _FIELDS), and NaN or Infinity is
     refused anywhere."""
     try:
-        f = open(path, "rb")
+        f = open_input(path, "trace")
     except OSError as e:
         raise TraceError(f"cannot read trace {path}: {e.strerror or e}") from None
     try:
         first = f.readline(_MAX_HEADER)
         header = _decoder.decode(first.decode("utf-8"))
+    except RecursionError:  # json recurses once per level of nesting
+        f.close()
+        raise TraceError(f"{path}: line 1 is {nested_too_deep(first)}") from None
     except _NotJsonNumber as e:
         f.close()
         raise TraceError(f"{path}: line 1: {_field_of_constant(first.decode('utf-8'), str(e))} must be a finite "
@@ -229,6 +238,8 @@ def read_trace(path: str, progress: bool = False) -> Tuple[Dict[str, Any], Itera
                     continue
                 try:
                     ev = _decoder.decode(line)
+                except RecursionError:  # json recurses once per level of nesting
+                    raise TraceError(f"{path}: line {n} is {nested_too_deep(line)}") from None
                 except _NotJsonNumber as e:
                     raise TraceError(f"{path}: line {n}: {_field_of_constant(line, str(e))} must be a finite "
                                      f"number, got {e}") from None
