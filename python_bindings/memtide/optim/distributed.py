@@ -99,8 +99,6 @@ class ShardGroup:
         self.group = mesh.get_group(mesh.ndim - 1) if mesh is not None else None  # the shard dimension's
         # HSDP's replicate dimension: a verdict must be the same in every replica, whatever one saw.
         self.replicas = mesh.get_group(0) if mesh is not None and mesh.ndim == 2 else None
-        #: Every rank of the mesh (replicas included): the ranks whose settings must agree.
-        self.ranks = sorted(mesh.mesh.flatten().tolist()) if mesh is not None else []
 
     def __bool__(self) -> bool:
         return self.group is not None

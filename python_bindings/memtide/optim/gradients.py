@@ -213,6 +213,9 @@ class GradientPath:
             if g.is_sparse:
                 raise RuntimeError("TieredAdamW does not support sparse gradients")
             has_grad[i] = True
+            lo, hi = layout.ranges[i]
+            if hi == lo:
+                continue  # an empty shard (FSDP2 on more ranks than rows): nothing to send or copy
             f = self.flushed[i]
             if f is not None and (f.address == g.data_ptr() and f.version == g._version
                                   or copy_of(g) == (f.address, f.version)):
