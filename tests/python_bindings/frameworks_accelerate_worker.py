@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 from memtide.optim import TieredAdamW
+from torchrun_rank import save_on_rank_zero
 
 TIERED, MODE, OUT = sys.argv[1] == "memtide", sys.argv[2], sys.argv[3]
 STEPS, MICRO = 10, 2  # optimizer steps, micro-batches per step
@@ -91,10 +92,7 @@ def main() -> None:
     if TIERED:
         inner = opt.optimizer  # AcceleratedOptimizer's
         out.update(steps=inner.stats.steps, skipped=inner.stats.skipped)
-    if dist.get_rank() == 0:
-        torch.save(out, OUT)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_on_rank_zero(out, OUT)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 from transformers.trainer_pt_utils import get_parameter_names
 
 from memtide.optim import TieredAdamW
+from torchrun_rank import save_on_rank_zero
 
 TIERED, HOW, OUT = sys.argv[1] == "memtide", sys.argv[2], sys.argv[3]
 STEPS, BATCH, MICRO, SEQ = 10, 2, 2, 16
@@ -68,10 +69,7 @@ def main() -> None:
            "wrapper": type(trainer.model_wrapped).__name__}
     if TIERED:
         out.update(steps=inner.stats.steps, skipped=inner.stats.skipped)
-    if dist.get_rank() == 0:
-        torch.save(out, OUT)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_on_rank_zero(out, OUT)
 
 
 if __name__ == "__main__":

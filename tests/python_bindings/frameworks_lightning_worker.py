@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from memtide.optim import TieredAdamW
+from torchrun_rank import save_on_rank_zero
 
 TIERED, STRATEGY, OUT = sys.argv[1] == "memtide", sys.argv[2], sys.argv[3]
 STEPS, MICRO, BATCH = 10, 2, 8
@@ -90,10 +91,7 @@ def main() -> None:
            "device": str(trainer.strategy.root_device)}
     if TIERED:
         out.update(steps=opt.stats.steps, skipped=opt.stats.skipped)
-    if dist.get_rank() == 0:
-        torch.save(out, OUT)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_on_rank_zero(out, OUT)
 
 
 if __name__ == "__main__":

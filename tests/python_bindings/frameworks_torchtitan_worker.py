@@ -36,6 +36,7 @@ from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, Llama3Model, _
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
 from memtide.optim import TieredAdamW
+from torchrun_rank import save_on_rank_zero
 
 OUT = sys.argv[1]
 STEPS, BATCH, SEQ, VOCAB = 10, 2, 16, 64
@@ -162,10 +163,7 @@ def main() -> None:
            "ref_types": [type(o).__name__ for o in ref_opts],
            "decays": sorted(g["weight_decay"] for o in tiered for g in o.param_groups),
            "steps": [o.stats.steps for o in tiered], "skipped": [o.stats.skipped for o in tiered]}
-    if dist.get_rank() == 0:
-        torch.save(out, OUT)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_on_rank_zero(out, OUT)
 
 
 if __name__ == "__main__":

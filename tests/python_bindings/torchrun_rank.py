@@ -16,3 +16,14 @@ def run_and_exit(main: Callable[[], None]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def save_on_rank_zero(out: object, path: str) -> None:
+    """Rank 0 saves `out` (torch.save) to `path`; every rank waits for it, then leaves the group."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        torch.save(out, path)
+    dist.barrier()
+    dist.destroy_process_group()
