@@ -169,6 +169,10 @@ const std::vector<Row>& rows() {
          if (o.nvme_block_size % 4096 != 0) reject("nvme_block_size", v, "a multiple of 4KiB (direct I/O)");
        },
        [](const Options& o) { return format_bytes(o.nvme_block_size); }},
+      {"cupti_library", "library file name or path (empty = libcupti.so.13, then libcupti.so)",
+       "libcupti the CUPTI tracer loads first (dlopen), before libcupti.so.13 and libcupti.so",
+       [](Options& o, std::string_view v) { o.cupti_library = std::string(v); },
+       [](const Options& o) { return o.cupti_library.empty() ? std::string("libcupti.so.13, then libcupti.so") : o.cupti_library; }},
       {"topology", "hwloc XML file path (empty = this machine)",
        "GPU/NUMA topology to use instead of discovering this machine (planning for another machine, tests)",
        [](Options& o, std::string_view v) { o.topology = std::string(v); },

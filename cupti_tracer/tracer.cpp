@@ -8,6 +8,7 @@
 #include <cstring>
 #include <utility>
 
+#include "memtide/core/options.hpp"
 #include "memtide/device/device.hpp"
 
 #if MEMTIDE_HAVE_CUPTI_H
@@ -85,7 +86,8 @@ Api Api::load() {
   return api;
 #else
   std::vector<std::string> names;
-  if (const char* own = std::getenv("MEMTIDE_CUPTI_LIBRARY"); own != nullptr && *own != '\0') names.emplace_back(own);
+  // MEMTIDE_CUPTI_LIBRARY, through the options table (a row there, so it is no "unknown variable").
+  if (const std::string& own = options().cupti_library; !own.empty()) names.emplace_back(own);
   names.emplace_back("libcupti.so.13");
   names.emplace_back("libcupti.so");
   void* lib = nullptr;

@@ -85,6 +85,9 @@ class Recorder:
         # machines share a time axis (one machine's ranks share its steady clock).
         self.header: Dict[str, Any] = dict(source=source, host=socket.gethostname(),
                                            epoch_offset_s=time.time() - time.monotonic(), **header)
+        # The job (torchrun's run id, rendezvous endpoint and start; without torchrun this
+        # process's own identity): `memtide timeline` refuses to draw ranks of different jobs as one.
+        self.header.setdefault("job", memtide_timeline.job_identity())
         self.result: Optional[Dict[str, Any]] = None
         self._optimizers: List[Any] = []
         self._hooks: List[Any] = []

@@ -119,3 +119,17 @@ TEST(Options, TableDescribesEveryKey) {
     EXPECT_TRUE(shown.count(row.key)) << row.key;
   }
 }
+
+// MEMTIDE_CUPTI_LIBRARY is read by the CUPTI tracer: it is a row of the table (shown by memtide info,
+// checked like the rest), not a variable named as "not a memtide option".
+TEST(Options, CuptiLibraryIsAnOption) {
+  EXPECT_EQ(from({}).cupti_library, "");
+  EXPECT_EQ(from({{"MEMTIDE_CUPTI_LIBRARY", "/opt/cuda/lib64/libcupti.so.12"}}).cupti_library,
+            "/opt/cuda/lib64/libcupti.so.12");
+  bool listed = false;
+  for (const OptionInfo& row : option_table()) listed = listed || row.env == "MEMTIDE_CUPTI_LIBRARY";
+  EXPECT_TRUE(listed);
+  Options o;
+  o.set("cupti_library", "libcupti.so.12");
+  EXPECT_EQ(describe(o).at("cupti_library"), "libcupti.so.12");
+}

@@ -334,3 +334,21 @@ def test_a_dtensor_whose_local_shard_has_another_shape_is_refused_changing_nothi
                                          r"\(2, 5\).*a DTensor whose shard is \(1, 5\)"):
         opt.load_state_dict(state)
     _same(_everything(sharded, opt), before)
+
+
+def test_fsdp2_with_an_nvme_tier_is_refused_saying_fsdp2_owns_the_shard(one_rank_mesh, tmp_path):
+    # The refusal used to say "params must be fp16/bf16 on the optimizer's device ... param 0 is
+    # torch.bfloat16 on cpu": it contradicted itself. An FSDP2 shard cannot be written in place.
+    from torch.distributed.fsdp import fully_shard
+
+    from memtide_testing import direct_io_dir
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to(torch.bfloat16)
+    fully_shard(model, mesh=one_rank_mesh)
+    n = sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError) as e:
+        TieredAdamW(model.parameters(), subgroup_size=4096, host_budget=10 * n + 2 * 12 * 4096,
+                    nvme_dir=direct_io_dir(str(tmp_path)))
+    message = str(e.value)
+    assert "FSDP2 shard" in message and "owns the shard's storage" in message, message
+    assert "must be fp16/bf16 on the optimizer's device" not in message

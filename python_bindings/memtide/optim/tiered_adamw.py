@@ -445,12 +445,22 @@ class TieredAdamW(torch.optim.Optimizer):
                         engine.spill_host(hi)
             if self.spilled_subgroups:
                 if not (self.model_attached and all(lowp_of) and all(aliased)):
-                    bad = next(i for i in range(len(params)) if not (lowp_of[i] and aliased[i]))
+                    bad = next((i for i in range(len(params)) if not (lowp_of[i] and aliased[i])), 0)
+                    p = params[bad]
+                    if not lowp_of[bad]:
+                        why = (f"param {bad} is {p.dtype}: an fp32 model would be a host copy of the very state that "
+                               "spilled")
+                    elif is_dtensor(p):
+                        why = (f"param {bad} is an FSDP2 shard (a DTensor, {p.dtype} on {p.device}): FSDP2 owns the "
+                               "shard's storage (its all-gather reads it), so it cannot become a view of the buffer "
+                               "the step writes, and a copy of it would keep the very state that spilled in host "
+                               "memory; under FSDP2 give a host_budget that holds this rank's whole state")
+                    else:
+                        why = (f"param {bad} is {p.dtype} on {p.device}, but the optimizer's buffers are in "
+                               f"{'host' if engine.host_memory else 'GPU'} memory: move the model there first")
                     raise ValueError(
-                        f"TieredAdamW: with {self.spilled_subgroups} subgroup(s) on NVMe the model's params must be "
-                        f"fp16/bf16 on the optimizer's device, so that each step writes them directly; param {bad} is "
-                        f"{params[bad].dtype} on {params[bad].device} (an fp32 or host copy of the model would need "
-                        "the very state that spilled in host memory)")
+                        f"TieredAdamW: with {self.spilled_subgroups} subgroup(s) on NVMe each step must write the "
+                        f"model's params in place (fp16/bf16, on the optimizer's device, not FSDP2 shards); {why}")
                 engine.spill_host(numel)
             # Only when every param is a view of the engine's model buffer does nothing read the
             # fp32 masters between steps (checkpoints sync them on demand).

@@ -86,6 +86,9 @@ def test_record_names_its_files_by_rank_and_the_header_holds_rank_and_world_size
         if ext != ".png" or (tmp_path / f"r{suffix}.png").exists())
     header, _ = timeline.read_trace(out["trace"])
     assert header.get("rank") == (1 if env else None) and header.get("world_size") == (2 if env else None)
+    # Not under torchrun: the process's own identity, said so in the header.
+    assert header["job"]["launcher"] == "none" and "not launched by torchrun" in header["job"]["note"]
+    assert header["job"]["process"].rsplit(":", 1)[1].isdigit() and header["job"]["started"] > 0
     assert header["host"] and header["epoch_offset_s"] > 0  # how ranks on several machines are aligned
 
 
@@ -211,6 +214,39 @@ def test_traces_that_are_not_one_jobs_ranks_are_refused_naming_the_files(tmp_pat
     assert timeline.read_trace(b)[0]["rank"] == 1  # not written over
 
 
+def test_job_identity_is_torchruns_run_id_endpoint_and_start_or_the_process(monkeypatch):
+    env = {"TORCHELASTIC_RUN_ID": "abc", "MASTER_ADDR": "node0", "MASTER_PORT": "29500",
+           "TORCHELASTIC_RESTART_COUNT": "1", "RANK": "0"}
+    assert timeline.job_identity(env) == {"launcher": "torchrun", "run_id": "abc", "endpoint": "node0:29500",
+                                          "restart": 1}  # no process group here: no shared start
+    job = timeline.job_identity({"MASTER_ADDR": "node0", "MASTER_PORT": "29500"})
+    assert job["launcher"] == "none" and job["endpoint"] == "node0:29500" and job["started"] > 0
+    assert job["process"].endswith(f":{__import__('os').getpid()}") and "this process's own identity" in job["note"]
+
+
+def test_traces_of_different_jobs_are_refused_naming_the_files_and_both_jobs(tmp_path):
+    one = dict(launcher="torchrun", run_id="run-one", endpoint="node0:29500", started=1.7e9)
+    a = str(rank_trace(tmp_path / "a.trace.jsonl", 0, ops=3, job=one))
+    cases = {
+        "run id": (dict(one, run_id="run-two"), "torchrun run run-two at node0:29500"),
+        "endpoint": (dict(one, endpoint="node1:29500"), "torchrun run run-one at node1:29500"),
+        "start": (dict(one, started=1.7e9 + 60), "torchrun run run-one at node0:29500 started 2023-11-14 22:14:20"),
+        "launcher": (dict(launcher="none", process="node0:42", started=1.7e9), r"process node0:42 \(not torchrun\)"),
+    }
+    for name, (job, words) in cases.items():
+        b = str(rank_trace(tmp_path / f"{name}.trace.jsonl", 1, ops=3, job=job))
+        with pytest.raises(timeline.TraceError, match=r"different jobs.*a\.trace\.jsonl: torchrun run run-one at "
+                                                      rf"node0:29500 started .*; .*{name}\.trace\.jsonl: {words}"):
+            timeline.render_ranks([a, b], str(tmp_path / "m.html"))
+        assert not (tmp_path / "m.html").exists(), name
+    # One job's ranks: one of them recorded before the process group was up (no shared start).
+    b = str(rank_trace(tmp_path / "b.trace.jsonl", 1, ops=3, job=dict(one, started=None, restart=2)))
+    assert timeline.render_ranks([a, b], str(tmp_path / "m.html"))["job_note"] is None
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"memtide_trace": 1, "job": "run-one"}) + "\n")
+    with pytest.raises(timeline.TraceError, match=r"bad\.jsonl: line 1: 'job' must be a job's identity"):
+        timeline.read_trace(str(tmp_path / "bad.jsonl"))
+
+
 @pytest.mark.parametrize("header, words", [
     ({"rank": 2, "world_size": 2}, r"'rank' 2 is not a rank of a job of 2 ranks"),
     ({"rank": 0, "world_size": 0}, r"'world_size' must be a number of ranks from 1"),
@@ -239,18 +275,23 @@ def test_memtide_timeline_names_bad_rank_inputs_without_a_traceback(tmp_path):
 
 # -- a real job: 2 ranks under torchrun, its traces in one report, opened in headless Chromium ------
 
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory):
+def torchrun_job(out, steps=3):
+    """A real 2-rank job (torchrun --standalone, gloo) recording its timeline into `out`."""
     torch = pytest.importorskip("torch")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is needed")
-    out = tmp_path_factory.mktemp("ranks")
     env = clean_env(OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(EXAMPLE), "--wrap", "fsdp2", "--steps", "3", "--layers", "2", "--d-model", "64",
+                        str(EXAMPLE), "--wrap", "fsdp2", "--steps", str(steps), "--layers", "2", "--d-model", "64",
                         "--timeline", str(out / "run.html")], env=env, cwd=out, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks")
+    torchrun_job(out)
     q = memtide_cli("timeline", *(str(out / f"run.rank{r}.trace.jsonl") for r in (0, 1)), "-o",
                     str(out / "merged.html"), "--json")
     assert q.returncode == 0, q.stderr[-3000:]
@@ -294,3 +335,53 @@ def test_a_headless_browser_draws_the_ranks_report_with_the_network_off(two_rank
     shot = out / "shot.png"
     p = subprocess.run([chromium, *OFFLINE, f"--screenshot={shot}", url], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and shot.stat().st_size > 10_000, p.stderr[-2000:]
+
+
+# -- two real jobs: the ranks of one are not drawn with the ranks of another ------------------------
+
+@pytest.fixture(scope="module")
+def another_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("another")
+    torchrun_job(out, steps=1)
+    return out
+
+
+def test_the_ranks_of_one_torchrun_job_name_it_and_draw_together(two_rank_run):
+    out, report = two_rank_run
+    jobs = [timeline.read_trace(str(out / f"run.rank{r}.trace.jsonl"))[0]["job"] for r in (0, 1)]
+    assert jobs[0]["launcher"] == "torchrun" and jobs[0]["run_id"] and jobs[0]["endpoint"].count(":") == 1
+    assert jobs[0]["started"] > 0  # shared through the job's process group: the same on every rank
+    assert jobs[0] == jobs[1]
+    assert report["job_note"] is None
+
+
+def test_rank_0_of_one_torchrun_job_and_rank_1_of_another_are_refused_naming_both(two_rank_run, another_job,
+                                                                                  tmp_path):
+    out, _ = two_rank_run
+    a, b = out / "run.rank0.trace.jsonl", another_job / "run.rank1.trace.jsonl"
+    ja, jb = (timeline.read_trace(str(t))[0]["job"] for t in (a, b))
+    assert ja["run_id"] != jb["run_id"]  # --standalone: a fresh run id per job
+    p = memtide_cli("timeline", str(a), str(b), "-o", str(tmp_path / "m.html"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "different jobs" in p.stderr and str(a) in p.stderr and str(b) in p.stderr, p.stderr
+    assert ja["run_id"] in p.stderr and jb["run_id"] in p.stderr, p.stderr
+    assert not (tmp_path / "m.html").exists()
+
+
+def test_traces_without_a_job_identity_draw_with_a_note_not_a_guess(two_rank_run, tmp_path):
+    out, _ = two_rank_run
+    paths = []
+    for r in (0, 1):  # as an older memtide wrote them: the same traces without "job" (rank 1's only)
+        lines = (out / f"run.rank{r}.trace.jsonl").read_text().splitlines(keepends=True)
+        if r == 1:
+            header = json.loads(lines[0])
+            del header["job"]
+            lines[0] = json.dumps(header) + "\n"
+        paths.append(tmp_path / f"old.rank{r}.trace.jsonl")
+        paths[-1].write_text("".join(lines))
+    p = memtide_cli("timeline", *map(str, paths), "-o", str(tmp_path / "m.html"), "--json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    note = f"{paths[1]}: no job identity in the header (recorded by an older memtide): not checked"
+    assert note in p.stderr and str(paths[0]) not in p.stderr  # rank 0's names its job
+    assert json.loads(p.stdout)["job_note"].startswith(note)
+    assert note in (tmp_path / "m.html").read_text()

@@ -47,20 +47,29 @@ with memtide.timeline.record(sys.argv[1], opt) as rec:
         last = opt.nvme_info()["last"]
         steps.append({"read": last["read_bytes"], "write": last["write_bytes"], "reads": last["reads"]})
 stats = memtide.host.stats()
+info = opt.nvme_info()
 print(json.dumps({"steps": steps, "spilled": opt.spilled_subgroups, "subgroups": len(opt.plan.subgroups),
-                  "arena": stats, "budget": opt.nvme.host_budget, "file_bytes": opt.nvme_info()["file_bytes"],
-                  "result": rec.result}))
+                  "arena": stats, "budget": opt.nvme.host_budget, "file_bytes": info["file_bytes"],
+                  "staging_bytes": info["staging_bytes"], "on_nvme": list(info["on_nvme"]),
+                  "sizes": [int(e - s) for s, e in opt.plan.subgroups], "result": rec.result}))
 """
 
 
-def test_a_users_loop_records_nvme_bytes_equal_to_nvme_info_and_the_arena_peak(tmp_path):
+@pytest.fixture(scope="module")
+def user_loop(tmp_path_factory):
+    """USER_LOOP run once: its folder and what it printed."""
     pytest.importorskip("torch")
+    tmp_path = tmp_path_factory.mktemp("loop")
     spill = direct_io_dir(tmp_path)
-    report = tmp_path / "loop.html"
-    p = subprocess.run([sys.executable, "-c", USER_LOOP, str(report), str(spill)], env=clean_env(MEMTIDE_DEVICE="sim"),
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", USER_LOOP, str(tmp_path / "loop.html"), str(spill)],
+                       env=clean_env(MEMTIDE_DEVICE="sim"), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.splitlines()[-1])
+    return tmp_path, json.loads(p.stdout.splitlines()[-1])
+
+
+def test_a_users_loop_records_nvme_bytes_equal_to_nvme_info_and_the_arena_peak(user_loop):
+    tmp_path, out = user_loop
+    report = tmp_path / "loop.html"
     # Spilling really happened, to about half the subgroups, and every step moved spilled state.
     assert 0.3 <= out["spilled"] / out["subgroups"] <= 0.7, out
     assert all(s["read"] > 0 and s["write"] > 0 for s in out["steps"])
@@ -88,6 +97,48 @@ def test_a_users_loop_records_nvme_bytes_equal_to_nvme_info_and_the_arena_peak(t
     assert drawn["nvme-memory"].count("<polyline") == 1
     reads = sum(r.get("nvme_read_bytes", 0) for r in out["result"]["summary"])
     assert reads == sum(s["read"] for s in out["steps"])
+
+
+def test_the_nvme_charts_values_are_the_bytes_the_tier_moves_and_its_file_holds(user_loop):
+    # What the NVMe charts are drawn from, against what the tier really moves (tiering/nvme:
+    # each spilled subgroup's fp32 params and both moments, 12 B/param, read and written back
+    # each step) and the file it holds them in (each subgroup's extent rounded up to 4 KiB for
+    # direct I/O), computed here from the subgroups' sizes, not from what the tier reports.
+    tmp_path, out = user_loop
+    spilled = [i for i, on in enumerate(out["on_nvme"]) if on]
+    assert len(spilled) == out["spilled"] > 0
+    file_bytes = sum(-(-12 * out["sizes"][i] // 4096) * 4096 for i in spilled)
+    step_bytes = 12 * sum(out["sizes"][i] for i in spilled)
+    steps = len(out["steps"])
+    assert file_bytes == out["file_bytes"]
+    assert out["staging_bytes"] not in (file_bytes, step_bytes)  # so that reporting staging would fail below
+    header, events = timeline.read_trace(str(tmp_path / "loop.trace.jsonl"))
+    events = list(events)
+    # The state on NVMe: the spill file's bytes after every step, against the space reserved.
+    spill = [e["bytes"] for e in events if e["type"] == "spill"]
+    assert spill == [file_bytes] * steps and header["nvme_capacity_bytes"] == file_bytes
+    # Every read and write-back moves one spilled subgroup's 12 B/param; each step all of them.
+    for what in ("read", "write"):
+        moved = [e for e in events if e["type"] == "nvme" and e["what"] == what]
+        assert all(e["subgroup"] in spilled and e["bytes"] == 12 * out["sizes"][e["subgroup"]] for e in moved), what
+        assert sum(e["bytes"] for e in moved) == steps * step_bytes, what
+    assert [s["read"] for s in out["steps"]] == [step_bytes] * steps
+    assert [s["write"] for s in out["steps"]] == [step_bytes] * steps
+    # The Timeline the charts draw, and the charts' own numbers.
+    tl = timeline.Timeline(header, events)
+    assert [b for _, b in tl.spill] == [file_bytes] * steps
+    assert tl.nvme_totals["read_bytes"] == tl.nvme_totals["write_bytes"] == steps * step_bytes
+    rows = tl.summary()  # the table per phase (this loop marks none: one row, "other")
+    assert sum(r["nvme_read_bytes"] for r in rows) == sum(r["nvme_write_bytes"] for r in rows) == steps * step_bytes
+    from memtide_timeline.html_report import _fmt_bytes
+
+    doc = (tmp_path / "loop.html").read_text()
+    assert (f"reads ({_fmt_bytes(steps * step_bytes)}), {tl.nvme_totals['writes']:,} write-backs "
+            f"({_fmt_bytes(steps * step_bytes)})") in doc
+    chart = charts(doc, "nvme-memory")["nvme-memory"]
+    # The scale's top is 1.1 times the highest state drawn; the dashed line the file's reservation.
+    assert f">{_fmt_bytes(1.1 * file_bytes)}</text>" in chart
+    assert f"<title>reserved {_fmt_bytes(file_bytes)}</title>" in chart
 
 
 def test_memtide_run_timeline_records_the_host_and_nvme_tiers(tmp_path):

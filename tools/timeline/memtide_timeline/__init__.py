@@ -31,7 +31,22 @@ Header fields readers use: ``capacity_bytes`` (device memory), ``host_capacity_b
 budget), ``nvme_capacity_bytes`` (the space reserved on the drive); for the ranks of a job,
 ``rank`` and ``world_size`` (RANK and WORLD_SIZE of the process that recorded it), ``host`` (the
 machine's name) and ``epoch_offset_s`` (the wall clock minus the steady clock when recording
-began); each optional.
+began); each optional. ``job``: the job the trace was recorded in, which every writer puts in the
+header (``jobs.job_identity``), an object:
+
+    "job": {"launcher": "torchrun", "run_id": "a7489...", "endpoint": "node0:29500", "restart": 0,
+            "started": 1795817696.534}
+    "job": {"launcher": "none", "process": "node0:4242", "started": 1795817696.534,
+            "note": "not launched by torchrun (no TORCHELASTIC_RUN_ID): this process's own identity"}
+
+under torchrun: its run id (TORCHELASTIC_RUN_ID; ``--standalone`` makes a fresh random one per
+job), the rendezvous endpoint (MASTER_ADDR:MASTER_PORT), the restart count, and ``started``, the
+wall clock (seconds since the epoch) when the job's first rank began recording, shared through the
+job's process group (left out when the process group was not set up yet); without torchrun, the
+process's own identity (``HOST:PID`` and when it began recording), as ``note`` says, and the
+``endpoint`` where MASTER_ADDR and MASTER_PORT are set. The traces of different jobs are refused
+as one job's ranks (naming the files and both identities); a trace without ``job`` (an older
+memtide's) draws, with a note that its job was not checked.
 
 Readers check every field they use and refuse the trace, naming the file, the line and the field,
 when one is out of range: times are numbers of seconds from 0 to 1e12, byte counts 0 to 2**63-1
@@ -54,12 +69,13 @@ HTML), ``export`` (Chrome trace, memory_viz pickle, PNG, and render() for all of
 (the report's files and the targets refused; every file is written by memtide._files.open_output,
 atomically), ``snapshot`` (torch's memory snapshots, read without running code:
 ``memtide timeline snapshot.pickle``), ``ranks`` (the traces of a job's ranks in one
-report).
+report), ``jobs`` (the job a trace was recorded in).
 """
 
 from .export import render, write_chrome, write_chrome_processes, write_memory_viz, write_png
 from .files import TraceError, check_outputs, check_report_target, companions, rank_report
 from .html_report import write_html
+from .jobs import job_identity
 from .model import ENGINES, PHASES, Timeline
 from .ranks import read_ranks, render_ranks, trace_inputs
 from .record import trace_from_allocator, trace_from_observer
@@ -67,7 +83,7 @@ from .snapshot import SnapshotView, looks_like_pickle, read_snapshot
 from .trace import VERSION, TraceWriter, read_trace
 
 __all__ = ["ENGINES", "PHASES", "VERSION", "SnapshotView", "Timeline", "TraceError", "TraceWriter", "check_outputs",
-           "looks_like_pickle", "read_snapshot",
+           "job_identity", "looks_like_pickle", "read_snapshot",
            "check_report_target", "companions", "rank_report", "read_ranks", "read_trace", "render", "render_ranks",
            "trace_from_allocator", "trace_from_observer", "trace_inputs", "write_chrome", "write_chrome_processes",
            "write_html", "write_memory_viz", "write_png"]

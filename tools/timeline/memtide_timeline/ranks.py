@@ -3,9 +3,13 @@ or a folder of them): lanes per rank on one time axis.
 
 Which traces draw together: one job's, each naming its rank in its header (``rank``, and
 ``world_size`` where known; memtide.timeline.record writes both in a job's process), all on the
-same clock from the same source, no rank twice. Anything else is refused naming the files: a torch
-memory snapshot among traces, traces of different clocks or sources, a trace without a rank, two
-traces claiming one rank, or ranks that disagree on the world size.
+same clock from the same source, of one job (the header's ``job``: see the jobs module), no rank
+twice. Anything else is refused naming the files: a torch memory snapshot among traces, traces of
+different clocks or sources, a trace without a rank, traces of different jobs (naming both
+identities: rank 0 of one torchrun job and rank 1 of another), two traces claiming one rank, or
+ranks that disagree on the world size. Traces without a job identity (recorded by an older
+memtide) are not guessed at: they draw, and the report and stderr say that their job was not
+checked.
 
 The common time axis:
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memtide._files import check_input
@@ -28,6 +33,7 @@ from memtide._files import check_input
 from .export import write_chrome_processes
 from .files import TraceError, _identity, check_outputs
 from .html_report import write_ranks_html
+from .jobs import job_text, same_job
 from .model import Timeline
 from .snapshot import looks_like_pickle
 from .trace import read_trace
@@ -77,6 +83,11 @@ def _check(paths: Sequence[str], headers: Sequence[Dict[str, Any]]) -> Tuple[Lis
     if missing:
         raise TraceError(f"{', '.join(missing)}: no rank in the trace's header (recorded outside a job: RANK "
                          "unset); only the traces of one job's ranks draw together, each naming its rank")
+    named = [(p, h["job"]) for p, h in zip(paths, headers) if isinstance(h.get("job"), dict)]
+    for p, job in named[1:]:
+        if not same_job(named[0][1], job):
+            raise TraceError(f"these traces are of different jobs and do not draw as one job: {named[0][0]}: "
+                             f"{job_text(named[0][1])}; {p}: {job_text(job)}")
     owner: Dict[int, str] = {}
     for p, h in zip(paths, headers):
         rank = int(h["rank"])
@@ -106,7 +117,8 @@ def _check(paths: Sequence[str], headers: Sequence[Dict[str, Any]]) -> Tuple[Lis
 
 def read_ranks(paths: Sequence[str], progress: bool = False) -> Tuple[List[Tuple[int, Timeline]], Dict[str, Any]]:
     """The Timelines of the ranks' traces (sorted by rank), each binned on the common window, and
-    what was merged: ``{"ranks": [...], "world_size", "clock_note"}``. Raises TraceError naming
+    what was merged: ``{"ranks": [...], "world_size", "clock_note", "job_note"}`` (``job_note``:
+    the traces whose job was not checked, in words, or None). Raises TraceError naming
     the files when the traces are not one job's (see the module's docstring)."""
     if len(paths) < 2:
         raise TraceError("a report of several ranks needs at least two traces")
@@ -122,6 +134,12 @@ def read_ranks(paths: Sequence[str], progress: bool = False) -> Tuple[List[Tuple
     # Every header is checked before any trace is read whole.
     opened = [read_trace(p, progress=progress) for p in paths]
     shifts, note = _check(paths, [h for h, _ in opened])
+    unnamed = [p for p, (h, _) in zip(paths, opened) if h.get("job") is None]
+    job_note = None
+    if unnamed:
+        job_note = (f"{', '.join(unnamed)}: no job identity in the header (recorded by an older memtide): not "
+                    "checked that these traces are one job's ranks.")
+        print(f"timeline: note: {job_note}", file=sys.stderr, flush=True)
     ranks: List[Tuple[int, Timeline, float, str]] = []
     for p, (header, events), shift in zip(paths, opened, shifts):
         ranks.append((int(header["rank"]), Timeline(header, events), shift, p))
@@ -136,7 +154,7 @@ def read_ranks(paths: Sequence[str], progress: bool = False) -> Tuple[List[Tuple
     world: Optional[int] = next((int(tl.header["world_size"]) for _, tl, _, _ in ranks
                                  if tl.header.get("world_size") is not None), None)
     info = {"ranks": [{"rank": rank, "trace": p, "events": sum(tl.counts.values()), "summary": tl.summary()}
-                      for rank, tl, _, p in ranks], "world_size": world, "clock_note": note,
+                      for rank, tl, _, p in ranks], "world_size": world, "clock_note": note, "job_note": job_note,
             "shifts": {rank: shift for rank, _, shift, _ in ranks}}
     return [(rank, tl) for rank, tl, _, _ in ranks], info
 
@@ -149,7 +167,8 @@ def render_ranks(paths: Sequence[str], html_path: str, chrome: Optional[str] = N
     for p in paths:
         check_outputs(p, {"the report": html_path, "the Chrome trace": chrome})
     ranks, info = read_ranks(paths, progress=progress)
-    write_ranks_html(ranks, html_path, f"memtide timeline: {len(ranks)} ranks", info["clock_note"])
+    write_ranks_html(ranks, html_path, f"memtide timeline: {len(ranks)} ranks",
+                     info["clock_note"] + (" " + info["job_note"] if info["job_note"] else ""))
     out = {"html": html_path, "events": sum(r["events"] for r in info["ranks"]), **info}
     if chrome:
         # Read again, streamed: the Timelines keep their events binned, not as events.

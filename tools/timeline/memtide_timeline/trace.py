@@ -134,6 +134,12 @@ class TraceWriter:
     """Writes a trace event by event. ``with TraceWriter(path, source="run") as w: w.op(...)``."""
 
     def __init__(self, path: str, **header: Any):
+        if "job" not in header:  # every trace names its job (jobs.job_identity); job=None leaves it out
+            from .jobs import job_identity
+
+            header["job"] = job_identity()
+        elif header["job"] is None:
+            del header["job"]
         self._file = open_output(path)
         self._f = self._file.file
         # allow_nan=False: a writer never writes what the reader refuses (nor what is not JSON).
@@ -207,6 +213,11 @@ def read_trace(path: str, progress: bool = False) -> Tuple[Dict[str, Any], Itera
         if header.get(field) is not None and not ok(header[field]):
             f.close()
             raise TraceError(f"{path}: line 1: {field!r} must be {expected}, got {header[field]!r}")
+    job = header.get("job")
+    if job is not None and not (isinstance(job, dict) and type(job.get("launcher")) is str):
+        f.close()
+        raise TraceError(f"{path}: line 1: 'job' must be a job's identity (an object with its \"launcher\"), "
+                         f"got {job!r:.200}")
     rank, world = header.get("rank"), header.get("world_size")
     if world is not None and not 1 <= world <= MAX_RANKS:
         f.close()

@@ -46,6 +46,7 @@ struct Options {
   std::uint64_t pinned_heap_direct_threshold = 64ULL << 10;  ///< requests >= this bypass the backend; 0 = never
   std::uint64_t nvme_queue_depth = 32;       ///< NVMe tier: requests in flight (bench_nvme.py --sweep chose it)
   std::uint64_t nvme_block_size = 1ULL << 20;  ///< NVMe tier: bytes per request
+  std::string cupti_library;                 ///< libcupti the tracer loads first; empty = libcupti.so.13, then libcupti.so
 
   /// Reads the table from `lookup` (the environment by default). Throws ConfigError.
   static Options from_env(const std::function<const char*(const char*)>& lookup);
