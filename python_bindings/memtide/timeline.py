@@ -32,8 +32,10 @@ In a job's process (torchrun sets RANK) every rank writes its own files, named b
 the trace's header holds ``rank`` and ``world_size``. ``memtide timeline report.rank*.trace.jsonl
 -o report.html`` then draws all ranks in one report, with lanes per rank.
 ``memtide run --timeline`` records through the same recorder. Without a GPU the device chart holds
-what memtide's allocator served (a SimDevice's) and the engines' chart stays empty; the host and
-NVMe tiers are recorded as on a GPU.
+what memtide's allocator served (a SimDevice's); the engines' chart has the host lane, each
+optimizer step as it ran on the wall clock (the SimDevice's copies and GPU updates are on its
+virtual clock and are not drawn; the header's ``host_lane`` says so); the host and NVMe tiers are
+recorded as on a GPU. Every lane of such a trace is on the steady (wall) clock.
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+#: The trace header's ``host_lane`` on a CPU run: which lanes are on which clock.
+HOST_LANE = ("wall clock: the host lane is each optimizer step as it ran (CPU updates, gradients gathered, the "
+             "model's copy written), like device memory and the host and NVMe tiers; the engine's simulated "
+             "device (its copies and GPU updates, on a virtual clock) is not drawn")
+
+
+def _simulated(opt: Any) -> bool:
+    """Whether `opt`'s engine runs on a SimDevice, whose times are on a virtual clock."""
+    return bool(getattr(getattr(opt, "engine", None), "simulated", False))
 
 
 class Recorder:
@@ -93,6 +106,7 @@ class Recorder:
         self._hooks: List[Any] = []
         self._seen: Dict[int, Any] = {}
         self._staging: Dict[int, int] = {}  # per optimizer: its NVMe tier's pinned staging (bytes)
+        self._step_began: Dict[int, float] = {}  # per optimizer: when its step began (steady clock)
         self._events: List[Dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -118,6 +132,7 @@ class Recorder:
         self._staging[id(optimizer)] = self._staging_of(optimizer)
         if self._base is not None and self._thread is None:
             self._start_sampling()
+        self._hooks.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_step(opt)))
         self._hooks.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self._after_step(opt)))
 
     def _device(self) -> int:
@@ -138,13 +153,25 @@ class Recorder:
         with self._lock:
             self._events.append(ev)
 
+    def _before_step(self, opt: Any) -> None:
+        self._step_began[id(opt)] = time.monotonic()
+
     def _after_step(self, opt: Any) -> None:
+        ended = time.monotonic()
         report = opt.last_report
         if report is None or report is self._seen.get(id(opt)):
             return  # skipped: the engine did not run
         self._seen[id(opt)] = report
         events = [dict(type="nvme", what=what, subgroup=int(sg), queued=q, start=a, end=b, bytes=nbytes)
                   for what, sg, q, a, b, nbytes in report.nvme_transfers]
+        began = self._step_began.pop(id(opt), None)
+        if began is not None and report.cpu.ops and _simulated(opt):
+            # On a SimDevice (a CPU run) the engine's own times are on its virtual clock: the CPU
+            # work that really ran is the optimizer's step, from its pre-hook to its post-hook on
+            # the steady clock (on a CPU run the whole step is host work: gathering the gradients,
+            # the CPU updates, writing the model's copy back).
+            events.append(dict(type="op", engine="host", start=began, end=max(ended, began),
+                               bytes=float(report.cpu.bytes)))
         info = opt.nvme_info()
         if info:
             events.append(dict(type="spill", t=time.monotonic(), bytes=int(info["file_bytes"])))
@@ -204,6 +231,8 @@ class Recorder:
         if not write:
             return None
         header = dict(self.header, cupti=self._cupti["status"])
+        if any(_simulated(opt) for opt in self._optimizers):
+            header["host_lane"] = HOST_LANE
         budgets = [opt.nvme.host_budget for opt in self._optimizers if getattr(opt, "nvme", None) is not None]
         if budgets:
             header["host_capacity_bytes"] = int(sum(budgets))

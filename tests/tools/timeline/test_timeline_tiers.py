@@ -280,3 +280,149 @@ def test_a_headless_browser_draws_a_torch_snapshot_with_the_network_off(tmp_path
     assert drawn["memory"].count("<polyline") == 2
     assert drawn["segments"].count('class="segment"') == 3 and drawn["segments"].count('class="block"') == 3
     assert dom.stdout.count("(train.py:") >= 4 * 3  # the frames of the blocks at the peak
+
+
+class _RecordedAxes:
+    """A stand-in matplotlib Axes that keeps every call made on it: (method, args, kwargs)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a, **k: self.calls.append((name, a, k))
+
+    def title(self):
+        return next((a[0] for name, a, _ in self.calls if name == "set_title"), None)
+
+    def made(self, method):
+        return [(a, k) for name, a, k in self.calls if name == method]
+
+
+def _recording_matplotlib(monkeypatch):
+    """A stand-in matplotlib (matplotlib may not be installed) in sys.modules whose figure keeps its
+    axes, for the test to read what write_png drew on each."""
+    import types
+
+    figures = []
+
+    class Figure:
+        def __init__(self, rows):
+            self.axes = [_RecordedAxes() for _ in range(rows)]
+
+        def tight_layout(self):
+            pass
+
+        def savefig(self, f, **kwargs):
+            f.write(b"PNG")
+
+    def subplots(nrows=1, ncols=1, squeeze=True, **kwargs):
+        figures.append(Figure(nrows * ncols))
+        axes = figures[-1].axes
+        return figures[-1], (axes if squeeze else [axes[r * ncols:(r + 1) * ncols] for r in range(nrows)])
+
+    mpl = types.ModuleType("matplotlib")
+    mpl.use = lambda name: None
+    pyplot = types.ModuleType("matplotlib.pyplot")
+    pyplot.subplots, pyplot.close = subplots, lambda fig: None
+    mpl.pyplot = pyplot
+    monkeypatch.setitem(sys.modules, "matplotlib", mpl)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    return figures
+
+
+def test_the_png_draws_the_host_and_nvme_tiers_from_the_reports_series(tmp_path, monkeypatch):
+    # The HTML report draws the host tier and the NVMe tier; the PNG used to draw device memory
+    # and the engines only. Its axes are read here, not its pixels: one per chart, with the
+    # values of the trace's samples (GiB) and the NVMe lanes' busy time.
+    figures = _recording_matplotlib(monkeypatch)
+    trace = tiered_trace(tmp_path / "t.jsonl", steps=3)
+    out = timeline.render(str(trace), str(tmp_path / "r.html"), png=str(tmp_path / "r.png"))
+    assert out["png"] == str(tmp_path / "r.png") and (tmp_path / "r.png").read_bytes() == b"PNG"
+    axes = {ax.title(): ax for ax in figures[-1].axes}
+    assert list(axes) == ["device memory", "host memory", "NVMe lanes", "NVMe queues", "state on NVMe", "engines"]
+    header, events = timeline.read_trace(str(trace))
+    events = list(events)
+    host = [e for e in events if e["type"] == "host"]
+    tl = timeline.Timeline(header, events)  # what the HTML report draws from
+    lines = {k["label"]: a for a, k in axes["host memory"].made("plot")}
+    assert sorted(lines) == ["allocated", "reserved", "rss", "staging"]
+    for name in ("reserved", "allocated", "staging", "rss"):
+        xs, ys = lines[name]
+        assert list(ys) == [e[name] / 2**30 for e in host], name
+        assert xs == pytest.approx([e["t"] - tl.t0 for e in host]), name
+    # The host budget (4 GiB) is within 1.5 times the peak drawn (about 3 GiB): a dashed line.
+    assert [a for a, _ in axes["host memory"].made("axhline")] == [(4.0,)]
+    # The NVMe lanes: read, write, wait, each busy where the trace's transfers were.
+    fills = axes["NVMe lanes"].made("fill_between")
+    assert len(fills) == 3
+    assert list(axes["NVMe lanes"].made("set_yticks")[0][0][1]) == ["read", "write", "wait"]
+    span = (tl.t1 - tl.t0) / tl.bins
+    for r, (lane, (a, _)) in enumerate(zip(("read", "write", "wait"), fills)):
+        busy = [v - r for v in a[2]]
+        assert any(b > 0 for b in busy), lane
+        assert busy == pytest.approx([min(v / span, 1) * 0.8 for v in tl.nvme_busy[lane]]), lane
+    spilled = [e["bytes"] for e in events if e["type"] == "spill"]
+    (xs, ys), = [a for a, _ in axes["state on NVMe"].made("plot")]
+    assert ys[:len(spilled)] == [b / 2**30 for b in spilled]
+    assert {k["label"] for _, k in axes["NVMe queues"].made("step")} == {"read-ahead", "write-back queue"}
+    assert list(axes["engines"].made("set_yticks")[0][0][1]) == ["h2d", "d2h"]
+
+
+# A CPU run (a SimDevice: the engine's copies and GPU updates on its virtual clock) of a few steps
+# under memtide.timeline.record, each step's wall time taken around opt.step() on the steady clock.
+CPU_STEPS = r"""
+import json, sys, time
+import torch
+import memtide.timeline
+from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss
+from memtide.optim import TieredAdamW
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = TinyGPT(128, 64, 4, 2, 32)
+opt = TieredAdamW(model.parameters(), subgroup_size=10_000, policy="cpu")
+data = [arithmetic_batch(torch.Generator().manual_seed(1 + i), 4, 32, 128) for i in range(3)]
+steps = []
+with memtide.timeline.record(sys.argv[1], opt):
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model(x), y).backward()
+        a = time.monotonic()
+        opt.step()
+        b = time.monotonic()
+        steps.append({"start": a, "end": b, "engine_s": opt.stats.last_engine_seconds,
+                      "virtual_cpu_s": opt.last_report.cpu.busy_ns / 1e9})
+print(json.dumps({"simulated": opt.engine.simulated, "steps": steps}))
+"""
+
+
+def test_a_cpu_run_draws_its_cpu_updates_on_the_wall_clock(tmp_path):
+    # The engine's CPU-update lane ("host") of a CPU run used to be empty: the SimDevice's times
+    # are on a virtual clock, and only a GPU's activities (CUPTI) filled the engines' lanes.
+    pytest.importorskip("torch")
+    p = subprocess.run([sys.executable, "-c", CPU_STEPS, str(tmp_path / "cpu.html")],
+                       env=clean_env(MEMTIDE_DEVICE="sim"), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.splitlines()[-1])
+    assert out["simulated"]
+    header, events = timeline.read_trace(str(tmp_path / "cpu.trace.jsonl"))
+    host = sorted((e for e in json_ops(events) if e["engine"] == "host"), key=lambda e: e["start"])
+    assert len(host) == len(out["steps"]) == 3
+    assert header["clock"] == "steady" and "wall clock" in header["host_lane"]
+    for op, step in zip(host, out["steps"]):
+        # Each lies within its step's wall time, and holds the engine's measured (wall) time:
+        # neither of which the virtual clock's microseconds would.
+        assert step["start"] <= op["start"] < op["end"] <= step["end"], (op, step)
+        assert op["end"] - op["start"] >= step["engine_s"] > 0
+        assert op["end"] - op["start"] > step["virtual_cpu_s"]
+        assert op["bytes"] > 0
+    doc = (tmp_path / "cpu.html").read_text()
+    gantt = charts(doc, "gantt")["gantt"]
+    assert ">host</text>" in gantt and 'class="busy"' in gantt
+    assert "<p class='clock'" in doc.split("<h2>Engines</h2>")[1].split("<svg")[0]
+    chrome = json.loads((tmp_path / "cpu.chrome.json").read_text())
+    assert sum(e.get("ph") == "X" and e.get("name") == "host" for e in chrome["traceEvents"]) == 3
+
+
+def json_ops(events):
+    return [e for e in events if e["type"] == "op"]

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from memtide._files import open_output
 
 from .files import check_outputs
 from .html_report import write_html
-from .model import COLORS, ENGINES, Timeline
+from .model import (COLORS, ENGINES, NVME_LANES, Timeline, capacity_drawn, host_series, nvme_queues, series_points,
+                    spill_samples)
 from .snapshot import SnapshotView, looks_like_pickle, read_snapshot
 from .trace import VERSION, read_trace
 
@@ -93,7 +94,10 @@ NO_PNG = "no PNG: matplotlib is not installed (pip install matplotlib); the HTML
 
 
 def write_png(tl: Timeline, path: str) -> bool:
-    """Memory over time and the engines' load, with matplotlib; False when it is not installed."""
+    """The report's charts with matplotlib, one axes each (top to bottom): device memory, the host
+    tier's memory, the NVMe lanes, the NVMe queues, the state on NVMe (each tier where the trace
+    has it) and the engines' load, drawn from the series the HTML report draws (model.py). False
+    when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -101,23 +105,61 @@ def write_png(tl: Timeline, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
-    for a, b, name in tl.spans:
-        for ax in (ax1, ax2):
-            ax.axvspan(a - tl.t0, b - tl.t0, color=COLORS.get(name, "#eee"), lw=0)
-    if tl.memory:
-        ts = [m[0] - tl.t0 for m in tl.memory]
-        ax1.plot(ts, [m[1] / 2**30 for m in tl.memory], label="allocated")
-        ax1.plot(ts, [m[2] / 2**30 for m in tl.memory], label="reserved", color="#999")
-    ax1.set_ylabel("GiB")
-    ax1.legend(loc="upper right")
+    charts = ["device memory"]
+    if tl.host_samples:
+        charts.append("host memory")
+    if tl.nvme_transfers:
+        charts.append("NVMe lanes")
+    queues = nvme_queues(tl)
+    if queues:
+        charts.append("NVMe queues")
+    spill = spill_samples(tl)
+    if spill:
+        charts.append("state on NVMe")
+    charts.append("engines")
+    fig, grid = plt.subplots(len(charts), 1, figsize=(11, 2 + 2 * len(charts)), sharex=True, squeeze=False)
+    axes = dict(zip(charts, (row[0] for row in grid)))
+    for name, ax in axes.items():
+        ax.set_title(name, loc="left", fontsize=10)
+        for a, b, phase in tl.spans:
+            ax.axvspan(a - tl.t0, b - tl.t0, color=COLORS.get(phase, "#eee"), lw=0)
+
+    def memory(ax: Any, samples: List[Tuple], series: List[Tuple[int, str]], cap: float, cap_name: str) -> None:
+        used = 0.0
+        for idx, name in series:
+            pts = series_points(samples, idx)
+            if pts:
+                ax.plot([t - tl.t0 for t, _ in pts], [v / 2**30 for _, v in pts], label=name, color=COLORS[name])
+                used = max(used, max(v for _, v in pts))
+        if capacity_drawn(cap, used):
+            ax.axhline(cap / 2**30, color="#c00", ls="--", lw=1, label=cap_name)
+        ax.set_ylabel("GiB")
+        ax.legend(loc="upper right", fontsize=8)
+
+    memory(axes["device memory"], tl.memory, [(1, "allocated"), (2, "reserved")],
+           tl.header.get("capacity_bytes") or 0, "capacity")
+    if "host memory" in axes:
+        memory(axes["host memory"], tl.host, host_series(tl), tl.header.get("host_capacity_bytes") or 0, "host budget")
+    if spill:
+        memory(axes["state on NVMe"], spill, [(1, "nvme")], tl.header.get("nvme_capacity_bytes") or 0, "reserved")
     span = (tl.t1 - tl.t0) / tl.bins
-    engines = [e for e in ENGINES if any(tl.busy[e])]
-    for r, e in enumerate(engines):
-        xs = [tl.t0 + (k + 0.5) * span - tl.t0 for k in range(tl.bins)]
-        ax2.fill_between(xs, r, [r + min(v / span, 1) * 0.8 for v in tl.busy[e]], color=COLORS[e], step="mid")
-    ax2.set_yticks([r + 0.4 for r in range(len(engines))], engines)
-    ax2.set_xlabel("s")
+    xs = [(k + 0.5) * span for k in range(tl.bins)]
+
+    def lanes(ax: Any, names: Sequence[str], busy: Dict[str, List[float]]) -> None:
+        for r, e in enumerate(names):
+            ax.fill_between(xs, r, [r + min(v / span, 1) * 0.8 for v in busy[e]], color=COLORS[e], step="mid")
+        ax.set_yticks([r + 0.4 for r in range(len(names))], names)
+
+    if "NVMe lanes" in axes:
+        lanes(axes["NVMe lanes"], NVME_LANES, tl.nvme_busy)
+    if queues:
+        ax = axes["NVMe queues"]
+        for (name, row), color in zip(queues, (COLORS["read"], COLORS["write"])):
+            ax.step(xs, row, where="mid", label=name, color=color)
+        ax.set_ylabel("subgroups")
+        ax.legend(loc="upper right", fontsize=8)
+    lanes(axes["engines"], [e for e in ENGINES if any(tl.busy[e])], tl.busy)
+    axes["engines"].set_xlabel("s")
     fig.tight_layout()
     try:
         with open_output(path, binary=True) as f:  # matplotlib given a path would open it itself

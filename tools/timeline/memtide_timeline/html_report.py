@@ -8,7 +8,8 @@ from typing import List, Optional, Sequence, Tuple
 from memtide._files import open_output
 from memtide._memtide import format_bytes
 
-from .model import COLORS, ENGINES, HOST_SERIES, NVME_LANES, PHASES, Timeline
+from .model import (COLORS, ENGINES, HOST_SERIES, NVME_LANES, PHASES, Timeline, capacity_drawn, host_series,
+                    nvme_queues, series_points, spill_samples)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -91,9 +92,7 @@ def _memory_chart(tl: Timeline, x, svg_id: str, samples: List[Tuple], series: Li
     charts of several ranks share one), else the highest sample; `label`: the chart's name, drawn
     in it."""
     used = max([m[i] for m in samples for i, _ in series] + [1]) if used is None else max(used, 1)
-    # The scale follows what was used; a capacity far above it is named, not drawn (it would
-    # flatten the curves into the axis).
-    cap_drawn = bool(cap) and cap <= 1.5 * used
+    cap_drawn = capacity_drawn(cap, used)
     peak = max(used * 1.1, cap if cap_drawn else 0, 1)
 
     def y(v: float) -> float:
@@ -102,7 +101,7 @@ def _memory_chart(tl: Timeline, x, svg_id: str, samples: List[Tuple], series: Li
     out = [f'<svg id="{svg_id}" width="{W}" height="{H}" xmlns="http://www.w3.org/2000/svg">']
     out += _svg_phase_bands(tl, x, H - 20)
     for idx, name in series:
-        pts = " ".join(f"{x(m[0]):.1f},{y(m[idx]):.1f}" for m in samples if m[idx] >= 0)
+        pts = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in series_points(samples, idx))
         if not pts:
             continue
         out.append(f'<polyline class="series" points="{pts}" fill="none" stroke="{COLORS[name]}" '
@@ -169,7 +168,7 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline", extra: 
                            f"{(a1 - a0) * 1e3:.1f} ms; hover for the subgroup)</h2>")
     host: List[str] = []
     if tl.host_samples:
-        recorded = [(1 + j, s) for j, s in enumerate(HOST_SERIES) if tl.host_peak[s] >= 0]
+        recorded = host_series(tl)
         host = [f"<h2>Host memory ({_legend(s for _, s in recorded)}; dashed: the host budget)</h2>",
                 *_memory_chart(tl, x, "host", tl.host, recorded, tl.header.get("host_capacity_bytes") or 0,
                                "host budget")]
@@ -182,8 +181,8 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline", extra: 
         nvme += _queue_chart(tl, x)
     if tl.spill:
         nvme += ["<h2>State on NVMe (dashed: the space reserved on the drive)</h2>",
-                 *_memory_chart(tl, x, "nvme-memory", [(t, b) for t, b in tl.spill] + [(tl.t1, tl.spill[-1][1])],
-                                [(1, "nvme")], tl.header.get("nvme_capacity_bytes") or 0, "reserved", H=120)]
+                 *_memory_chart(tl, x, "nvme-memory", spill_samples(tl), [(1, "nvme")],
+                                tl.header.get("nvme_capacity_bytes") or 0, "reserved", H=120)]
     meta = _meta(tl.header)
     legend = " ".join(f'<span style="background:{COLORS[p]};padding:0 6px">{p}</span>' for p in PHASES[:3])
     body = [
@@ -191,7 +190,7 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline", extra: 
         f"{tl.t1 - tl.t0:.4g} s. Phases: {legend}</p>",
         "<h2>Device memory (allocated, reserved; dashed: capacity)</h2>", *mem,
         *host, "<h2>PCIe lanes</h2>", *lanes("pcie", ("h2d", "d2h")), *nvme,
-        "<h2>Engines</h2>", *(lanes("gantt", active) if (active := tuple(e for e in ENGINES if any(tl.busy[e])))
+        "<h2>Engines</h2>", *_clock_note(tl.header), *(lanes("gantt", active) if (active := tuple(e for e in ENGINES if any(tl.busy[e])))
                               else [f"<p style='font-size:12px'>No device activity in this trace (CUPTI: "
                                     f"{html.escape(str(tl.header.get('cupti', 'not traced')))}).</p>"]), *schedule,
         "<h2>Per phase</h2>", *_summary_table([(None, tl)]), *extra,
@@ -199,9 +198,15 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline", extra: 
     _write_page(path, title, body)
 
 
-#: Header fields a report does not list: the format's version, and how the clock was anchored
-#: (used to align ranks, meaningless to read).
-_UNLISTED = ("memtide_trace", "epoch_offset_s")
+#: Header fields a report does not list: the format's version, how the clock was anchored (used to
+#: align ranks, meaningless to read), and the host lane's clock (said above the engines' lanes).
+_UNLISTED = ("memtide_trace", "epoch_offset_s", "host_lane")
+
+
+def _clock_note(header) -> List[str]:
+    """Which clock the engines' lanes are on, where the trace says (``host_lane``: a CPU run's)."""
+    note = header.get("host_lane")
+    return [f"<p class='clock' style='font-size:12px'>{html.escape(str(note))}</p>"] if note else []
 
 
 def _meta(header) -> str:
@@ -250,7 +255,7 @@ def _summary_table(timelines: Sequence[Tuple[Optional[int], Timeline]]) -> List[
 def _queue_chart(tl: Timeline, x) -> List[str]:
     """The read-ahead (reads queued and not yet taken by the update) and the write-back queue,
     their highest depth per column, as step lines."""
-    series = [(name, row) for name, row in (("read-ahead", tl.nvme_ahead), ("write-back queue", tl.nvme_behind)) if row]
+    series = nvme_queues(tl)
     if not series:
         return []
     top = max(max(row) for _, row in series) or 1

@@ -65,6 +65,33 @@ def _depth(changes: List[Tuple[float, int]], t0: float, width: float, bins: int)
     return out
 
 
+def series_points(samples: List[Tuple], idx: int) -> List[Tuple[float, float]]:
+    """A chart's series: (t, value) of column `idx` of `samples`, where it was recorded (-1: not)."""
+    return [(m[0], m[idx]) for m in samples if m[idx] >= 0]
+
+
+def capacity_drawn(cap: float, used: float) -> bool:
+    """Whether a chart draws a capacity line: the scale follows what was used, and a capacity far
+    above it is named, not drawn (it would flatten the curves into the axis)."""
+    return bool(cap) and cap <= 1.5 * max(used, 1)
+
+
+def host_series(tl: "Timeline") -> List[Tuple[int, str]]:
+    """The host tier's series the trace recorded: (column of tl.host, name)."""
+    return [(1 + j, s) for j, s in enumerate(HOST_SERIES) if tl.host_peak[s] >= 0]
+
+
+def spill_samples(tl: "Timeline") -> List[Tuple[float, int]]:
+    """The state on NVMe: the spill file's bytes, the last held to the drawn window's end."""
+    return [(t, b) for t, b in tl.spill] + [(tl.t1, tl.spill[-1][1])] if tl.spill else []
+
+
+def nvme_queues(tl: "Timeline") -> List[Tuple[str, List[int]]]:
+    """The NVMe queues drawn: (name, highest depth per column) of the read-ahead and the
+    write-back queue, those the trace has."""
+    return [(name, row) for name, row in (("read-ahead", tl.nvme_ahead), ("write-back queue", tl.nvme_behind)) if row]
+
+
 class Timeline:
     """What a report needs from a trace, gathered in one pass with bounded memory: events are
     binned into `bins` time columns per engine (busy time) and memory (max), so a trace of
