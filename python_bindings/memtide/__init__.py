@@ -41,6 +41,13 @@ from . import _memtide, host
 # anything still running until the process ends.
 _atexit.register(_memtide.remove_spill_dirs)
 
+# SIGTERM and SIGHUP (a scheduler ending the job) run no exit handler by default: memtide's
+# handler removes the spill folders and exits 128 + the signal from the main thread's normal
+# context, chaining to a handler the program already has (memtide._cleanup).
+from . import _cleanup
+
+_cleanup.install()
+
 from ._memtide import (
     ConfigError,
     MAX_SUBGROUPS,

@@ -235,3 +235,139 @@ def test_load_state_dict_refuses_a_repeated_param_index():
     groups = [{**sd["param_groups"][0], "params": [0, 0]}]
     with pytest.raises(ValueError, match="index 0 twice"):
         opt.load_state_dict({**sd, "param_groups": groups})
+
+
+# ---- signals a scheduler sends (issue 37, item 2) ----------------------------------------------
+
+# A process that spills, says where, then waits to be ended. PRELUDE runs before memtide is imported
+# (a handler the program installs first).
+_SPILLING_CHILD = """
+import os, sys, time
+{prelude}
+import torch
+from memtide.optim import TieredAdamW
+model = torch.nn.Linear(256, 256).to(torch.bfloat16)
+opt = TieredAdamW(model.parameters(), subgroup_size={subgroup}, host_budget=600_000, nvme_dir=sys.argv[1],
+                  policy="cpu")
+model(torch.randn(4, 256, dtype=torch.bfloat16)).sum().backward()
+opt.step()
+assert opt.spilled_subgroups > 0
+try:
+    print("ready", opt.nvme_info()["file"], flush=True)
+    while True:
+        time.sleep(0.01)
+finally:
+    print("finally ran", flush=True)  # the signal unwinds the program: finally and with blocks run
+"""
+
+
+def _spilling_child(spill_dir, prelude=""):
+    """A started child that spills into `spill_dir`, once its folder is there."""
+    p = subprocess.Popen([sys.executable, "-c", _SPILLING_CHILD.format(prelude=prelude, subgroup=SUBGROUP),
+                          str(spill_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    line = p.stdout.readline()
+    assert line.startswith("ready "), (line, p.communicate(timeout=60))
+    assert spills(spill_dir), "the child spills nothing: the test would prove nothing"
+    return p
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_and_sighup_remove_the_spill_folder_and_exit_128_plus_the_signal(spill_dir, sig, code):
+    p = _spilling_child(spill_dir)
+    sent = time.monotonic()
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=30)
+    took = time.monotonic() - sent
+    assert p.returncode == code, (p.returncode, out, err)
+    assert took < 5, f"{took:.1f} s to end: beyond a scheduler's grace period"
+    assert "finally ran" in out, "the program was not unwound: its traces and outputs are not closed"
+    assert "Traceback" not in err, err
+    assert f"{signal.Signals(sig).name}: exiting with {code}" in err, err
+    assert spills(spill_dir) == [], spills(spill_dir)
+
+
+def test_a_handler_the_program_installed_before_memtide_is_chained_to(spill_dir):
+    prelude = ("import signal\n"
+               "def mine(signum, frame):\n"
+               "    print('my handler', signum, flush=True)\n"
+               "    sys.exit(7)\n"
+               "signal.signal(signal.SIGTERM, mine)")
+    p = _spilling_child(spill_dir, prelude)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert f"my handler {int(signal.SIGTERM)}" in out, (out, err)
+    assert p.returncode == 7, (p.returncode, err)  # the program's handler decided how to end
+    assert spills(spill_dir) == [], spills(spill_dir)
+
+
+def test_an_ignored_signal_stays_ignored():
+    p = run_python(["-c", "import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN); import memtide, os, sys; "
+                          "os.kill(os.getpid(), signal.SIGHUP); "
+                          "print(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, "
+                          "signal.getsignal(signal.SIGTERM) is memtide._cleanup._on_signal)"])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", "True"]
+
+
+def test_after_sigkill_the_next_run_removes_the_dead_process_spill_folder_naming_it(spill_dir):
+    p = _spilling_child(spill_dir)
+    left = spills(spill_dir)
+    p.kill()
+    p.communicate(timeout=30)
+    assert spills(spill_dir) == left, "SIGKILL runs nothing: the folder must still be there"
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from memtide.optim import TieredAdamW
+        model = torch.nn.Linear(256, 256).to(torch.bfloat16)
+        opt = TieredAdamW(model.parameters(), subgroup_size={SUBGROUP}, host_budget=600_000,
+                          nvme_dir=sys.argv[1], policy="cpu")
+        print(opt.nvme_info()["file"])
+    """)
+    q = run_python(["-c", script, str(spill_dir)])
+    assert q.returncode == 0, q.stderr
+    for name in left:
+        assert not (spill_dir / name).exists(), f"{name} of the killed process is still there: {q.stderr}"
+        assert f"removed {spill_dir / name}" in q.stderr, q.stderr
+
+
+def test_only_memtide_folders_of_ended_processes_of_this_user_are_removed(spill_dir, monkeypatch):
+    from memtide import _cleanup
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        def folder(name, size=8192):
+            f = spill_dir / name
+            f.mkdir(mode=0o700)
+            (f / "state.spill").write_bytes(b"x" * size)
+            return f
+
+        gone = folder(f"memtide-spill-{dead_pid}-abcdef")
+        gone_rank = folder(f"memtide-spill-{dead_pid}-rank3-Zz09Ab")
+        running = folder(f"memtide-spill-{live.pid}-abcdef")
+        mine = folder(f"memtide-spill-{__import__('os').getpid()}-abcdef")
+        not_ours = folder(f"memtide-spill-{dead_pid}-abc")  # not mkdtemp's six characters
+        other = folder(f"my-spill-{dead_pid}-abcdef")
+        (spill_dir / f"memtide-spill-{dead_pid}-linked").symlink_to(gone_rank)
+        # A process of another pid namespace (a container sharing the folder) looks dead by its
+        # pid; it still has its file open, which the kernel tells.
+        held = folder(f"memtide-spill-{dead_pid}-HELDop")
+        with open(held / "state.spill", "r+b"):
+            removed = _cleanup.remove_stale_spills(spill_dir, log=lambda text: None)
+            assert sorted(removed) == sorted([str(gone), str(gone_rank)])
+            for kept in (running, mine, not_ours, other, held):
+                assert kept.exists(), kept
+            assert (spill_dir / f"memtide-spill-{dead_pid}-linked").is_symlink()
+            # The live pid now belongs to a process that started after the folder last changed: a
+            # reused pid, not the folder's owner.
+            real = _cleanup._start_time
+            monkeypatch.setattr(_cleanup, "_start_time",
+                                lambda pid: (real(pid) or 0) + 1e6 if pid == live.pid else real(pid))
+            logged = []
+            assert _cleanup.remove_stale_spills(spill_dir, log=logged.append) == [str(running)]
+            assert str(running) in logged[0] and f"process {live.pid}" in logged[0], logged
+        assert _cleanup.remove_stale_spills(spill_dir, log=lambda text: None) == [str(held)]  # closed: gone
+    finally:
+        live.kill()
+        live.wait()

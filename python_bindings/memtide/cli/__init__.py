@@ -13,7 +13,8 @@ import memtide
 from memtide._files import FileRefused
 
 from . import info, observe, plan, probe, run, simulate, timeline
-from ._common import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_USAGE, UsageError, error
+from . import _interrupt
+from ._common import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,8 +35,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    _interrupt.reset()
     try:
         return int(args.func(args))
+    except KeyboardInterrupt:
+        # Ctrl-C in a command that does not report it itself (run and observe do): what finished.
+        print(_interrupt.summary(args.command), file=sys.stderr, flush=True)
+        return _interrupt.end_interrupted(EXIT_INTERRUPTED)
+    except memtide._cleanup.Terminated as e:  # SIGTERM, SIGHUP: the same, exiting 128 + the signal
+        print(_interrupt.summary(args.command).replace("Ctrl-C", e.signal_name), file=sys.stderr, flush=True)
+        return _interrupt.end_interrupted(int(e.code))
     except (memtide.ConfigError, UsageError, FileRefused) as e:
         # FileRefused: a path given where memtide reads or writes a regular file is none (a link,
         # a FIFO, a folder), or a file that is not what it must be: the user's to change.

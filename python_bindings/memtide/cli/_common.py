@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Dict, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 from memtide import _memtide
 
@@ -171,6 +171,109 @@ def window_arg(text: str):
     if n > _INT_MAX:  # the simulator counts blocks in an int; a bigger window is every block anyway
         raise argparse.ArgumentTypeError(f"must be at most {_INT_MAX} blocks (or auto), got {text!r}")
     return n
+
+
+# ---- the numeric flags' ranges (memtide simulate and memtide plan) -----------------------------
+#
+# One table: argparse checks each value against it and --help prints it from it, so a range shown
+# is the range enforced. The bounds are the simulator's own (tools/simulator: ModelShape::validate,
+# NodeSpec::validate, simulate_iteration, the update sweep; tests/python_bindings/test_simulate.py
+# checks that each end is accepted there), refused here first so the refusal names the flag.
+
+
+class FlagRange(NamedTuple):
+    parse: Callable[[str], Any]  # the text to a number (or "auto"); bad syntax raises ArgumentTypeError
+    lo: float
+    hi: float
+    text: str  # the range as --help and a refusal write it
+    integer: bool
+    or_zero: bool = False  # 0 is accepted too (a rate of 0: fused)
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)  # inf and nan fall outside every range
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _window(text: str):
+    return "auto" if text == "auto" else _integer(text)
+
+
+def _ints(lo: int, hi: int, note: str = "") -> FlagRange:
+    return FlagRange(_integer, lo, hi, f"{lo} to {hi}{note}", True)
+
+
+def _rates(scale: float, unit: str) -> FlagRange:
+    lo, hi = _RATE_MIN / scale, _RATE_MAX / scale
+    return FlagRange(_number, lo, hi, f"{lo:g} to {hi:g} {unit}", False)
+
+
+_PIB = 2**50
+# The most GPUs the simulator lays on one node's two sockets (--nodes without --host); one rank
+# alone, or the update sweep, models up to 1024 GPUs.
+NODE_GPUS_MAX = 64
+_GB_S = _rates(1e9, "GB/s")
+
+FLAG_RANGES: Dict[str, FlagRange] = {
+    # The model's shape (ModelShape::validate); heads must also divide hidden.
+    "layers": _ints(1, 100_000), "hidden": _ints(1, 2**20), "heads": _ints(1, 2**20), "seq": _ints(1, 2**24),
+    "micro_batch": _ints(1, 65536), "micro_batches": _ints(1, 4096), "vocab": _ints(1, 2**24),
+    "gpus_per_node": _ints(1, 1024, f"; 1 to {NODE_GPUS_MAX} with a node of ranks without --host or --topology"),
+    "iterations": _ints(1, 1000), "nodes": _ints(1, 65536), "slots": _ints(1, 1024),
+    # Blocks; more than the model has is every block (--layers' most).
+    "window": FlagRange(_window, 0, 100_000, "0 to 100000 blocks, or auto", True),
+    "gpu_mem": FlagRange(size, 2**30, _PIB, "1GiB to 1024TiB", True),
+    "host_mem": FlagRange(size, 1, _PIB, "1 B to 1024TiB", True),
+    "margin": FlagRange(size, 0, _PIB, "0 to 1024TiB", True),
+    "params": FlagRange(param_count, 1, _MAX_PARAMS, f"1 to {_MAX_PARAMS:.0e} params", True),
+    "subgroup_size": FlagRange(param_count, 1, _MAX_PARAMS, f"1 to {_MAX_PARAMS:.0e} params", True),
+    **{flag: _GB_S for flag in ("h2d", "d2h", "dram", "link", "flush", "nvme_read", "nvme_write", "inter_node")},
+    **{flag: _rates(1e9, "G params/s") for flag in ("cpu_update", "gpu_update")},
+    "cpu_downscale": FlagRange(_number, _RATE_MIN / 1e9, _RATE_MAX / 1e9,
+                               f"0, or {_RATE_MIN / 1e9:g} to {_RATE_MAX / 1e9:g} G params/s", False, or_zero=True),
+    "gpu_flops": _rates(1e12, "TFLOP/s"),
+    "inter_node_latency": FlagRange(_number, 0, 1e6, "0 to 1e+06 us", False),  # NodeSpec: 0 to 1 s
+    "static_fraction": FlagRange(_number, 0, 1, "0 to 1", False),
+    "k": FlagRange(_number, 1, sys.float_info.max, "a finite number >= 1", False),
+}
+
+
+def _in_range(r: FlagRange, value) -> bool:
+    return value == "auto" or r.lo <= value <= r.hi or (r.or_zero and value == 0)
+
+
+def checked(flag: str) -> Callable[[str], Any]:
+    """argparse's type for `flag` (its dest): the number, or a refusal that states the range."""
+    r = FLAG_RANGES[flag]
+
+    def check(text: str):
+        try:
+            value = r.parse(text)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (accepted: {r.text})") from None
+        if not _in_range(r, value):
+            raise argparse.ArgumentTypeError(f"must be {r.text}, got {text!r}")
+        return value
+
+    check.__name__ = flag  # argparse names a type by it in some messages
+    return check
+
+
+def apply_ranges(parser: argparse.ArgumentParser) -> None:
+    """Every flag of `parser` in FLAG_RANGES is checked against its range and shows it in --help."""
+    for action in parser._actions:
+        if action.dest in FLAG_RANGES and action.option_strings:
+            action.type = checked(action.dest)
+            action.help = f"{action.help or ''} [accepted: {FLAG_RANGES[action.dest].text}]".strip()
 
 
 # ---- the PerfModel's rates as flags (memtide plan and memtide simulate) -----------------------

@@ -11,7 +11,7 @@ import memtide
 from memtide import planning
 from memtide._memtide import POLICIES, format_bytes, format_count, format_duration_ns
 
-from ._common import (EXIT_FAILURE, RATE_FLAGS, UsageError, add_rate_flags, error, fraction, param_count, positive_size, rate,
+from ._common import (EXIT_FAILURE, RATE_FLAGS, UsageError, add_rate_flags, apply_ranges, error, fraction, param_count, positive_size, rate,
                       rate_or_zero, size, stride)
 
 
@@ -142,5 +142,6 @@ def add_parser(sub) -> None:
     plan.add_argument("--policy", choices=POLICIES, default="auto",
                       help="the plan reported at the top level (default: auto); all are printed")
     plan.add_argument("--json", action="store_true", help="print JSON instead of text")
+    apply_ranges(plan)  # every numeric flag: its range checked and shown, from one table
     plan.set_defaults(func=_cmd_plan)
 

@@ -66,4 +66,8 @@ def usage_error_for(e: ValueError) -> Optional[UsageError]:
         return UsageError(f"--host-mem: {e}")
     if "layer window" in str(e):
         return UsageError(f"--window: {e}")
+    if " params in subgroups of " in str(e):  # more subgroups than the simulator keeps
+        return UsageError(f"--subgroup-size: {e}")
+    if " is not a multiple of heads " in str(e):
+        return UsageError(f"--heads: {e}")
     return None

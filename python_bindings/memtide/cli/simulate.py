@@ -11,9 +11,10 @@ from typing import Any, Dict
 import memtide
 from memtide._memtide import format_bytes, format_count
 
-from ._common import (UsageError, add_rate_flags, param_count, positive_int, positive_size, rate, rate_or_zero,
-                      tflops, window_arg)
+from ._common import (UsageError, add_rate_flags, apply_ranges, param_count, positive_int, positive_size, rate,
+                      rate_or_zero, tflops, window_arg)
 from .sim_inputs import SIM_GPUS, model_and_node, usage_error_for
+from ._interrupt import finished, native
 
 _CONTENDERS = ("zero3_offload", "twinflow", "memtide")
 
@@ -29,9 +30,12 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
             print(f"simulating {name}...", file=sys.stderr, flush=True)
         record = bool(args.timeline) and name == "memtide"  # its operations go into the trace
         try:
-            r = memtide.simulate_iteration(model=model, shape=shape or None, contender=name, node=node,
-                                           checkpointing=not args.no_checkpointing, iterations=args.iterations,
-                                           record_ops=record, window=args.window if name == "memtide" else None)
+            # On a worker thread: one call simulates every iteration (minutes at the largest flags),
+            # and Ctrl-C must not wait for it (cli/_interrupt.py).
+            r = native(memtide.simulate_iteration, what=f"simulating {name}", quiet=args.json,
+                       model=model, shape=shape or None, contender=name, node=node,
+                       checkpointing=not args.no_checkpointing, iterations=args.iterations,
+                       record_ops=record, window=args.window if name == "memtide" else None)
         except ValueError as e:
             # A node figure the simulator refuses came from one flag: name it, not the key.
             named = usage_error_for(e)
@@ -39,17 +43,18 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
                 raise named from None
             raise
         except MemoryError as e:
-            # With the layer window, the baselines (which keep every parameter on the GPU) may not
-            # fit where memtide does: say so instead of failing the comparison.
-            if name == "memtide" or args.window is None:
-                raise
-            failed[name] = {"fits": False, "error": str(e)}
+            # A contender that does not fit on the GPU (the baselines keep every parameter there;
+            # memtide without the layer window too) is a result, not the end of the comparison:
+            # say so and go on with the others. The allocator's advice (MEMTIDE_MEMORY_FRACTION,
+            # batch size) is for real runs, not a simulated GPU: only what did not fit is kept.
+            failed[name] = {"fits": False, "error": str(e).split("; allocated ")[0]}
             if not args.json:
-                print(f"  {name} does not fit: {e}", file=sys.stderr, flush=True)
+                print(f"  {name} does not fit: {failed[name]['error']}", file=sys.stderr, flush=True)
             continue
         if record:
             recorded = r
         sim, pred = r["simulated"], r["predicted"]
+        finished(f"{name} ({sim['iteration_s']:.2f} s per iteration)")
         results[name] = {
             "iteration_s": sim["iteration_s"], "forward_s": sim["forward_s"], "backward_s": sim["backward_s"],
             "update_s": sim["update_s"], "predicted": pred, "peak_bytes": r["peak_bytes"],
@@ -75,10 +80,13 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         if r["window"]:
             results[name]["window_h2d_bytes"] = r["window_h2d_bytes"]
         params, model_name, capacity = r["params"], r["model"], r["capacity_bytes"]
+    if len(failed) == len(_CONTENDERS):  # none ran: the model's figures from its shape
+        model_name, params, capacity = model or "custom", _params(model, shape), node["capacity_bytes"]
     results.update(failed)
     results = {name: results[name] for name in _CONTENDERS}
     out = {"model": model_name, "params": params, "shape": shape, "gpu": args.gpu, "node": node,
-           "checkpointing": not args.no_checkpointing, "capacity_bytes": capacity, "window": results["memtide"]["window"],
+           "checkpointing": not args.no_checkpointing, "capacity_bytes": capacity,
+           "window": results["memtide"].get("window"),
            "contenders": results, **({"recorded": recorded} if args.timeline else {})}
     if failed:
         out["speedup"] = None
@@ -97,20 +105,38 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
     return out
 
 
+def _params(model, shape: Dict[str, int]) -> float:
+    """The model's parameters as the simulator counts them (ModelShape::params), for a report in
+    which no contender ran."""
+    dims = {"vocab": 50304}
+    dims.update(next((row for row in memtide.simulation_defaults()["models"] if row["name"] == model), {}))
+    dims.update(shape)
+    h = dims["hidden"]
+    return dims["layers"] * (12 * h * h + 13 * h) + dims["vocab"] * h
+
+
 def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, Any]:
     """Writes the memtide contender's last simulated iteration (recorded) as a trace, then its report."""
     import memtide_timeline as timeline
 
     html_path = args.timeline
     files = timeline.companions(html_path)
-    trace = files["trace"]
+    write_simulation_trace(args, r, files["trace"])
+    return timeline.render(files["trace"], html_path, chrome=files["chrome"], png=files["png"])
+
+
+def write_simulation_trace(args: argparse.Namespace, r: Dict[str, Any], trace: str, **header: Any) -> None:
+    """Writes one simulated iteration of memtide (simulate_iteration with record_ops) as a trace;
+    `header` adds to its header (a node's rank: rank, world_size, job; cli/node_sim.py)."""
+    import memtide_timeline as timeline
+
     tiers = {}
     if r["nvme_subgroups"]:
         tiers = dict(host_capacity_bytes=int(args.host_mem), nvme_capacity_bytes=int(r["nvme_file_bytes"]))
     elif args.host_mem is not None:
         tiers = dict(host_capacity_bytes=int(args.host_mem))
     with timeline.TraceWriter(trace, source="memtide simulate", clock="virtual", model=r["model"],
-                              contender="memtide", capacity_bytes=r["capacity_bytes"], **tiers) as w:
+                              contender="memtide", capacity_bytes=r["capacity_bytes"], **tiers, **header) as w:
         for phase, start, _end in r["phase_spans"]:  # with micro-batches: each one's forward and backward
             w.phase(start, phase)
         w.phase(r["end_s"], "other")
@@ -129,7 +155,6 @@ def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, 
             w.op(engine, start, end, nbytes)
         for what, subgroup, start, end, nbytes in r["tiering"]:
             w.event(type="tiering", what=what, subgroup=subgroup, start=start, end=end, bytes=nbytes)
-    return timeline.render(trace, html_path, chrome=files["chrome"], png=files["png"])
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -174,7 +199,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     zero = result["contenders"]["zero3_offload"]["iteration_s"] if fitted else None
     for name, c in result["contenders"].items():
         if not c["fits"]:
-            print(f"{name:15}does not fit in {format_bytes(int(result['capacity_bytes']))} without the layer window")
+            if name != "memtide" and result["window"]:
+                why = " without the layer window"
+            elif name == "memtide" and not result["window"]:
+                why = " (--window auto keeps only some blocks on the GPU)"
+            else:
+                why = ""
+            print(f"{name:15}does not fit in {format_bytes(int(result['capacity_bytes']))}{why}")
             continue
         peaks = " / ".join(format_bytes(int(c["peak_bytes"][p])) for p in ("forward", "backward", "update"))
         bound = f"{c['update_vs_bound'] * 100:.0f}%" if c["update_vs_bound"] is not None else "-"
@@ -253,7 +284,7 @@ def add_parser(sub) -> None:
                      help="memtide only: the layer window (STRONGHOLD), keeping N blocks' parameters on the GPU and "
                      "the rest in host memory, or auto to size it from the modelled block times and the memory left "
                      "(default: every parameter on the GPU); the contenders that do not fit without it are reported "
-                     "as such")
+                     "as such; with the node flags, each rank's window (auto: from its share of the host)")
     sim.add_argument("--updates-during-backward", action="store_true",
                      help="memtide only: update the subgroups its plan puts on the CPU as soon as their gradients are "
                      "home, while backward goes on (STRONGHOLD; speculative, with a saved copy, as clipping and loss "
@@ -263,7 +294,8 @@ def add_parser(sub) -> None:
                      help="iterations simulated; the last is reported (default: 3)")
     sim.add_argument("--timeline", metavar="REPORT.html",
                      help="also write memtide's simulated iteration as a trace (REPORT.trace.jsonl) and its "
-                     "timeline report (REPORT.html, REPORT.chrome.json, and REPORT.png with matplotlib)")
+                     "timeline report (REPORT.html, REPORT.chrome.json, and REPORT.png with matplotlib); with the node "
+                     "flags, a trace per rank (REPORT.rank<R>.trace.jsonl) and one report with a lane per rank")
     sim.add_argument("--json", action="store_true", help="print JSON instead of text")
     node = sim.add_argument_group(
         "a whole node of ranks, and many nodes (any of these flags; docs/simulator.md, \"A node of ranks\")")
@@ -290,5 +322,6 @@ def add_parser(sub) -> None:
     sweep.add_argument("--csv", metavar="FILE", default=None, help="write the sweep's CSV to FILE (default: stdout)")
     sweep.add_argument("--slots", type=positive_int, default=None, metavar="N",
                        help="streamed subgroups in flight on the GPU in the sweep (default: 4)")
+    apply_ranges(sim)  # every numeric flag: its range checked and shown, from one table
     sim.set_defaults(func=_cmd_simulate)
 

@@ -13,6 +13,7 @@ import memtide
 from memtide._files import SHARED, FileRefused, open_output
 
 from ._common import UsageError
+from ._interrupt import native
 
 COLUMNS = ("model", "params", "shard_params", "subgroups", "policy", "k", "statics", "slots", "gpu_fraction",
            "grads", "update_s", "predicted_s", "bound_s", "throughput_gps", "speedup_vs_cpu", "cpu_busy_s",
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     models = [args.model] if args.model is not None else []
     slots = args.slots if args.slots is not None else 4
     try:
-        sweep = memtide.simulate_update_sweep(host_dram_bytes_per_s=dram, gpus=args.gpus_per_node or 4,
+        sweep = native(memtide.simulate_update_sweep, what="sweeping the update phase", quiet=args.json,
+                       host_dram_bytes_per_s=dram, gpus=args.gpus_per_node or 4,
                                               gpu_slots=slots, models=models)
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -492,6 +492,10 @@ class TieredAdamW(torch.optim.Optimizer):
         lowp_bytes = 4 if lowp_dtype is None else torch.empty(0, dtype=lowp_dtype).element_size()
         tier = {} if self.nvme is None else dict(nvme_dir=self.nvme.dir, host_budget=self.nvme.host_budget,
                                                  nvme_read_ahead=self.nvme.read_ahead)
+        if self.nvme is not None and self.nvme.dir:
+            from .. import _cleanup
+
+            _cleanup.remove_stale_spills(self.nvme.dir)  # a killed run's spill folder, named in the log
         engine = _memtide.UpdateEngine(numel, list(bounds), low_precision_bytes=lowp_bytes,
                                        device=device_of(params), **tier)
         #: Subgroups whose params and moments live on NVMe (0: no NVMe tier in use).
