@@ -10,6 +10,9 @@ export MEMTIDE_EXTRA_APT="chromium"  # the timeline report is opened in a headle
 export MEMTIDE_EXTRA_PIP="accelerate transformers lightning tyro spmd_types==0.2.3 einops torch_checkpointing torchdata"
 export MEMTIDE_EXTRA_PIP_NODEPS="torchtitan"
 source scripts/deps.sh
+# They were deps.sh's to read; left in the environment, every memtide process would name them as
+# variables that are no memtide option.
+unset MEMTIDE_EXTRA_APT MEMTIDE_EXTRA_PIP MEMTIDE_EXTRA_PIP_NODEPS
 jobs=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 t0=$(date +%s)
 
