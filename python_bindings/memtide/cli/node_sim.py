@@ -122,7 +122,7 @@ def _timeline(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, Any]:
     with record_ops on its share of the host: the same simulation, checked to give the same times."""
     import memtide_timeline as timeline
 
-    from .simulate import write_simulation_trace
+    from .sim_trace import write_simulation_trace
 
     model, shape, node = model_and_node(args)
     node["gpus"] = r["gpus_per_node"]
