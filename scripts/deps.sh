@@ -42,28 +42,26 @@ if ! .venv/bin/python -c "import torch, numpy, pytest, nanobind, scikit_build_co
   .venv/bin/python -m pip install -q --progress-bar off "${PIP_PACKAGES[@]}"
   log "Python packages installed in $(( $(date +%s) - start )) s"
 fi
-# What only one script needs (scripts/test.sh: accelerate, for the test of Accelerate's FSDP2 set-up).
-read -r -a extra_pip <<< "${MEMTIDE_EXTRA_PIP:-}"
-missing_pip=()
-for p in "${extra_pip[@]}"; do
-  .venv/bin/python -m pip show -q "$p" >/dev/null 2>&1 || missing_pip+=("$p")
-done
-if ((${#missing_pip[@]})); then
-  log "installing Python packages into .venv: ${missing_pip[*]}"
-  .venv/bin/python -m pip install -q --progress-bar off "${missing_pip[@]}"
-fi
+# Installs the packages named in $1 (a space-separated list) that .venv lacks, with pip's further
+# arguments $2.. (e.g. --no-deps).
+pip_missing() {
+  local wanted missing=() p
+  read -r -a wanted <<< "$1"
+  shift
+  for p in "${wanted[@]}"; do
+    .venv/bin/python -m pip show -q "${p%%[=<>]*}" >/dev/null 2>&1 || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    log "installing Python packages into .venv${*:+ ($*)}: ${missing[*]}"
+    .venv/bin/python -m pip install -q --progress-bar off "$@" "${missing[@]}"
+  fi
+}
+# What only one script needs (scripts/test.sh: the frameworks TieredAdamW is tested under).
+pip_missing "${MEMTIDE_EXTRA_PIP:-}"
 # Packages whose own requirements are far more than what memtide's tests import of them
 # (torchtitan: wandb, tensorboard, datasets, ...): installed without them; MEMTIDE_EXTRA_PIP names
 # the few that are needed.
-read -r -a nodeps_pip <<< "${MEMTIDE_EXTRA_PIP_NODEPS:-}"
-missing_pip=()
-for p in "${nodeps_pip[@]}"; do
-  .venv/bin/python -m pip show -q "$p" >/dev/null 2>&1 || missing_pip+=("$p")
-done
-if ((${#missing_pip[@]})); then
-  log "installing Python packages into .venv without their requirements: ${missing_pip[*]}"
-  .venv/bin/python -m pip install -q --progress-bar off --no-deps "${missing_pip[@]}"
-fi
+pip_missing "${MEMTIDE_EXTRA_PIP_NODEPS:-}" --no-deps
 
 # nvcc is optional: CudaDevice is built when it is on PATH or in the usual toolkit location.
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
