@@ -49,3 +49,13 @@ def test_snippet_runs(how, code, tmp_path):
     env = clean_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     p = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
+
+
+def test_every_multi_process_snippet_ends_its_process_group():
+    # A gloo group alive at interpreter exit can abort the process after training finished
+    # (pytorch/pytorch#190489): the snippets show the ending a user should copy.
+    for param in snippets():
+        how, code = param.values
+        if how.startswith("torchrun"):
+            last = code.rstrip().splitlines()[-1]
+            assert "destroy_process_group()" in last or "end_training()" in last, (param.id, last)
