@@ -36,7 +36,7 @@
 #include "memtide/core/format.hpp"
 #include "memtide/core/thread_pool.hpp"
 #include "memtide/device/sim_device.hpp"
-#include "memtide/runtime.hpp"
+#include "memtide/runtime/runtime.hpp"
 #include "memtide/tiering/kernels/bandwidth_probe.hpp"
 #include "memtide/tiering/kernels/device_ops.hpp"
 #include "memtide/tiering/engine/optimizer_state.hpp"

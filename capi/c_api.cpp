@@ -9,7 +9,7 @@
 #include "memtide/core/files.hpp"
 #include "memtide/core/log.hpp"
 #include "memtide/memtide.h"
-#include "memtide/runtime.hpp"
+#include "memtide/runtime/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
 #include "memtide/core/thread_pool.hpp"
 

@@ -40,7 +40,7 @@ set_target_properties(memtide PROPERTIES
   IMPORTED_LOCATION "${MEMTIDE_PREBUILT}/libmemtide.so.0"
   IMPORTED_SONAME libmemtide.so.0
   INTERFACE_INCLUDE_DIRECTORIES
-    "${PROJECT_SOURCE_DIR}/capi/include;${PROJECT_SOURCE_DIR}/allocator/include;${PROJECT_SOURCE_DIR}/tiering/include;${PROJECT_SOURCE_DIR}/cupti_tracer/include;${PROJECT_SOURCE_DIR}/device/include;${PROJECT_SOURCE_DIR}/core/include"
+    "${PROJECT_SOURCE_DIR}/capi/include;${PROJECT_SOURCE_DIR}/runtime/include;${PROJECT_SOURCE_DIR}/allocator/include;${PROJECT_SOURCE_DIR}/tiering/include;${PROJECT_SOURCE_DIR}/cupti_tracer/include;${PROJECT_SOURCE_DIR}/device/include;${PROJECT_SOURCE_DIR}/core/include"
   INTERFACE_LINK_LIBRARIES Threads::Threads)
 add_library(memtide::memtide ALIAS memtide)
 

@@ -237,7 +237,9 @@ std::size_t SimDevice::used_bytes() {
 }
 
 void* SimDevice::do_allocate(std::size_t bytes) {
-  const std::size_t rounded = round_up(bytes, kAlignment);
+  // A size within kAlignment of SIZE_MAX rounds up past zero: it must fail as the size it is.
+  constexpr std::size_t kMax = std::numeric_limits<std::size_t>::max();
+  const std::size_t rounded = bytes > kMax - kAlignment ? kMax : round_up(bytes, kAlignment);
   std::lock_guard lock(mutex_);
   if (rounded > config_.capacity - used_) {
     throw OutOfMemory("SimDevice " + std::to_string(config_.index) + ": cannot allocate " +

@@ -35,7 +35,7 @@
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/core/log.hpp"
-#include "memtide/runtime.hpp"
+#include "memtide/runtime/runtime.hpp"
 
 namespace {
 

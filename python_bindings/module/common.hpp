@@ -15,7 +15,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "memtide/allocator/caching_allocator.hpp"
-#include "memtide/runtime.hpp"
+#include "memtide/runtime/runtime.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
 #include "memtide/tiering/model/perf_model.hpp"
 #include "memtide/tiering/nvme/nvme_staging.hpp"

@@ -32,6 +32,13 @@ void add_use(ResourceUse& into, const ResourceUse& from) {
   into.ops += from.ops;
 }
 
+// The NVMe tier sees a run's segments only as their subgroups (it knows nothing of Segment).
+std::vector<std::size_t> subgroups_of(const std::vector<Segment>& list) {
+  std::vector<std::size_t> out;
+  out.reserve(list.size());
+  for (const Segment& s : list) out.push_back(s.subgroup);
+  return out;
+}
 
 }  // namespace
 
@@ -526,7 +533,7 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
     params.l2 = l2;
     params.grads_finite = true;  // checked above, once for the whole step
     const std::vector<std::size_t> left =
-        nvme_ ? nvme_->move_residents(scheduler, list, plan.placement) : std::vector<std::size_t>{};
+        nvme_ ? nvme_->move_residents(scheduler, subgroups_of(list), plan.placement) : std::vector<std::size_t>{};
     if (!sources.empty()) {
       for (std::size_t j = 0; j < list.size(); ++j) {
         // The sources inside this range, cut to it (both lists are sorted).

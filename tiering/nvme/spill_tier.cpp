@@ -9,8 +9,7 @@
 #include "memtide/core/log.hpp"
 #include "memtide/core/options.hpp"
 #include "memtide/core/os.hpp"
-#include "memtide/tiering/engine/optimizer_state.hpp"
-#include "memtide/tiering/engine/update_scheduler.hpp"
+#include "memtide/tiering/host/pinned_buffer.hpp"
 
 namespace memtide::tiering {
 namespace {
@@ -231,17 +230,16 @@ void SpillTier::plan_with(Workload& w, Rates& rates, const std::vector<std::size
   rates.nvme_write_bytes_per_s = write_rate_ > 0 ? write_rate_ : kUnmeasured;
 }
 
-void SpillTier::route(OptimizerState& state, const Ranges& ranges) const {
+void SpillTier::route(SpillRoutes& state, const Ranges& ranges) const {
   // A range of a spilled subgroup is stepped from its staging buffer, at its offset in it.
   for (std::size_t j = 0; j < ranges.size(); ++j) {
     const std::size_t g = subgroup_of(ranges[j].first);
     if (!on_nvme_[g]) continue;
-    state[j].nvme_subgroup = g;
-    state[j].nvme_offset = ranges[j].first - subgroups_[g].first;
+    state.stage_from(j, g, ranges[j].first - subgroups_[g].first);
   }
 }
 
-void SpillTier::attach(UpdateScheduler& scheduler) const { scheduler.set_nvme(staging_.get(), read_ahead_); }
+void SpillTier::attach(SpillResidents& scheduler) const { scheduler.set_nvme(staging_.get(), read_ahead_); }
 
 void SpillTier::before_step() {
   spill(n_);
@@ -263,14 +261,14 @@ void SpillTier::after_step(const NvmeUse& use) {
   }
 }
 
-std::vector<std::size_t> SpillTier::move_residents(UpdateScheduler& s, const std::vector<Segment>& list,
+std::vector<std::size_t> SpillTier::move_residents(SpillResidents& s, const std::vector<std::size_t>& list,
                                                    const std::vector<Placement>& placement) {
   std::vector<std::size_t> left;
   if (store_ == nullptr) return left;
   // Leaving first: the device holds the newest state; it goes to the host range and on to NVMe
   // before this phase reads the subgroup from there.
   for (std::size_t j = 0; j < list.size(); ++j) {
-    const std::size_t g = list[j].subgroup;
+    const std::size_t g = list[j];
     if (!on_nvme_[g] || placement[j] == Placement::gpu_static || !s.is_resident(j)) continue;
     s.sync_to_host(j);
     materialized_[g] = host_truth_[g] = 1;
@@ -279,13 +277,13 @@ std::vector<std::size_t> SpillTier::move_residents(UpdateScheduler& s, const std
   if (!left.empty()) spill(n_);
   // Entering: the scheduler moves a new resident's state to the device from its host range.
   for (std::size_t j = 0; j < list.size(); ++j) {
-    const std::size_t g = list[j].subgroup;
+    const std::size_t g = list[j];
     if (on_nvme_[g] && placement[j] == Placement::gpu_static && !s.is_resident(j) && !materialized_[g]) load(g);
   }
   return left;
 }
 
-std::vector<std::size_t> SpillTier::residents(const Ranges& ranges, const UpdateScheduler& scheduler) const {
+std::vector<std::size_t> SpillTier::residents(const Ranges& ranges, const SpillResidents& scheduler) const {
   std::vector<std::size_t> out;
   for (std::size_t j = 0; j < ranges.size(); ++j) {
     const std::size_t g = subgroup_of(ranges[j].first);
@@ -299,7 +297,7 @@ bool SpillTier::copied_to_host(const std::vector<std::size_t>& subgroups) {
   return !subgroups.empty();
 }
 
-void SpillTier::keep_unfilled_residents(const Ranges& ranges, UpdateScheduler& scheduler) {
+void SpillTier::keep_unfilled_residents(const Ranges& ranges, SpillResidents& scheduler) {
   for (std::size_t j = 0; j < ranges.size(); ++j) {
     const std::size_t g = subgroup_of(ranges[j].first);
     if (!on_nvme_[g] || !scheduler.is_resident(j) || materialized_[g]) continue;
@@ -315,7 +313,7 @@ void SpillTier::host_changed() {
   }
 }
 
-void SpillTier::synced(const Ranges& ranges, const UpdateScheduler& scheduler) {
+void SpillTier::synced(const Ranges& ranges, const SpillResidents& scheduler) {
   // Their host ranges now hold their newest state (NVMe does not): not read from NVMe by load_all.
   for (std::size_t g : residents(ranges, scheduler)) materialized_[g] = 1;
 }

@@ -17,8 +17,10 @@
 
 #include "memtide/allocator/host_slab.hpp"
 #include "memtide/device/device.hpp"
+#include "memtide/tiering/host/pinned_buffer.hpp"
 #include "memtide/tiering/kernels/adamw_cpu.hpp"
 #include "memtide/tiering/model/placement.hpp"
+#include "memtide/tiering/nvme/spill_state.hpp"
 
 namespace memtide::tiering {
 
@@ -56,7 +58,8 @@ struct ExternalSubgroup {
 
 enum class StateMemory { owned, external, phantom };
 
-class OptimizerState {
+/// Implements SpillRoutes: the NVMe tier routes spilled entries to its staging through it.
+class OptimizerState final : public SpillRoutes {
  public:
   /// Owned memory: `total_params` split into subgroups of `subgroup_size` (0: the
   /// MEMTIDE_SUBGROUP_SIZE option), one slab each from `slabs`; state zeroed.
@@ -94,6 +97,13 @@ class OptimizerState {
   /// Index of the subgroup that holds flattened element `offset`.
   [[nodiscard]] std::size_t subgroup_of(std::size_t offset) const;
 
+  /// SpillRoutes: subgroup `range` is stepped from the NVMe tier's staging (Subgroup::nvme_subgroup).
+  void stage_from(std::size_t range, std::size_t subgroup, std::size_t offset) override {
+    Subgroup& g = subgroups_.at(range);
+    g.nvme_subgroup = subgroup;
+    g.nvme_offset = offset;
+  }
+
  private:
   OptimizerState(Device& device, StateMemory memory) : device_(device), memory_(memory) {}
 
@@ -107,36 +117,5 @@ class OptimizerState {
   std::size_t phantom_bytes_ = 0;
   DType model_dtype_ = DType::none;
 };
-
-/// Pinned host memory for small engine buffers (staging, counters): from a SlabSource when given,
-/// else aligned_alloc + Device::host_register; on a phantom SimDevice a registered phantom range.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  PinnedBuffer(Device& device, std::size_t bytes, SlabSource* slabs = nullptr);
-  ~PinnedBuffer();
-  PinnedBuffer(PinnedBuffer&& other) noexcept { swap(other); }
-  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept {
-    PinnedBuffer tmp(std::move(other));
-    swap(tmp);
-    return *this;
-  }
-  [[nodiscard]] void* data() const noexcept { return ptr_; }
-  [[nodiscard]] std::size_t size() const noexcept { return bytes_; }
-
- private:
-  void swap(PinnedBuffer& o) noexcept;
-  Device* device_ = nullptr;
-  SlabSource* slabs_ = nullptr;
-  HostSlab slab_{};
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-  bool heap_ = false;
-};
-
-/// True when `device` stores no data (a phantom SimDevice: nothing may be dereferenced).
-bool is_phantom(Device& device) noexcept;
-/// A fresh range of `bytes` phantom host addresses (never dereferenceable; 64-byte aligned).
-void* reserve_phantom_host(std::size_t bytes);
 
 }  // namespace memtide::tiering

@@ -14,6 +14,7 @@
 
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/tiering/nvme/nvme_staging.hpp"
+#include "memtide/tiering/nvme/spill_state.hpp"
 #include "memtide/tiering/engine/optimizer_state.hpp"
 #include "memtide/tiering/engine/step_report.hpp"
 #include "memtide/tiering/model/perf_model.hpp"
@@ -53,7 +54,7 @@ struct SchedulerConfig {
   CpuIsa isa = CpuIsa::automatic;
 };
 
-class UpdateScheduler {
+class UpdateScheduler final : public SpillResidents {
  public:
   /// `pool`: the CPU update's threads (null = the calling thread only). `staging_slabs`: where
   /// pinned staging comes from (null: heap memory registered with the device).
@@ -77,19 +78,19 @@ class UpdateScheduler {
 
   /// The NVMe tier for subgroups with Subgroup::on_nvme (null: none may be). `read_ahead`:
   /// staging buffers beyond those GPU slots hold (>= 1).
-  void set_nvme(NvmeStaging* staging, std::size_t read_ahead);
+  void set_nvme(NvmeStaging* staging, std::size_t read_ahead) override;
 
   /// Copies the state of static residents back into the host arrays (checkpoints, tests).
   void sync_to_host();
   /// The same for subgroup `i` alone (nothing when it is not resident).
-  void sync_to_host(std::size_t i);
+  void sync_to_host(std::size_t i) override;
   /// Moves every static resident back to the host and frees its device memory.
   void release_residents();
   /// Frees every static resident's device memory without copying it back: for when the host
   /// arrays were changed since the last sync_to_host and are now the truth (a checkpoint load).
   /// The next run moves the residents in again from the host.
   void discard_residents();
-  [[nodiscard]] bool is_resident(std::size_t subgroup) const;
+  [[nodiscard]] bool is_resident(std::size_t subgroup) const override;
   /// Subgroups resident on the GPU now.
   [[nodiscard]] std::size_t resident_count() const;
   /// Device bytes the scheduler holds between phases: its static residents and its counter.

@@ -33,8 +33,8 @@
 
 #include "memtide/allocator/host_slab.hpp"
 #include "memtide/device/device.hpp"
+#include "memtide/tiering/host/pinned_buffer.hpp"
 #include "memtide/tiering/nvme/nvme_store.hpp"
-#include "memtide/tiering/engine/optimizer_state.hpp"
 
 namespace memtide::tiering {
 

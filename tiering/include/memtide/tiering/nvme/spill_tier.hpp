@@ -15,15 +15,13 @@
 #include <vector>
 
 #include "memtide/allocator/host_arena.hpp"
-#include "memtide/tiering/engine/param_layout.hpp"
 #include "memtide/tiering/model/perf_model.hpp"
+#include "memtide/tiering/model/placement.hpp"
 #include "memtide/tiering/nvme/nvme_staging.hpp"
 #include "memtide/tiering/nvme/nvme_store.hpp"
+#include "memtide/tiering/nvme/spill_state.hpp"
 
 namespace memtide::tiering {
-
-class OptimizerState;
-class UpdateScheduler;
 
 /// The NVMe tier of an engine: used when the host state (16 B/param) does not fit
 /// `host_budget_bytes` (0: no budget, nothing spilled).
@@ -91,32 +89,33 @@ class SpillTier {
   /// Adds the tier to a workload of the engine's subgroups `index`, and its drive to `rates`.
   void plan_with(Workload& work, Rates& rates, const std::vector<std::size_t>& index) const;
   /// Points the entries of `state` over `ranges` of spilled subgroups at their staging buffers.
-  void route(OptimizerState& state, const Ranges& ranges) const;
+  void route(SpillRoutes& state, const Ranges& ranges) const;
   /// Gives `scheduler` the staging.
-  void attach(UpdateScheduler& scheduler) const;
+  void attach(SpillResidents& scheduler) const;
   /// Before a step: what the host holds of spilled subgroups goes to NVMe first.
   void before_step();
   /// After a step: its transfers, and the drive's rates as they showed (smoothed).
   void after_step(const NvmeUse& use);
-  /// Before a run of `scheduler` over `list` under `placement`: spilled residents leaving
-  /// residency go to their host range and NVMe, entering ones are read into theirs. Returns
-  /// those that left (drop_pages once the run has copied them back).
-  std::vector<std::size_t> move_residents(UpdateScheduler& scheduler, const std::vector<Segment>& list,
+  /// Before a run of `scheduler` over a list of segments under `placement`: `subgroups[j]` is
+  /// the engine subgroup of segment j. Spilled residents leaving residency go to their host range
+  /// and NVMe, entering ones are read into theirs. Returns those that left (drop_pages once the
+  /// run has copied them back).
+  std::vector<std::size_t> move_residents(SpillResidents& scheduler, const std::vector<std::size_t>& subgroups,
                                           const std::vector<Placement>& placement);
   /// Drops the host pages of spilled subgroup `subgroup` (its state is on NVMe).
   void drop_pages(std::size_t subgroup);
   /// Spilled subgroups resident on the device in `scheduler` over `ranges`.
-  [[nodiscard]] std::vector<std::size_t> residents(const Ranges& ranges, const UpdateScheduler& scheduler) const;
+  [[nodiscard]] std::vector<std::size_t> residents(const Ranges& ranges, const SpillResidents& scheduler) const;
   /// `subgroups` were copied to their host ranges from the device: those ranges are the truth.
   /// Returns whether there were any (they must go on to NVMe before anything reads them there).
   bool copied_to_host(const std::vector<std::size_t>& subgroups);
   /// Before `scheduler` drops its device copies because the host changed: a spilled resident
   /// whose host range was never filled has its only copy there, and is copied to it first.
-  void keep_unfilled_residents(const Ranges& ranges, UpdateScheduler& scheduler);
+  void keep_unfilled_residents(const Ranges& ranges, SpillResidents& scheduler);
   /// The host ranges that hold state are the truth now (written to NVMe by the next step).
   void host_changed();
   /// `scheduler`'s residents were copied into the host ranges: those hold their newest state.
-  void synced(const Ranges& ranges, const UpdateScheduler& scheduler);
+  void synced(const Ranges& ranges, const SpillResidents& scheduler);
   /// Reads every spilled subgroup whose host range holds no state back into it (a reader).
   void load_all();
 

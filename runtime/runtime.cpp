@@ -1,4 +1,4 @@
-#include "memtide/runtime.hpp"
+#include "memtide/runtime/runtime.hpp"
 
 #include <cstdlib>
 #include <string>
