@@ -119,7 +119,7 @@ const std::vector<Row>& rows() {
        "large allocations share one segment per stream that grows and shrinks with virtual memory (where the device supports it)",
        [](Options& o, std::string_view v) { o.expandable_segments = parse_bool("expandable_segments", v); },
        [](const Options& o) { return std::string(o.expandable_segments ? "true" : "false"); }},
-      {"torch_bridge", "boolean", "use_with_torch() makes memtide torch's own CUDA allocator (off: the pluggable allocator)",
+      {"torch_bridge", "boolean", "use_with_torch() makes memtide torch's own CUDA allocator, and the CPU optimizer step runs on torch's threads (off: the pluggable allocator, and memtide's own pool)",
        [](Options& o, std::string_view v) { o.torch_bridge = parse_bool("torch_bridge", v); },
        [](const Options& o) { return std::string(o.torch_bridge ? "true" : "false"); }},
       {"history_entries", "1..100000000", "trace entries kept (ring buffer)",

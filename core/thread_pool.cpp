@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "memtide/core/error.hpp"
@@ -15,6 +16,38 @@ namespace {
 // The pool whose task this thread is running, to run nested parallel_fors inline.
 thread_local const ThreadPool* t_inside = nullptr;
 
+std::atomic<const ParallelExecutor*> g_executor{nullptr};
+
+// One job on an executor: its calls map onto the pool's participants, so the chunks each call
+// takes are those the same participant would take on the pool's own workers.
+struct ExecutorJob {
+  const ThreadPool* pool;
+  void (*task)(void*, std::size_t);
+  void* ctx;
+  std::size_t n_chunks;
+  std::size_t participants;
+  bool team;
+  std::atomic_flag failed = ATOMIC_FLAG_INIT;
+  std::exception_ptr error;
+};
+
+void run_executor_call(void* job_ptr, std::size_t p) {
+  ExecutorJob& job = *static_cast<ExecutorJob*>(job_ptr);
+  const ThreadPool* outer = t_inside;
+  t_inside = job.pool;
+  try {
+    if (job.team) {
+      job.task(job.ctx, p);
+    } else {
+      const std::size_t end = job.n_chunks * (p + 1) / job.participants;
+      for (std::size_t i = job.n_chunks * p / job.participants; i < end; ++i) job.task(job.ctx, i);
+    }
+  } catch (...) {
+    if (!job.failed.test_and_set()) job.error = std::current_exception();
+  }
+  t_inside = outer;
+}
+
 void bind_to_cpu(std::thread& t, int cpu) {
   if (cpu < 0 || cpu >= CPU_SETSIZE) throw InvalidArgument("ThreadPool: cpu " + std::to_string(cpu) + " is out of range");
   cpu_set_t set;
@@ -25,6 +58,16 @@ void bind_to_cpu(std::thread& t, int cpu) {
 }
 
 }  // namespace
+
+const ParallelExecutor* set_parallel_executor(const ParallelExecutor* executor) noexcept {
+  return g_executor.exchange(executor, std::memory_order_acq_rel);
+}
+
+const ParallelExecutor* parallel_executor() noexcept { return g_executor.load(std::memory_order_acquire); }
+
+const ParallelExecutor* ThreadPool::executor() const noexcept {
+  return cpus_.empty() ? parallel_executor() : nullptr;
+}
 
 ThreadPool::ThreadPool(std::size_t threads, std::vector<int> cpus) : cpus_(std::move(cpus)) {
   if (threads == 0) threads = std::max(1U, std::thread::hardware_concurrency());
@@ -109,6 +152,10 @@ void ThreadPool::run(std::size_t n_chunks, Task task, void* ctx, bool team) {
     for (std::size_t i = 0; i < n_chunks; ++i) task(ctx, i);
     return;
   }
+  if (const ParallelExecutor* executor = this->executor()) {
+    run_on(*executor, n_chunks, participants, task, ctx, team);
+    return;
+  }
   std::lock_guard submit(submit_);
   {
     std::lock_guard lock(mutex_);
@@ -133,6 +180,21 @@ void ThreadPool::run(std::size_t n_chunks, Task task, void* ctx, bool team) {
     error = std::exchange(error_, nullptr);
   }
   if (error) std::rethrow_exception(error);
+}
+
+void ThreadPool::run_on(const ParallelExecutor& executor, std::size_t n_chunks, std::size_t participants, Task task,
+                        void* ctx, bool team) {
+  // Not more calls than the executor has threads: a call that waits for a thread that is busy
+  // with another call's chunks would serialize them behind it.
+  participants = std::min(participants, std::max<std::size_t>(1, executor.threads()));
+  ExecutorJob job{this, task, ctx, n_chunks, participants, team, ATOMIC_FLAG_INIT, nullptr};
+  std::lock_guard submit(submit_);  // one job at a time, as on the pool's own workers
+  if (participants == 1) {
+    run_executor_call(&job, 0);  // a team of one, or all chunks: no thread to hand anything to
+  } else {
+    executor.run(participants, &run_executor_call, &job);
+  }
+  if (job.error) std::rethrow_exception(job.error);
 }
 
 ThreadPool& default_pool() {

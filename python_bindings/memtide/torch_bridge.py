@@ -1,5 +1,9 @@
 """memtide as torch's CUDA allocator: the bridge, or the pluggable allocator when it cannot be.
 
+The bridge also runs memtide's CPU optimizer step on torch's intra-op threads
+(:func:`use_torch_threads`, which TieredAdamW calls), so that the step does not share the cores
+with torch's OpenMP workers still spinning after backward.
+
 Two ways in (docs/torch_bridge.md says why the first is preferred):
 
 - **the bridge** (``libmemtide_torch.so``): a subclass of torch's C++ ``CUDAAllocator`` compiled
@@ -23,6 +27,8 @@ from typing import Any, Dict, Optional
 
 # From the extension, not the package: memtide's __init__ imports this module back.
 from ._memtide import backend, options
+from ._memtide import cpu_executor
+from ._memtide import log as _log
 from ._memtide import library_path as memtide_library
 
 LIBRARY = "libmemtide_torch.so"
@@ -81,6 +87,13 @@ def load() -> ctypes.CDLL:
     lib.memtide_torch_bridge_torch_version.restype = ctypes.c_char_p
     lib.memtide_torch_bridge_selfcheck.restype = ctypes.c_int
     lib.memtide_torch_bridge_selfcheck.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    if hasattr(lib, "memtide_torch_parallel_install"):  # a bridge built before it had one has not
+        lib.memtide_torch_parallel_install.restype = ctypes.c_int
+        lib.memtide_torch_parallel_uninstall.restype = ctypes.c_int
+        lib.memtide_torch_parallel_active.restype = ctypes.c_int
+        lib.memtide_torch_parallel_error.restype = ctypes.c_char_p
+        lib.memtide_torch_parallel_counts.restype = None
+        lib.memtide_torch_parallel_counts.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
     _lib = lib
     return lib
 
@@ -122,6 +135,76 @@ def install() -> Dict[str, Any]:
     torch.cuda.memory.change_current_allocator(alloc)
     _active = {"path": "pluggable", "why": why, "allocator": alloc}
     return status()
+
+
+_threads_why: Optional[str] = None  # why the CPU step is not on torch's threads, once logged
+_threads_choice: Optional[bool] = None  # the last use_torch_threads() call's, which optimizers keep
+
+
+def default_torch_threads() -> bool:
+    """What an optimizer calls when it builds its engine: :func:`use_torch_threads` unless the
+    program chose otherwise with ``use_torch_threads(False)``."""
+    if _threads_choice is False:
+        return False
+    return _use_torch_threads(True)
+
+
+def use_torch_threads(enable: bool = True) -> bool:
+    """Runs memtide's CPU kernels (TieredAdamW's CPU step, the adamw_step_cpu family) on torch's
+    intra-op threads, through the bridge; returns whether they do now.
+
+    Why: torch's OpenMP workers spin for a while after each parallel region (libgomp's default
+    wait policy, unless OMP_WAIT_POLICY=PASSIVE was set before torch started), so a step that
+    follows backward on memtide's own pool shares the cores with them; on torch's threads there is
+    nobody to fight. The results are the same bits either way. Without the bridge (not built, a
+    different torch, or MEMTIDE_TORCH_BRIDGE=false) memtide keeps its own pool and says why once
+    in its log. ``enable=False`` goes back to memtide's own pool, and optimizers built later keep
+    to it.
+    """
+    global _threads_choice
+    _threads_choice = enable
+    return _use_torch_threads(enable)
+
+
+def _use_torch_threads(enable: bool) -> bool:
+    global _threads_why
+    if not enable:
+        if _lib is not None and hasattr(_lib, "memtide_torch_parallel_uninstall"):
+            _lib.memtide_torch_parallel_uninstall()
+        return False
+    if cpu_executor() == "torch":
+        return True
+    if not _bridge_enabled():
+        why = "MEMTIDE_TORCH_BRIDGE=false"
+    else:
+        try:
+            lib = load()
+            if not hasattr(lib, "memtide_torch_parallel_install"):
+                why = "the bridge was built without it; reinstall memtide (pip install .)"
+            elif lib.memtide_torch_parallel_install() != 0:
+                why = lib.memtide_torch_parallel_error().decode()
+            else:
+                return True
+        except BridgeUnavailable as e:
+            why = str(e)
+    if why != _threads_why:
+        _threads_why = why
+        # A bridge that was built but does not work is news; one that was never built is the
+        # usual case of a torch without CUDA and only worth a line at info level.
+        built = build_status().startswith("built against torch ")
+        _log("warn" if built and _bridge_enabled() else "info",
+             f"the CPU optimizer step runs on memtide's own threads, not torch's ({why}); with torch's OpenMP "
+             "workers spinning after backward it may run slower: OMP_WAIT_POLICY=PASSIVE before torch starts helps")
+    return False
+
+
+def torch_thread_counts() -> Dict[str, int]:
+    """What the bridge ran on torch's threads so far: ``jobs`` (kernel calls handed to torch) and
+    ``worker_calls`` (shares of them that ran on torch's workers, not on the calling thread)."""
+    lib = load()
+    jobs, calls = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    lib.memtide_torch_parallel_counts(ctypes.byref(jobs), ctypes.byref(calls))
+    return {"jobs": jobs.value, "worker_calls": calls.value}
 
 
 def installed() -> bool:

@@ -3,6 +3,7 @@
 
 #include <optional>
 
+#include "memtide/core/log.hpp"
 #include "memtide/core/os.hpp"
 #include "memtide/core/thread_pool.hpp"
 #include "memtide/tiering/kernels/bandwidth_probe.hpp"
@@ -202,6 +203,27 @@ void bind_kernels(nb::module_& m) {
         "The vector path of the CPU optimizer kernels: scalar, avx2 or avx512 (MEMTIDE_CPU_ISA resolved).");
   m.def("cpu_threads", [] { return memtide::default_pool().size(); },
         "Threads of the process-wide CPU kernel pool (the caller included).");
+  m.def(
+      "cpu_executor",
+      []() -> std::optional<std::string> {
+        const memtide::ParallelExecutor* e = memtide::default_pool().executor();
+        if (e == nullptr) return std::nullopt;
+        return std::string(e->name);
+      },
+      "Whose threads run the CPU kernels' jobs: None for memtide's own pool, \"torch\" for torch's\n"
+      "intra-op threads (memtide.torch_bridge.use_torch_threads()).");
+  // The package's Python code logs through memtide's log, so that one MEMTIDE_LOG_LEVEL governs both.
+  m.def(
+      "log",
+      [](const std::string& level, const std::string& message) {
+        memtide::LogLevel l = memtide::LogLevel::info;
+        if (level == "error") l = memtide::LogLevel::error;
+        else if (level == "warn") l = memtide::LogLevel::warn;
+        else if (level == "debug") l = memtide::LogLevel::debug;
+        else if (level != "info") value_error("log: level must be error, warn, info or debug, got \"" + level + "\"");
+        if (memtide::log_enabled(l)) memtide::log_message(l, message);
+      },
+      "level"_a, "message"_a, "Prints \"memtide [level] message\" to stderr when MEMTIDE_LOG_LEVEL lets it through.");
 
   // TieredAdamW checks every subgroup before updating any of them (dynamic loss scaling must skip
   // the whole step), so the check is exposed on its own.

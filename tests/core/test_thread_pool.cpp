@@ -154,3 +154,111 @@ TEST(ThreadPool, TeamExceptionsReachTheCallerAndNestedTeamsRunInline) {
   // Each outer call (the caller's, and a worker's if it joined) ran the inner team inline: fn(0) once.
   EXPECT_TRUE(inner.load() == 1 || inner.load() == 2) << inner.load();
 }
+
+// ---- a ParallelExecutor: someone else's threads (torch's, in the torch bridge) ------------------
+
+namespace {
+
+// Runs each call on a thread of its own but call 0, which stays on the caller, as OpenMP does;
+// counts what it was given.
+struct TestExecutor {
+  static inline std::atomic<std::size_t> width{2};
+  static inline std::atomic<int> jobs{0};
+  static inline std::atomic<std::size_t> most_calls{0};
+  static void run(std::size_t n, void (*body)(void*, std::size_t), void* ctx) {
+    jobs.fetch_add(1);
+    if (n > most_calls.load()) most_calls = n;
+    std::vector<std::thread> threads;
+    for (std::size_t i = 1; i < n; ++i) threads.emplace_back([=] { body(ctx, i); });
+    body(ctx, 0);
+    for (std::thread& t : threads) t.join();
+  }
+  static std::size_t threads() { return width.load(); }
+};
+constexpr memtide::ParallelExecutor kTestExecutor{&TestExecutor::run, &TestExecutor::threads, "test"};
+
+// Sets the test executor for one test and takes it away again, whatever the test does.
+struct UseTestExecutor {
+  explicit UseTestExecutor(std::size_t width) {
+    TestExecutor::width = width;
+    TestExecutor::jobs = 0;
+    TestExecutor::most_calls = 0;
+    previous = memtide::set_parallel_executor(&kTestExecutor);
+  }
+  ~UseTestExecutor() { memtide::set_parallel_executor(previous); }
+  const memtide::ParallelExecutor* previous;
+};
+
+}  // namespace
+
+TEST(ThreadPoolExecutor, RunsUnboundPoolsJobsEveryChunkOnce) {
+  ThreadPool pool(4);
+  EXPECT_EQ(pool.executor(), nullptr);
+  UseTestExecutor use(3);
+  EXPECT_EQ(memtide::parallel_executor(), &kTestExecutor);
+  EXPECT_EQ(pool.executor(), &kTestExecutor);
+  for (std::size_t n : {2U, 3U, 4U, 5U, 100U}) {
+    std::vector<std::atomic<int>> hits(n);
+    std::vector<std::thread::id> who(n);
+    pool.parallel_for(n, [&](std::size_t i) {
+      hits[i].fetch_add(1);
+      who[i] = std::this_thread::get_id();
+    });
+    for (std::size_t i = 0; i < n; ++i) EXPECT_EQ(hits[i].load(), 1) << n << " " << i;
+    // No more calls than the executor has threads, each a contiguous run of chunks, the first
+    // on the caller.
+    EXPECT_EQ(who[0], std::this_thread::get_id());
+    std::size_t runs = 1;
+    for (std::size_t i = 1; i < n; ++i) runs += who[i] != who[i - 1] ? 1 : 0;
+    EXPECT_EQ(runs, std::min<std::size_t>(n, 3)) << n;
+  }
+  EXPECT_EQ(TestExecutor::jobs.load(), 5);
+  EXPECT_EQ(TestExecutor::most_calls.load(), 3U) << "as many calls as the executor's threads, not the pool's";
+}
+
+TEST(ThreadPoolExecutor, TeamsCallEachParticipantTheExecutorHasOnce) {
+  ThreadPool pool(4);
+  for (std::size_t width : {1U, 2U, 8U}) {
+    UseTestExecutor use(width);
+    std::vector<std::atomic<int>> calls(4);
+    std::atomic<std::size_t> next{0}, done{0};
+    pool.parallel_team(4, [&](std::size_t me) {
+      calls.at(me).fetch_add(1);
+      while (next.fetch_add(1) < 1000) done.fetch_add(1);
+    });
+    EXPECT_EQ(done.load(), 1000U);
+    for (std::size_t p = 0; p < calls.size(); ++p) EXPECT_EQ(calls[p].load(), p < width ? 1 : 0) << width << " " << p;
+    EXPECT_EQ(TestExecutor::jobs.load(), width == 1 ? 0 : 1) << "a team of one runs on the caller";
+  }
+}
+
+TEST(ThreadPoolExecutor, BoundPoolsAndOnePoolsKeepTheirOwnThreads) {
+  UseTestExecutor use(2);
+  ThreadPool bound(2, {0});
+  EXPECT_EQ(bound.executor(), nullptr);
+  std::atomic<int> count{0};
+  bound.parallel_for(8, [&](std::size_t) { count.fetch_add(1); });
+  ThreadPool single(1);
+  single.parallel_for(8, [&](std::size_t) { count.fetch_add(1); });
+  EXPECT_EQ(count.load(), 16);
+  EXPECT_EQ(TestExecutor::jobs.load(), 0);
+}
+
+TEST(ThreadPoolExecutor, ExceptionsReachTheCallerAndNestedCallsRunInline) {
+  ThreadPool pool(2);
+  UseTestExecutor use(2);
+  EXPECT_THROW(pool.parallel_for(6, [](std::size_t i) {
+    if (i == 5) throw std::runtime_error("boom");
+  }),
+               std::runtime_error);
+  std::atomic<int> count{0};
+  pool.parallel_for(4, [&](std::size_t) { pool.parallel_for(3, [&](std::size_t) { count.fetch_add(1); }); });
+  EXPECT_EQ(count.load(), 12);
+  EXPECT_EQ(TestExecutor::jobs.load(), 2) << "the nested calls ran inline, not on the executor";
+  // Back to its own workers once the executor is gone.
+  memtide::set_parallel_executor(nullptr);
+  EXPECT_EQ(pool.executor(), nullptr);
+  pool.parallel_for(4, [&](std::size_t) { count.fetch_add(1); });
+  EXPECT_EQ(TestExecutor::jobs.load(), 2);
+  EXPECT_EQ(count.load(), 16);
+}

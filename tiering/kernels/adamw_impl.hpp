@@ -147,12 +147,41 @@ inline void stream_fence() {
 #endif
 }
 
+// Elements ahead of the block being computed whose lines prefetch_window requests: 1 KiB of each
+// fp32 stream. From DRAM one core of the Intel Xeon VM is bound by the misses it keeps in flight,
+// not by the divider (one thread takes twice as long as two; in cache the same loop runs twice as
+// fast), and its hardware prefetchers alone keep too few: asking for every line 1 KiB ahead took
+// another 7-9% off the step per core there, after reading the gradient in place (see
+// bench/results/adamw/2026-11-28-intel-xeon-2core-kernel.md). 512 B to 3 KiB ahead measured alike;
+// asking only for the first lines of each 4 KiB page gained nothing. Where the state sits in the
+// last-level cache the requests cost 0-7% (a step that is a fraction of a millisecond there).
+constexpr std::size_t kPrefetchAhead = 256;
+static_assert(kBlock % 32 == 0 && kPrefetchAhead % 32 == 0, "prefetch_window steps by whole lines of every stream");
+
+// always_inline: GCC 12 finds a function of prefetches alone free of side effects (pure-const) and
+// deletes every call to it that it did not inline: the 16-bit gradient paths lost theirs so.
+template <DType G>
+[[gnu::always_inline]] inline void prefetch_window(const AdamwArgs& a, std::size_t b, std::size_t e) {
+  constexpr std::size_t kGradBytes = G == DType::fp32 ? 4 : 2;
+  for (std::size_t j = b; j < e; j += 16) {
+    __builtin_prefetch(a.param + j, 0, 3);
+    __builtin_prefetch(a.exp_avg + j, 0, 3);
+    __builtin_prefetch(a.exp_avg_sq + j, 0, 3);
+    if (kGradBytes == 4 || (j - b) % 32 == 0) {
+      __builtin_prefetch(static_cast<const unsigned char*>(a.grad) + kGradBytes * j, 0, 3);
+    }
+  }
+}
+
 // One block: returns 1 if a scaled gradient was non-finite.
 template <DType G, DType O, bool kL2, bool kStream>
 std::uint32_t adamw_block(const AdamwArgs& a, const AdamwConsts& c, std::size_t i0, std::size_t k) {
-  alignas(64) float g[kBlock];
+  // An fp32 gradient is read where it lies: staging it in L1 (a REP MOVSQ per block, then a second
+  // read) made the step 7-10% slower per core from DRAM on the Intel VM, and saved nothing.
+  alignas(64) float staged[G == DType::fp32 ? 1 : kBlock];
   alignas(64) float out[kBlock];
-  load_grad<G>(a.grad, i0, k, g);
+  if constexpr (G != DType::fp32) load_grad<G>(a.grad, i0, k, staged);
+  const float* __restrict g = G == DType::fp32 ? static_cast<const float*>(a.grad) + i0 : staged;
   float* __restrict P = a.param + i0;
   float* __restrict M = a.exp_avg + i0;
   float* __restrict V = a.exp_avg_sq + i0;
@@ -198,6 +227,8 @@ bool adamw_range_s(const AdamwArgs& a, const AdamwConsts& c, std::size_t begin, 
   std::uint32_t bad = 0;
   for (std::size_t i = begin; i < end; i += kBlock) {
     const std::size_t k = end - i < kBlock ? end - i : kBlock;
+    const std::size_t ahead = end - i > kPrefetchAhead ? i + kPrefetchAhead : end;
+    prefetch_window<G>(a, ahead, end - ahead > k ? ahead + k : end);
     bad |= adamw_block<G, O, kL2, kStream>(a, c, i, k);
   }
   if constexpr (kStream) stream_fence();

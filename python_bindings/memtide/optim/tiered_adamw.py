@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from .. import _memtide
+from .. import _memtide, torch_bridge
 from . import checkpoint
 from .arguments import (NvmeTier, check_group, check_options, device_of, engine_unavailable, nvme_tier,
                         torch_group_defaults)
@@ -496,6 +496,10 @@ class TieredAdamW(torch.optim.Optimizer):
             from .. import _cleanup
 
             _cleanup.remove_stale_spills(self.nvme.dir)  # a killed run's spill folder, named in the log
+        # The CPU step on torch's intra-op threads: on memtide's own pool it shared the cores with
+        # torch's OpenMP workers, still spinning after backward (0.77-0.92x of torch's fused step on
+        # 2 cores). Without the bridge, or after use_torch_threads(False), it stays on memtide's pool.
+        torch_bridge.default_torch_threads()
         engine = _memtide.UpdateEngine(numel, list(bounds), low_precision_bytes=lowp_bytes,
                                        device=device_of(params), **tier)
         #: Subgroups whose params and moments live on NVMe (0: no NVMe tier in use).

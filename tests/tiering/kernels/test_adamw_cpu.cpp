@@ -2,12 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "memtide/core/error.hpp"
@@ -284,6 +286,50 @@ TEST(AdamwCpu, ThreadCountsGiveIdenticalBits) {
     EXPECT_TRUE(a == b);
     EXPECT_TRUE(a == c);
     EXPECT_TRUE(a == d);
+  }
+}
+
+// The step's tiles handed to another team of threads (torch's, through the bridge) give the
+// bits the pool's own workers give, with that team narrower or wider than the pool.
+namespace {
+std::atomic<int> g_executor_jobs{0};
+std::size_t g_executor_width = 2;
+void executor_run(std::size_t n, void (*body)(void*, std::size_t), void* ctx) {
+  g_executor_jobs.fetch_add(1);
+  std::vector<std::thread> threads;
+  for (std::size_t i = 1; i < n; ++i) threads.emplace_back([=] { body(ctx, i); });
+  body(ctx, 0);
+  for (std::thread& t : threads) t.join();
+}
+std::size_t executor_threads() { return g_executor_width; }
+constexpr memtide::ParallelExecutor kExecutor{&executor_run, &executor_threads, "test"};
+}  // namespace
+
+TEST(AdamwCpu, ExecutorGivesIdenticalBits) {
+  ThreadPool own(2), wide(5);
+  const std::size_t n = 9 * kAdamwTile + 5;
+  for (CpuIsa isa : available_isas()) {
+    for (std::size_t width : {2U, 3U, 7U}) {
+      SCOPED_TRACE(std::string(cpu_isa_name(isa)) + " width " + std::to_string(width));
+      State a(n, 1, 5), b(n, 1, 5), c(n, 1, 5);
+      for (int step = 1; step <= 3; ++step) {
+        auto aa = a.args(n, DType::bf16, DType::bf16, false);
+        aa.step = step;
+        EXPECT_FALSE(adamw_step(aa, &own, isa));
+        g_executor_width = width;
+        g_executor_jobs = 0;
+        const memtide::ParallelExecutor* before = memtide::set_parallel_executor(&kExecutor);
+        auto ba = b.args(n, DType::bf16, DType::bf16, false);
+        auto ca = c.args(n, DType::bf16, DType::bf16, false);
+        ba.step = ca.step = step;
+        EXPECT_FALSE(adamw_step(ba, &own, isa));
+        EXPECT_FALSE(adamw_step(ca, &wide, isa));
+        memtide::set_parallel_executor(before);
+        EXPECT_EQ(g_executor_jobs.load(), 2) << "the step ran on the executor";
+      }
+      EXPECT_TRUE(a == b);
+      EXPECT_TRUE(a == c);
+    }
   }
 }
 
