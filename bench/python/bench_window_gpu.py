@@ -34,7 +34,7 @@ def run_phase(args: argparse.Namespace) -> dict:
     import torch
 
     import memtide
-    from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss
+    from memtide.cli.gpt import TinyGPT, arithmetic_batch, lm_loss
     from memtide.optim import TieredAdamW
     from memtide.window import LayerWindow
 

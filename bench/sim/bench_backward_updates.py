@@ -17,7 +17,7 @@ import time
 from datetime import date
 
 import memtide
-from memtide.cli.sim_inputs import SIM_GPUS
+from memtide.cli.sim.inputs import SIM_GPUS
 # What the bench scripts share lies one folder up, in bench/.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from plotting import pyplot, write_report  # noqa: E402

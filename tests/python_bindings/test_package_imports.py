@@ -15,7 +15,7 @@ def _modules():
     mods = {}
     for package in (memtide, memtide_timeline):
         root = os.path.dirname(os.path.dirname(package.__file__))
-        for folder, _, files in os.walk(os.path.dirname(package.__file__)):
+        for folder, _, files in os.walk(os.path.dirname(package.__file__), followlinks=True):
             for f in files:
                 if f.endswith(".py"):
                     path = os.path.join(folder, f)
@@ -74,5 +74,31 @@ def test_no_module_imports_one_that_imports_it_back():
         return False
 
     loops = sorted(f"{a} -> {b} -> ... -> {a}" for a in edges for b in edges[a] if reaches(b, a))
-    assert "memtide.cli" in mods and "memtide.planning" in mods and "memtide_timeline.trace" in mods
+    assert "memtide.cli" in mods and "memtide.cli.planning" in mods and "memtide_timeline.trace" in mods
     assert not loops, loops
+
+
+def test_the_library_never_imports_the_command_line():
+    # The package by audience: what users import (memtide, optim, window, timeline, host, ...)
+    # reaches nothing of memtide.cli, so the CLI's helpers can change without touching them.
+    mods = _modules()
+    library = [name for name in mods if name.startswith("memtide") and not name.startswith("memtide.cli")
+               and not name.startswith("memtide_timeline")]
+    reached = {}
+    for name in library:
+        for target in _imports(name, *mods[name], mods):
+            if target.startswith("memtide.cli"):
+                reached.setdefault(name, []).append(target)
+    assert "memtide.optim.tiered_adamw" in library and "memtide.cli.train_job" in mods
+    assert not reached, reached
+
+
+def test_the_package_init_imports_and_defines_nothing_else():
+    # memtide/__init__.py: imports, the version, the lazy simulator names and __all__; what the
+    # process needs at import lives in memtide._startup, phases in memtide.phases.
+    tree = ast.parse(open(memtide.__file__).read())
+    functions = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert functions == ["__getattr__"], functions
+    assert all(name in dir(memtide) for name in memtide.__all__ if name not in ("simulate_iteration", "simulate_node",
+                                                                                "simulate_update_sweep",
+                                                                                "simulation_defaults"))

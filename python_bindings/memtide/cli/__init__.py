@@ -1,6 +1,10 @@
 """The ``memtide`` command line, one module per subcommand: ``info``, ``probe``, ``run`` (training, or
 ``--trace``), ``plan``, ``simulate``, ``timeline`` and ``observe``. Each module holds its parser
-(``add_parser``) and its work; ``_common`` what they share."""
+(``add_parser``) and its work; ``_common`` what they share. What only the command line uses lives
+here too: the training job behind ``run`` (``train_job``, its model ``gpt``), the update-phase plan
+behind ``plan`` (``planning``); ``simulate`` is the ``sim`` subpackage, the simulator's glue.
+The subcommands are imported when the parser is built, so importing one helper (the tests' model,
+``memtide.cli.gpt``) loads no other."""
 
 from __future__ import annotations
 
@@ -12,12 +16,14 @@ from typing import Optional, Sequence
 import memtide
 from memtide._files import FileRefused
 
-from . import info, observe, plan, probe, run, simulate, timeline
 from . import _interrupt
 from ._common import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, error
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import info, observe, plan, probe, run, timeline
+    from . import sim as simulate
+
     parser = argparse.ArgumentParser(
         prog="memtide",
         description="memtide: CUDA-aware caching allocator and memory-tiering runtime.",

@@ -177,7 +177,7 @@ def window_arg(text: str):
 #
 # One table: argparse checks each value against it and --help prints it from it, so a range shown
 # is the range enforced. The bounds are the simulator's own (tools/simulator: ModelShape::validate,
-# NodeSpec::validate, simulate_iteration, the update sweep; tests/python_bindings/test_simulate.py
+# NodeSpec::validate, simulate_iteration, the update sweep; tests/python_bindings/cli/sim/test_simulate.py
 # checks that each end is accepted there), refused here first so the refusal names the flag.
 
 

@@ -1,4 +1,4 @@
-"""``memtide plan``: the optimizer update phase of one GPU under every policy (memtide.planning), printed."""
+"""``memtide plan``: the optimizer update phase of one GPU under every policy (memtide.cli.planning), printed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from typing import Any, Dict
 
 import memtide
-from memtide import planning
+from . import planning
 from memtide._memtide import POLICIES, format_bytes, format_count, format_duration_ns
 
 from ._common import (EXIT_FAILURE, RATE_FLAGS, UsageError, add_rate_flags, apply_ranges, error, fraction, param_count, positive_size, rate,
@@ -16,7 +16,7 @@ from ._common import (EXIT_FAILURE, RATE_FLAGS, UsageError, add_rate_flags, appl
 
 
 def _plan(args: argparse.Namespace) -> Dict[str, Any]:
-    """The flags in the PerfModel's units, then memtide.planning.plan."""
+    """The flags in the PerfModel's units, then memtide.cli.planning.plan."""
     flag_rates = dict(RATE_FLAGS, cpu_downscale=("cpu_downscale_params_per_s", 1e9))
     rates, overridden = {}, []
     for flag, (key, scale) in flag_rates.items():

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from . import _memtide
-from ._memtide import format_bytes, format_count
+from .. import _memtide
+from .._memtide import format_bytes, format_count
 
 # The PerfModel's figures: fp32 param, exp_avg and exp_avg_sq move between tiers; the fp32
 # gradient joins them in host memory.

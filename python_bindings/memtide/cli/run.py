@@ -1,4 +1,4 @@
-"""``memtide run``: train a small GPT-style model with TieredAdamW (memtide.train_job), or replay an
+"""``memtide run``: train a small GPT-style model with TieredAdamW (memtide.cli.train_job), or replay an
 allocation trace through the caching allocator (``--trace``)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import sys
 from typing import Any, Dict
 
 import memtide
-from memtide import train_job
+from . import train_job
 from memtide._memtide import POLICIES, format_bytes, format_count, format_duration_ns
-from memtide.planning import STATE_BYTES_PER_PARAM
+from .planning import STATE_BYTES_PER_PARAM
 
 from ._common import UsageError, fraction, model_shape, positive_int, positive_size, stride, window_arg
 

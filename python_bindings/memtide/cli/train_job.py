@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 import memtide
-from memtide.planning import HOST_STATE_BYTES_PER_PARAM
+from .planning import HOST_STATE_BYTES_PER_PARAM
 
 TRAIN_DEFAULTS = {
     "layers": 4,
@@ -84,7 +84,7 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
     import torch
 
     from .gpt import TinyGPT, arithmetic_batch
-    from .optim import TieredAdamW
+    from ..optim import TieredAdamW
 
     on_gpu = device["kind"] == "cuda"
     if on_gpu:
@@ -104,7 +104,7 @@ def train(shape: Dict[str, int], device: Dict[str, Any], policy: str, subgroup_s
     if window is not None:
         # Before the optimizer: the blocks' params go home to host memory first, so TieredAdamW
         # keeps no device copy of them (it would on a GPU), and its gradient hook still runs first.
-        from .window import LayerWindow
+        from ..window import LayerWindow
 
         layer_window = LayerWindow(model.blocks.layers, size=window, profile_iterations=2)
         progress(f"layer window: {layer_window!r}")
@@ -257,7 +257,7 @@ def _compare_policies(model, opt, subgroup_size, k, gpu_static_fraction, nvme_kw
     """The same update (the trained state and the last gradients) under every policy."""
     import torch
 
-    from .optim import POLICIES, TieredAdamW
+    from ..optim import POLICIES, TieredAdamW
 
     progress(f"one update of the last gradients under each policy ({POLICY_REPEATS} repeats) ...")
     start_state = opt.state_dict()

@@ -76,7 +76,7 @@ import json, sys
 import torch
 import memtide
 memtide.record_history(True)
-from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss
+from memtide.cli.gpt import TinyGPT, arithmetic_batch, lm_loss
 from memtide.optim import TieredAdamW
 torch.manual_seed(0)
 model = TinyGPT(128, 64, 4, 2, 32)

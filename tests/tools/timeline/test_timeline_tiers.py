@@ -25,7 +25,7 @@ USER_LOOP = r"""
 import json, sys
 import torch
 import memtide, memtide.host, memtide.timeline
-from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss
+from memtide.cli.gpt import TinyGPT, arithmetic_batch, lm_loss
 from memtide.optim import TieredAdamW
 
 torch.manual_seed(0)
@@ -374,7 +374,7 @@ CPU_STEPS = r"""
 import json, sys, time
 import torch
 import memtide.timeline
-from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss
+from memtide.cli.gpt import TinyGPT, arithmetic_batch, lm_loss
 from memtide.optim import TieredAdamW
 
 torch.manual_seed(0)

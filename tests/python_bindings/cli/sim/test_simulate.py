@@ -303,7 +303,7 @@ def test_a_node_whose_host_path_runs_is_fastest_with_memtides_placement():
 
 
 def test_a_node_from_an_hwloc_xml_file(tmp_path):
-    xml = Path(__file__).parent.parent / "data" / "topology" / "two_socket_8gpu_switches.xml"
+    xml = Path(__file__).resolve().parents[3] / "data" / "topology" / "two_socket_8gpu_switches.xml"
     p = cli("--topology", str(xml), "--model", "7B", "--placement", "node0", "--json")
     if p.returncode != 0 and "without hwloc" in p.stderr:
         pytest.skip("built without hwloc")

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import memtide
 
-from ._common import RATE_FLAGS, UsageError
+from .._common import RATE_FLAGS, UsageError
 
 # GPUs the simulator knows: memory, the achieved FLOP/s of the model's kernels (a tenth of the dense
 # bf16 peak, which makes ZeRO-3 reach the paper's ~30 TFLOP/s per H100 over whole iterations; see

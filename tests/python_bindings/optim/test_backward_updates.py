@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import memtide  # noqa: E402,F401
-from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
+from memtide.cli.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
 from memtide.optim import LossScaler, TieredAdamW  # noqa: E402
 from memtide_testing import everything, on_sized_device, one_torch_thread, same  # noqa: E402,F401
 

@@ -8,7 +8,7 @@
 #include "memtide/simulator/iteration_sim.hpp"
 #include "memtide/simulator/node_sim.hpp"
 #include "memtide/simulator/update_sweep.hpp"
-#include "common.hpp"
+#include "common.hpp"  // python_bindings/module/: what the bindings of both extensions share
 
 namespace memtide::bindings {
 namespace {

@@ -1,5 +1,5 @@
 """A simulated iteration of memtide as a timeline trace: one home for `memtide simulate --timeline`
-(one rank, cli/simulate.py) and a node's traces, one per rank (cli/node_sim.py)."""
+(one rank, sim/iteration.py) and a node's traces, one per rank (sim/node.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Dict
 
 def write_simulation_trace(args: argparse.Namespace, r: Dict[str, Any], trace: str, **header: Any) -> None:
     """Writes one simulated iteration of memtide (simulate_iteration with record_ops) as a trace;
-    `header` adds to its header (a node's rank: rank, world_size, job; cli/node_sim.py)."""
+    `header` adds to its header (a node's rank: rank, world_size, job; sim/node.py)."""
     import memtide_timeline as timeline
 
     tiers = {}

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import memtide  # noqa: E402
 import memtide.window as window_module  # noqa: E402
-from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
+from memtide.cli.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
 from memtide.window import LayerWindow  # noqa: E402
 from memtide_testing import one_torch_thread, same  # noqa: E402,F401
 
@@ -348,7 +348,7 @@ def test_the_gpu_window_benchmark_runs_its_code_on_the_cpu(tmp_path):
 
     from memtide_testing import clean_env
 
-    script = Path(__file__).resolve().parents[2] / "bench" / "python" / "bench_window_gpu.py"
+    script = Path(__file__).resolve().parents[3] / "bench" / "python" / "bench_window_gpu.py"
     out = tmp_path / "window.md"
     p = subprocess.run([sys.executable, str(script), "--device", "cpu", "--hidden", "64", "--heads", "4", "--layers",
                         "4", "--seq", "16", "--batch", "2", "--vocab", "64", "--steps", "3", "--out", str(out)],

@@ -1,6 +1,7 @@
 """``memtide simulate --update-sweep``: the update phase alone on the simulated device, all-CPU,
 static 20% and interleaved over a sweep of the stride k, and the automatic plan against the best k
-(tools/simulator/update_sweep.hpp). Writes one CSV row per simulated phase and a verdict per model."""
+(tools/simulator/include/memtide/simulator/update_sweep.hpp). Writes one CSV row per simulated phase
+and a verdict per model."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any, Dict, List, TextIO
 import memtide
 from memtide._files import SHARED, FileRefused, open_output
 
-from ._common import UsageError
-from ._interrupt import native
+from .._common import UsageError
+from .._interrupt import native
 
 COLUMNS = ("model", "params", "shard_params", "subgroups", "policy", "k", "statics", "slots", "gpu_fraction",
            "grads", "update_s", "predicted_s", "bound_s", "throughput_gps", "speedup_vs_cpu", "cpu_busy_s",

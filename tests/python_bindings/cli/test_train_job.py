@@ -1,11 +1,11 @@
-"""memtide.train_job, the job behind `memtide run`: where it trains."""
+"""memtide.cli.train_job, the job behind `memtide run`: where it trains."""
 
 from __future__ import annotations
 
 import pytest
 
 import memtide
-from memtide import train_job
+from memtide.cli import train_job
 
 
 @pytest.mark.skipif(memtide.cuda_status()["usable"], reason="needs a machine without a usable GPU")

@@ -13,7 +13,7 @@ import pytest
 import memtide
 from memtide_testing import clean_env
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "topology"
+DATA = Path(__file__).resolve().parents[2] / "data" / "topology"
 FOUR = str(DATA / "two_socket_4gpu.xml")
 EIGHT = str(DATA / "two_socket_8gpu_switches.xml")
 UNKNOWN = str(DATA / "unknown_locality.xml")

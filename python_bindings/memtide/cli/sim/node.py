@@ -14,9 +14,9 @@ from typing import Any, Dict, List
 import memtide
 from memtide._memtide import format_bytes, format_count
 
-from ._common import FLAG_RANGES, NODE_GPUS_MAX, UsageError
-from .sim_inputs import model_and_node, usage_error_for
-from ._interrupt import native
+from .._common import FLAG_RANGES, NODE_GPUS_MAX, UsageError
+from .._interrupt import native
+from .inputs import model_and_node, usage_error_for
 
 PLACEMENTS = ("memtide", "node0", "interleave", "first_touch")
 CONTENDERS = ("zero3_offload", "twinflow", "memtide")
@@ -122,7 +122,7 @@ def _timeline(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, Any]:
     with record_ops on its share of the host: the same simulation, checked to give the same times."""
     import memtide_timeline as timeline
 
-    from .sim_trace import write_simulation_trace
+    from .trace import write_simulation_trace
 
     model, shape, node = model_and_node(args)
     node["gpus"] = r["gpus_per_node"]

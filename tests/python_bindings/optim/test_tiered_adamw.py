@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import memtide  # noqa: E402
-from memtide.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
+from memtide.cli.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
 from memtide._memtide import UpdateEngine  # noqa: E402
 from memtide.optim import POLICIES, LossScaler, TieredAdamW, engine_unavailable  # noqa: E402
 from memtide_testing import on_sized_device, one_torch_thread, sized_device  # noqa: E402,F401
