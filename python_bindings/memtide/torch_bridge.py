@@ -162,6 +162,8 @@ def use_torch_threads(enable: bool = True) -> bool:
     to it.
     """
     global _threads_choice
+    if not isinstance(enable, bool):  # use_torch_threads("no") would otherwise turn it on
+        raise TypeError(f"memtide.torch_bridge.use_torch_threads: enable must be True or False, got {enable!r}")
     _threads_choice = enable
     return _use_torch_threads(enable)
 

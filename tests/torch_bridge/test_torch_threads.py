@@ -113,3 +113,12 @@ print(json.dumps(out))
 """)
     assert r == {"on": True, "while_on": "torch", "off": False, "while_off": None, "after_a_new_optimizer": None}, \
         "an optimizer built after use_torch_threads(False) must keep to memtide's pool"
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None, 2.0])
+def test_use_torch_threads_takes_only_a_bool(value):
+    # A truthy string would have turned it on; the choice is the program's and must say what it means.
+    choice = torch_bridge._threads_choice
+    with pytest.raises(TypeError, match="enable must be True or False"):
+        torch_bridge.use_torch_threads(value)
+    assert torch_bridge._threads_choice is choice  # nothing changed
