@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "failing_new.hpp"
+#include "static_tls.hpp"
 #include "memtide/core/detail/os_testing.hpp"
 #include "memtide/core/os.hpp"
 #include "memtide/allocator/mmap_slab_source.hpp"
@@ -544,18 +545,9 @@ TEST(MmapSlabSource, MapsAlignedSlabsAndUnmapsThem) {
 }  // namespace
 }  // namespace memtide
 
-// jemalloc keeps about 2.6 KiB of initial-exec TLS, more than glibc leaves spare for libraries
-// loaded after start-up, and only a start-up tunable enlarges that reserve. Restart once with it
-// so both backends are exercised however the binary is launched.
 int main(int argc, char** argv) {
-  const char* tunables = std::getenv("GLIBC_TUNABLES");
-  const bool child = std::getenv("MEMTIDE_PINNED_HEAP_TEST_CHILD") != nullptr;  // must stay without it
-  if (!child && (tunables == nullptr || std::strstr(tunables, "optional_static_tls") == nullptr)) {
-    std::string value = "glibc.rtld.optional_static_tls=16384";
-    if (tunables != nullptr && *tunables != '\0') value = std::string(tunables) + ":" + value;
-    setenv("GLIBC_TUNABLES", value.c_str(), 1);
-    execv("/proc/self/exe", argv);  // falls through only if exec fails: jemalloc cases then skip
-  }
+  // A child the tests start must stay without the tunable (they check what happens then).
+  if (std::getenv("MEMTIDE_PINNED_HEAP_TEST_CHILD") == nullptr) memtide::test::restart_with_static_tls_for_jemalloc(argv);
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

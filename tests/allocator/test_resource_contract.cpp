@@ -34,6 +34,7 @@
 #include "memtide/allocator/pinned_heap.hpp"
 #include "memtide/core/error.hpp"
 #include "memtide/device/sim_device.hpp"
+#include "static_tls.hpp"
 
 namespace memtide {
 namespace {
@@ -487,16 +488,8 @@ TYPED_TEST(StreamOrderedContract, AnotherStreamNeverGetsMemoryStillInUse) {
 }  // namespace
 }  // namespace memtide
 
-// jemalloc, loaded with dlopen, needs more static TLS than glibc keeps spare: restart once with
-// the tunable (as test_pinned_heap.cpp does), else its instantiation skips with the reason.
 int main(int argc, char** argv) {
-  const char* tunables = std::getenv("GLIBC_TUNABLES");
-  if (tunables == nullptr || std::strstr(tunables, "optional_static_tls") == nullptr) {
-    std::string value = "glibc.rtld.optional_static_tls=16384";
-    if (tunables != nullptr && *tunables != '\0') value = std::string(tunables) + ":" + value;
-    setenv("GLIBC_TUNABLES", value.c_str(), 1);
-    execv("/proc/self/exe", argv);
-  }
+  memtide::test::restart_with_static_tls_for_jemalloc(argv);  // else jemalloc's instantiation skips
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }
