@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "adamw_impl.hpp"
 #include "memtide/core/error.hpp"
@@ -291,6 +292,53 @@ bool copy_grad(float* dst, const void* src, DType dtype, std::size_t n, ThreadPo
   const bool stream = resolve_out_stores(stores, n) == OutStores::streaming;
   // over_tiles ORs "something happened": here that is a non-finite element.
   return !over_tiles(n, pool, [&](std::size_t b, std::size_t e) { return !k.copy(dst, src, dtype, stream, b, e); });
+}
+
+double grad_square_sum(const void* grad, DType dtype, std::size_t n, ThreadPool* pool) {
+  if (n == 0) return 0.0;
+  if (grad == nullptr) throw InvalidArgument("grad_square_sum: grad must not be null for n = " + std::to_string(n));
+  if (dtype != DType::fp32 && dtype != DType::fp16 && dtype != DType::bf16) {
+    throw InvalidArgument(std::string("grad_square_sum: the gradient must be fp32, fp16 or bf16, got ") +
+                          dtype_name(dtype));
+  }
+  // Eight running sums, each its own chain: the compiler may pack them into vectors without
+  // reassociating anything, and the order of every addition is fixed.
+  auto tile = [&](std::size_t b, std::size_t e) {
+    constexpr std::size_t kLanes = 8;
+    double acc[kLanes] = {};
+    auto load = [&](std::size_t i) -> double {
+      switch (dtype) {
+        case DType::fp16: return fp16_to_f(static_cast<const std::uint16_t*>(grad)[i]);
+        case DType::bf16: return bf16_to_f(static_cast<const std::uint16_t*>(grad)[i]);
+        default: return static_cast<const float*>(grad)[i];
+      }
+    };
+    std::size_t i = b;
+    for (; i + kLanes <= e; i += kLanes) {
+      for (std::size_t j = 0; j < kLanes; ++j) {
+        const double x = load(i + j);
+        acc[j] += x * x;
+      }
+    }
+    for (std::size_t j = 0; i < e; ++i, ++j) {
+      const double x = load(i);
+      acc[j] += x * x;
+    }
+    double s = 0.0;
+    for (double a : acc) s += a;
+    return s;
+  };
+  const std::size_t count = tiles(n);
+  std::vector<double> sums(count, 0.0);
+  auto run = [&](std::size_t t) { sums[t] = tile(t * kAdamwTile, std::min((t + 1) * kAdamwTile, n)); };
+  if (pool == nullptr || pool->size() == 1 || count == 1) {
+    for (std::size_t t = 0; t < count; ++t) run(t);
+  } else {
+    pool->parallel_for(count, run);
+  }
+  double total = 0.0;
+  for (double s : sums) total += s;
+  return total;
 }
 
 std::uint16_t fp32_to_fp16(float f) noexcept { return f_to_fp16(f); }

@@ -265,6 +265,40 @@ TEST(AdamwCpu, CopyGradUpcastsExactlyAndChecksFiniteness) {
   EXPECT_TRUE(copy_grad(nullptr, nullptr, DType::fp32, 0, nullptr));
 }
 
+// A gradient norm's square: exact upcasts summed in double, the same bits on one thread or many,
+// and NaN/Inf carried through (the step protocol takes a non-finite norm as a non-finite gradient).
+TEST(AdamwCpu, GradSquareSumIsExactAndThreadCountFree) {
+  const std::size_t n = 3 * kAdamwTile + 77;  // several tiles and a ragged end
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0F, 3.0F);
+  std::vector<float> g32(n);
+  for (float& x : g32) x = normal(rng);
+  ThreadPool pool(3);
+  for (DType dt : {DType::fp32, DType::fp16, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    std::vector<std::uint16_t> g16(n);
+    double want = 0.0;
+    for (std::size_t i = 0; i < n; ++i) {
+      g16[i] = dt == DType::fp16 ? fp32_to_fp16(g32[i]) : fp32_to_bf16(g32[i]);
+      const double x = dt == DType::fp32 ? g32[i] : dt == DType::fp16 ? fp16_to_fp32(g16[i]) : bf16_to_fp32(g16[i]);
+      want += x * x;
+    }
+    const void* src = dt == DType::fp32 ? static_cast<const void*>(g32.data()) : g16.data();
+    const double one = grad_square_sum(src, dt, n, nullptr);
+    EXPECT_NEAR(one, want, want * 1e-12);
+    EXPECT_EQ(grad_square_sum(src, dt, n, &pool), one) << "the thread count changed the bits";
+    std::vector<std::uint16_t> bad16 = g16;
+    std::vector<float> bad32 = g32;
+    bad32[n - 1] = std::numeric_limits<float>::infinity();
+    bad16[n - 1] = dt == DType::fp16 ? 0x7E00 : 0x7FC0;  // NaN
+    const void* bad = dt == DType::fp32 ? static_cast<const void*>(bad32.data()) : bad16.data();
+    EXPECT_FALSE(std::isfinite(grad_square_sum(bad, dt, n, &pool)));
+  }
+  EXPECT_EQ(grad_square_sum(nullptr, DType::fp32, 0), 0.0);
+  EXPECT_THROW((void)grad_square_sum(nullptr, DType::fp32, 4), memtide::InvalidArgument);
+  EXPECT_THROW((void)grad_square_sum(g32.data(), DType::none, 4), memtide::InvalidArgument);
+}
+
 // Every tile is stepped exactly once whoever takes it (a share's owner or a thief): a tile run
 // twice or never would change the bits. Pools larger than the tile count included.
 TEST(AdamwCpu, ThreadCountsGiveIdenticalBits) {

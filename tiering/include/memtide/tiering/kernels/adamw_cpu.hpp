@@ -83,6 +83,11 @@ bool adamw_step(const AdamwArgs& args, ThreadPool* pool, CpuIsa isa = CpuIsa::au
 bool grads_finite(const void* grad, DType dtype, std::size_t n, double grad_scale = 1.0, double clip = 1.0,
                   ThreadPool* pool = nullptr, CpuIsa isa = CpuIsa::automatic);
 
+/// The sum of grad[i]^2 (upcast to fp32 exactly, squared and summed in double): a gradient
+/// norm's square. Summed tile by tile (kAdamwTile) and the tiles in order, so the thread count
+/// never changes the bits. NaN or Inf in, NaN or Inf out.
+double grad_square_sum(const void* grad, DType dtype, std::size_t n, ThreadPool* pool = nullptr);
+
 /// dst[i] = src[i] upcast to fp32 (exact) for a gradient of `dtype` (fp32, fp16 or bf16), over
 /// `pool`; returns true if every element is finite (the NaN/Inf check rides the copy's pass).
 /// `stores`: how dst is written (streaming: non-temporal stores, no read-for-ownership of dst;
