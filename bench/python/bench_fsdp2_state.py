@@ -39,7 +39,7 @@ opt = TieredAdamW(model.parameters(), policy="cpu", subgroup_size=1 << 16)
 tokens = torch.randint(0, 256, (2, 32))
 model(tokens).float().square().mean().backward()
 opt.step()
-mine = {"rank": dist.get_rank(), "params": opt._layout.numel, "host_bytes": opt.buffers.nbytes()}
+mine = {"rank": dist.get_rank(), "params": opt.layout.numel, "host_bytes": opt.buffers.nbytes()}
 out = [None] * dist.get_world_size()
 dist.all_gather_object(out, mine)
 if dist.get_rank() == 0:

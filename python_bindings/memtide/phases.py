@@ -33,7 +33,7 @@ class PhaseHooks:
             handle.remove()
         self._handles = []
         if self._optimizer is not None:
-            self._optimizer._mark_update = False
+            self._optimizer.mark_update = False
             self._optimizer = None
 
 
@@ -81,8 +81,8 @@ def install_phase_hooks(model: Any, optimizer: Optional[Any] = None) -> PhaseHoo
     handles = [model.register_forward_pre_hook(on_forward), model.register_forward_hook(after_forward)]
     marked_optimizer = None
     if optimizer is not None:
-        if hasattr(optimizer, "_mark_update"):
-            optimizer._mark_update = True
+        if hasattr(optimizer, "mark_update"):
+            optimizer.mark_update = True
             marked_optimizer = optimizer
         else:
             handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: mark_phase("update")))

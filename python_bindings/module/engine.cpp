@@ -2,7 +2,6 @@
 // that cross into Python: Plan, StepReport, Segment and their parts. Conversion only.
 
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -12,10 +11,12 @@
 #include "memtide/core/error.hpp"
 #include "memtide/core/thread_pool.hpp"
 #include "memtide/tiering/engine/backward_updates.hpp"
+#include "memtide/tiering/engine/step_protocol.hpp"
 #include "memtide/tiering/engine/update_engine.hpp"
 #include "common.hpp"
 
 #include <nanobind/operators.h>
+#include <nanobind/stl/function.h>
 #include <nanobind/stl/set.h>
 #include <nanobind/stl/tuple.h>
 
@@ -24,8 +25,16 @@ namespace {
 
 using FloatArray = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
-/// The Python face of tiering::UpdateEngine on one of the runtime's devices. One call at a time
-/// reaches the engine (it is not thread-safe); the GIL is released while it works.
+/// A gradient's dtype as torch names it ("float32", "float16", "bfloat16"); ValueError naming `who` else.
+tiering::DType grad_dtype(const std::string& name, const char* who) {
+  if (name == "float32") return tiering::DType::fp32;
+  if (name == "float16") return tiering::DType::fp16;
+  if (name == "bfloat16") return tiering::DType::bf16;
+  value_error(std::string(who) + ": a gradient's dtype must be float32, float16 or bfloat16, got \"" + name + "\"");
+}
+
+/// The Python face of tiering::UpdateEngine on one of the runtime's devices. The engine locks its
+/// own calls; the GIL is released while it works.
 class PyUpdateEngine {
  public:
   PyUpdateEngine(std::int64_t n, const std::vector<std::pair<std::int64_t, std::int64_t>>& subgroups,
@@ -87,20 +96,17 @@ class PyUpdateEngine {
       params[i].group = count_arg("group", groups[i]);
       params[i].low_precision = low_precision[i];
     }
-    std::lock_guard<std::mutex> lock(mutex_);
     engine_->set_layout(tiering::ParamLayout(std::move(params), engine_->subgroups()));
   }
 
   void set_policy(const std::string& policy, std::optional<double> k, double static_fraction) {
     const tiering::PolicyChoice choice{policy_arg(policy), static_fraction, k};
     nb::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mutex_);
     engine_->set_policy(choice);
   }
 
   tiering::EnginePlan plan() {
     nb::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mutex_);
     return engine_->current_plan();
   }
 
@@ -126,23 +132,17 @@ class PyUpdateEngine {
     tiering::StepRequest r =
         request(std::move(groups), has_grad, grad_scale, clip, skip_if_nonfinite, grads_finite, std::move(done));
     for (const auto& [start, n, address, dtype] : grad_sources) {
-      tiering::DType dt = tiering::DType::none;
-      if (dtype == "float32") dt = tiering::DType::fp32;
-      else if (dtype == "float16") dt = tiering::DType::fp16;
-      else if (dtype == "bfloat16") dt = tiering::DType::bf16;
-      else value_error("UpdateEngine.step: a grad source's dtype must be float32, float16 or bfloat16, got \"" + dtype + "\"");
+      const tiering::DType dt = grad_dtype(dtype, "UpdateEngine.step");
       r.grad_sources.push_back(tiering::GradSource{count_arg("grad source start", start), count_arg("grad source n", n),
                                                    reinterpret_cast<const void*>(address), dt});
     }
     nb::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mutex_);
     return engine_->step(r);
   }
 
   std::vector<tiering::Segment> segments(std::vector<tiering::StepParams> groups, const nb::bytes& has_grad,
                                          std::optional<std::size_t> only) {
     const tiering::StepRequest r = request(std::move(groups), has_grad, 1.0, 1.0, false, std::nullopt, {});
-    std::lock_guard<std::mutex> lock(mutex_);
     return engine_->segments(r, only);
   }
 
@@ -153,7 +153,6 @@ class PyUpdateEngine {
   }
 
   void set_sync_after_step(bool on) {
-    std::lock_guard<std::mutex> lock(mutex_);
     engine_->set_sync_after_step(on);
   }
 
@@ -190,58 +189,47 @@ class PyUpdateEngine {
   void spill_host(std::int64_t up_to) {
     const std::size_t at = count_arg("up_to", up_to);
     nb::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mutex_);
     engine_->spill_host(at);
   }
 
   double nvme_round_trip() {
     nb::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mutex_);
     tiering::SpillTier* tier = engine_->nvme_tier();
     return tier != nullptr ? tier->round_trip() : 0;
   }
 
   void inject_nvme_faults(int write_errno, bool short_write, int read_errno) {
-    std::lock_guard<std::mutex> lock(mutex_);
     tiering::SpillTier* tier = engine_->nvme_tier();
     if (tier != nullptr) tier->inject_faults(tiering::NvmeFaults{write_errno, short_write, read_errno});
   }
 
   void host_changed() {
     nb::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mutex_);
     engine_->host_changed();
   }
 
   void push_grad(std::int64_t offset, std::uintptr_t address, const std::string& dtype, std::int64_t n,
                  std::uintptr_t stream) {
-    tiering::DType dt = tiering::DType::none;
-    if (dtype == "float32") dt = tiering::DType::fp32;
-    else if (dtype == "float16") dt = tiering::DType::fp16;
-    else if (dtype == "bfloat16") dt = tiering::DType::bf16;
-    else value_error("UpdateEngine.push_grad: dtype must be float32, float16 or bfloat16, got \"" + dtype + "\"");
+    const tiering::DType dt = grad_dtype(dtype, "UpdateEngine.push_grad");
     const std::size_t at = count_arg("offset", offset);
     const std::size_t count = count_arg("n", n);
     nb::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mutex_);
     engine_->push_grad(at, reinterpret_cast<const void*>(address), dt, count, Stream{reinterpret_cast<void*>(stream)});
   }
 
   bool finish_grads() {
     nb::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mutex_);
     return engine_->finish_grads();
   }
 
-  // Not under mutex_: an update during backward waits here on a worker thread while backward
-  // goes on pushing (the engine locks itself only to mark the point).
+  // An update during backward waits here on a worker thread while backward goes on pushing (the
+  // engine locks itself only to mark the point).
   void wait_grads_pushed() {
     nb::gil_scoped_release nogil;
     engine_->wait_grads_pushed();
   }
 
   void set_host_gradients(const std::vector<bool>& host) {
-    std::lock_guard<std::mutex> lock(mutex_);
     engine_->set_host_gradients(host);
   }
 
@@ -249,13 +237,11 @@ class PyUpdateEngine {
 
   void grads_to_host() {
     nb::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mutex_);
     engine_->grads_to_host();
   }
 
   void sync_host() {
     nb::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> lock(mutex_);
     engine_->sync_host();
   }
 
@@ -269,8 +255,7 @@ class PyUpdateEngine {
     void* p = nullptr;
     {
       nb::gil_scoped_release nogil;
-      std::lock_guard<std::mutex> lock(mutex_);
-      p = engine_->model_params(dt);
+        p = engine_->model_params(dt);
     }
     const std::size_t shape[1] = {engine_->size()};
     const auto code = static_cast<std::uint8_t>(dt == tiering::DType::bf16 ? nb::dlpack::dtype_code::Bfloat
@@ -297,7 +282,6 @@ class PyUpdateEngine {
 
  private:
   std::unique_ptr<tiering::UpdateEngine> engine_;
-  std::mutex mutex_;
   int device_ = 0;
 };
 
@@ -599,6 +583,8 @@ void bind_engine(nb::module_& m) {
              new (self) BU(engine.native(), max_subgroups);
            },
            "engine"_a, "max_subgroups"_a, nb::keep_alive<1, 2>())
+      .def_static("default_max_subgroups", &BU::default_max_subgroups, "subgroups"_a,
+                  "The bound update_during_backward=True asks for: a quarter of the subgroups, at least one.")
       .def("rebuild", &BU::rebuild, "takes_part"_a, nb::call_guard<nb::gil_scoped_release>(),
            "The layout changed: per param, whether its gradient arrives by the hook. Rolls back, chooses.")
       .def("set_model_copy",
@@ -653,6 +639,99 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("stats", &BU::stats)
       .def_prop_ro("last_choice", &BU::last_choice)
       .def_prop_ro("chosen", &BU::chosen);
+
+  nb::enum_<tiering::GradRoute>(m, "GradRoute", "How a gradient reaches the engine (tiering::GradRoute).")
+      .value("device_path", tiering::GradRoute::device_path,
+             "device memory: the engine's gradient path (upcast on the device, D2H, checked on the way)")
+      .value("host_copy", tiering::GradRoute::host_copy,
+             "host memory: copied (upcast) into the gradient array now, checked in the same pass")
+      .value("in_place", tiering::GradRoute::in_place,
+             "host memory: read where it lies by the step (keep the tensor alive until the step ends)");
+
+  using SO = tiering::StepOutcome;
+  nb::class_<SO>(m, "StepOutcome", "What one step of the StepProtocol decided and did.")
+      .def_ro("any_gradient", &SO::any_gradient, "some param had a gradient (else nothing was decided)")
+      .def_ro("nonfinite", &SO::nonfinite, "a gradient was NaN or Inf (on any rank, where that was asked)")
+      .def_ro("skipped", &SO::skipped, "nothing changed (a loss scaler's overflow, a non-finite norm)")
+      .def_ro("ran", &SO::ran, "the engine stepped")
+      .def_ro("grad_norm", &SO::grad_norm, "the global gradient norm (unscaled) when clipping, else None")
+      .def_ro("clip", &SO::clip, "the factor every gradient was multiplied by")
+      .def_ro("kept_from_backward", &SO::kept_from_backward,
+              "subgroups whose update during backward the step took as done")
+      .def_ro("verdict", &SO::verdict, "the kernels' NaN/Inf verdict on every gradient, None where none gave one")
+      .def_ro("engine", &SO::engine, "the engine's StepReport (meaningful when ran)");
+
+  using SP = tiering::StepProtocol;
+  nb::class_<SP>(m, "StepProtocol",
+                 "The step's decisions (tiering::StepProtocol): the NaN/Inf verdict from the kernels' flags, the\n"
+                 "gradient norm, the cross-rank agreement, the clip factor, skip or step, and the updates made\n"
+                 "during backward taken or put back. One call per gradient arrival, one per step.")
+      .def("__init__",
+           [](SP* self, PyUpdateEngine& engine, std::optional<double> max_grad_norm, bool loss_scaler,
+              std::vector<bool> sharded, std::optional<nb::callable> sum_sharded, std::optional<nb::callable> any,
+              BU* backward_updates) {
+             tiering::ProtocolOptions o;
+             o.max_grad_norm = max_grad_norm;
+             o.loss_scaler = loss_scaler;
+             o.sharded = std::move(sharded);
+             // The step runs without the GIL; the process groups' reductions are Python calls.
+             if (sum_sharded) {
+               o.collective.sum_sharded = [f = *sum_sharded](double v) {
+                 nb::gil_scoped_acquire gil;
+                 return nb::cast<double>(f(v));
+               };
+             }
+             if (any) {
+               o.collective.any = [f = *any](bool flag) {
+                 nb::gil_scoped_acquire gil;
+                 return nb::cast<bool>(f(flag));
+               };
+             }
+             new (self) SP(engine.native(), std::move(o), backward_updates);
+           },
+           "engine"_a, "max_grad_norm"_a = nb::none(), "loss_scaler"_a = false, "sharded"_a = std::vector<bool>{},
+           "sum_sharded"_a = nb::none(), "any"_a = nb::none(), "backward_updates"_a = nb::none(),
+           nb::keep_alive<1, 2>(), nb::keep_alive<1, 8>(),
+           "Over `engine`'s layout. `sharded`: per param, its squares sum over the ranks through\n"
+           "`sum_sharded(value) -> float`; `any(flag) -> bool`: whether a flag is set on any rank.")
+      .def(
+          "grad_ready",
+          [](SP& self, std::size_t param, std::uintptr_t address, const std::string& dtype, std::int64_t n,
+             tiering::GradRoute how, std::uintptr_t stream, bool speculate) {
+            tiering::GradArrival g;
+            g.data = reinterpret_cast<const void*>(address);
+            g.dtype = grad_dtype(dtype, "StepProtocol.grad_ready");
+            g.n = count_arg("n", n);
+            g.how = how;
+            g.producer = Stream{reinterpret_cast<void*>(stream)};
+            nb::gil_scoped_release nogil;
+            return self.grad_ready(param, g, speculate);
+          },
+          "param"_a, "address"_a, "dtype"_a, "n"_a, "how"_a, "stream"_a = 0, "speculate"_a = false,
+          "Param's gradient is final: sent on its way, its verdict kept. Returns the subgroups of the updates\n"
+          "during backward it completed (start each with BackwardUpdates.submit).")
+      .def("grad_written", &SP::grad_written, "param"_a,
+           "The front end wrote param's gradient into the engine's array itself (no verdict).")
+      .def("collect", &SP::collect, "stale"_a, nb::call_guard<nb::gil_scoped_release>(),
+           "Before the step: waits for the gradient path and forgets the stale params' arrivals.")
+      .def(
+          "step",
+          [](SP& self, std::vector<tiering::StepParams> groups, const nb::bytes& has_grad, double grad_scale,
+             const std::vector<bool>& stale) {
+            const tiering::StepRequest r =
+                PyUpdateEngine::request(std::move(groups), has_grad, grad_scale, 1.0, false, std::nullopt, {});
+            nb::gil_scoped_release nogil;
+            return self.step(r, stale);
+          },
+          "groups"_a, "has_grad"_a, "grad_scale"_a, "stale"_a = std::vector<bool>{},
+          "The step: decides, runs the engine, returns a StepOutcome. Every arrival is forgotten after.")
+      .def("rollback", &SP::rollback, nb::call_guard<nb::gil_scoped_release>(),
+           "Puts back every update made during backward; the arrivals stay.")
+      .def("reset", &SP::reset, "Forgets the arrivals: the next backward sends its own.")
+      .def("set_max_grad_norm", &SP::set_max_grad_norm, "max_grad_norm"_a.none(),
+           "What the next steps clip the global gradient norm to (None: no clipping).")
+      .def("set_loss_scaler", &SP::set_loss_scaler, "on"_a, "Whether a loss scaler decides from now on.")
+      .def_prop_ro("in_place_count", &SP::in_place_count, "Gradients the step reads where they lie now.");
 }
 
 }  // namespace memtide::bindings

@@ -14,6 +14,7 @@
 #include "memtide/core/thread_pool.hpp"
 #include "memtide/tiering/model/calibration.hpp"
 #include "memtide/tiering/window/layer_window.hpp"
+#include "memtide/tiering/engine/param_layout.hpp"
 #include "memtide/tiering/model/perf_model.hpp"
 #include "memtide/core/error.hpp"
 #if MEMTIDE_HAVE_NVME
@@ -270,6 +271,15 @@ void bind_tiering(nb::module_& m) {
   m.attr("USEFUL_SLOTS") = tiering::kUsefulSlots;
   m.attr("STATE_BYTES_PER_PARAM") = static_cast<int>(tiering::kStateBytesPerParam);
   m.attr("GRAD_BYTES_PER_PARAM") = static_cast<int>(tiering::kGradBytesPerParam);
+  m.attr("GPU_MODEL_BYTES_PER_PARAM") = static_cast<int>(tiering::kGpuModelBytesPerParam);
+  m.def(
+      "cut_subgroups",
+      [](std::int64_t n, std::int64_t size, const std::string& size_name) {
+        return tiering::cut_subgroups(count_arg("n", n), count_arg(size_name.c_str(), size), size_name.c_str());
+      },
+      "n"_a, "size"_a, "size_name"_a = "subgroup_size",
+      "`n` params cut into subgroups of `size` elements (the last may be smaller): [(start, end), ...].\n"
+      "ValueError for more than MAX_SUBGROUPS, naming the smallest size that fits (`size_name`: its name).");
   // The spellings policy_arg takes first, in the order the CLI lists them.
   m.attr("POLICIES") = nb::make_tuple(policy_key(tiering::Policy::cpu), policy_key(tiering::Policy::static_split),
                                       policy_key(tiering::Policy::interleaved), policy_key(tiering::Policy::automatic));

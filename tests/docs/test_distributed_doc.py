@@ -57,5 +57,8 @@ def test_every_multi_process_snippet_ends_its_process_group():
     for param in snippets():
         how, code = param.values
         if how.startswith("torchrun"):
-            last = code.rstrip().splitlines()[-1]
-            assert "destroy_process_group()" in last or "end_training()" in last, (param.id, last)
+            *_, ending, flush, leave = code.rstrip().splitlines()
+            assert "destroy_process_group()" in ending or "end_training()" in ending, (param.id, ending)
+            # ... and leaves without the interpreter's shutdown, in which gloo's threads may still
+            # free tensors and abort the process (docs/distributed.md, "Ending a run").
+            assert flush == "sys.stdout.flush()" and leave.startswith("os._exit(0)"), (param.id, flush, leave)

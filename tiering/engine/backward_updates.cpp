@@ -78,7 +78,7 @@ void BackwardUpdates::reset_counts_locked() {
 }
 
 void BackwardUpdates::choose_locked() {
-  const std::vector<Placement>& placement = engine_.current_plan().plan.placement;
+  const std::vector<Placement> placement = engine_.current_plan().plan.placement;
   choice_ = choose_backward_updates(
       {placement, engine_.on_nvme(), engine_.subgroups(), ready_ns_, ns_per_param_, backward_end_ns_, max_});
   chosen_ = std::set<std::size_t>(choice_.subgroups.begin(), choice_.subgroups.end());

@@ -1,10 +1,27 @@
 #include "memtide/tiering/engine/param_layout.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "memtide/core/error.hpp"
 
 namespace memtide::tiering {
+
+std::vector<std::pair<std::size_t, std::size_t>> cut_subgroups(std::size_t n, std::size_t size, const char* size_name) {
+  if (size == 0) throw InvalidArgument(std::string(size_name) + " must be >= 1, got 0");
+  const std::size_t count = n / size + (n % size != 0);
+  if (count > kMaxSubgroups) {
+    const std::size_t fits = n / kMaxSubgroups + (n % kMaxSubgroups != 0);
+    throw InvalidArgument(std::string(size_name) + " " + std::to_string(size) + " cuts " + std::to_string(n) +
+                          " params into " + std::to_string(count) + " subgroups, at most " +
+                          std::to_string(kMaxSubgroups) + " are supported: use " + size_name + " >= " +
+                          std::to_string(fits));
+  }
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  out.reserve(count);
+  for (std::size_t s = 0; s < n; s += size) out.emplace_back(s, s + std::min(size, n - s));
+  return out;
+}
 
 ParamLayout::ParamLayout(std::vector<ParamSlot> params,
                          const std::vector<std::pair<std::size_t, std::size_t>>& subgroups)

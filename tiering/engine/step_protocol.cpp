@@ -28,10 +28,7 @@ struct ResetOnExit {
 StepProtocol::StepProtocol(UpdateEngine& engine, ProtocolOptions options, BackwardUpdates* backward)
     : engine_(engine), options_(std::move(options)), backward_(backward) {
   const std::size_t params = engine_.layout().size();
-  if (options_.max_grad_norm && !(std::isfinite(*options_.max_grad_norm) && *options_.max_grad_norm > 0)) {
-    throw InvalidArgument("StepProtocol: max_grad_norm must be a finite number > 0, got " +
-                          std::to_string(*options_.max_grad_norm));
-  }
+  set_max_grad_norm(options_.max_grad_norm);
   if (!options_.sharded.empty() && options_.sharded.size() != params) {
     throw InvalidArgument("StepProtocol: " + std::to_string(options_.sharded.size()) + " sharded flags for " +
                           std::to_string(params) + " params");
@@ -41,6 +38,14 @@ StepProtocol::StepProtocol(UpdateEngine& engine, ProtocolOptions options, Backwa
                           "their norms and agree on a verdict");
   }
   arrivals_.assign(params, Arrival{});
+}
+
+void StepProtocol::set_max_grad_norm(std::optional<double> max_grad_norm) {
+  if (max_grad_norm && !(std::isfinite(*max_grad_norm) && *max_grad_norm > 0)) {
+    throw InvalidArgument("StepProtocol: max_grad_norm must be a finite number > 0, got " +
+                          std::to_string(*max_grad_norm));
+  }
+  options_.max_grad_norm = max_grad_norm;
 }
 
 std::vector<std::size_t> StepProtocol::grad_ready(std::size_t param, const GradArrival& g, bool speculate) {
@@ -69,7 +74,10 @@ std::vector<std::size_t> StepProtocol::grad_ready(std::size_t param, const GradA
       a.verdict = Verdict::from_path;
       break;
     case GradRoute::host_copy:
-      a.verdict = copy_grad(engine_.grad() + slot.start, g.data, g.dtype, g.n, engine_.pool(), g.stores)
+      // Above the last-level cache the step reads the array from DRAM anyway: non-temporal stores
+      // (decided by the whole step's size, not this gradient's).
+      a.verdict = copy_grad(engine_.grad() + slot.start, g.data, g.dtype, g.n, engine_.pool(),
+                            resolve_out_stores(g.stores, engine_.size()))
                       ? Verdict::finite
                       : Verdict::nonfinite;
       break;
@@ -157,22 +165,22 @@ bool StepProtocol::scan_finite(const std::vector<std::uint8_t>& has_grad) const 
   return true;
 }
 
-void StepProtocol::materialize() {
+void StepProtocol::materialize(const std::vector<std::uint8_t>& has_grad) {
   const auto& slots = engine_.layout().params();
   for (std::size_t i = 0; i < slots.size(); ++i) {
     Arrival& a = arrivals_[i];
-    if (a.source == nullptr) continue;
+    if (a.source == nullptr || !has_grad[i]) continue;
     copy_grad(engine_.grad() + slots[i].start, a.source, a.dtype, slots[i].end - slots[i].start, engine_.pool());
     a.source = nullptr;
   }
 }
 
-std::vector<GradSource> StepProtocol::sources() const {
+std::vector<GradSource> StepProtocol::sources(const std::vector<std::uint8_t>& has_grad) const {
   std::vector<GradSource> out;
   const auto& slots = engine_.layout().params();
   for (std::size_t i = 0; i < slots.size(); ++i) {
     const Arrival& a = arrivals_[i];
-    if (a.source != nullptr) out.push_back(GradSource{slots[i].start, slots[i].end - slots[i].start, a.source, a.dtype});
+    if (a.source != nullptr && has_grad[i]) out.push_back(GradSource{slots[i].start, slots[i].end - slots[i].start, a.source, a.dtype});
   }
   return out;
 }
@@ -245,8 +253,8 @@ StepOutcome StepProtocol::step(const StepRequest& request, const std::vector<boo
     if (any_done) r.done = done;
     // Gradients read where they lie need a step that scans nothing: else they go into the array.
     const bool scan_needed = options_.loss_scaler && !(out.verdict && std::abs(r.grad_scale) * r.clip <= 1.0);
-    if (scan_needed) materialize();
-    r.grad_sources = sources();
+    if (scan_needed) materialize(request.has_grad);
+    r.grad_sources = sources(request.has_grad);
     out.engine = engine_.step(r);
     nonfinite = out.engine.nonfinite;
     out.ran = !out.engine.skipped;

@@ -50,7 +50,7 @@ struct UpdateEngine::Entry {
 
 // Every public call holds one: the allocator's lender gives back only when no call is running.
 struct UpdateEngine::Busy {
-  explicit Busy(UpdateEngine& e) : engine(e) {
+  explicit Busy(const UpdateEngine& e) : engine(e) {
     engine.api_mutex_.lock();
     ++engine.busy_;
   }
@@ -60,7 +60,7 @@ struct UpdateEngine::Busy {
   }
   Busy(const Busy&) = delete;
   Busy& operator=(const Busy&) = delete;
-  UpdateEngine& engine;
+  const UpdateEngine& engine;
 };
 
 UpdateEngine::UpdateEngine(CachingAllocator& allocator, HostArena& arena, std::size_t n,
@@ -621,13 +621,19 @@ void UpdateEngine::set_policy(PolicyChoice choice) {
   plan_.reset();
 }
 
-const EnginePlan& UpdateEngine::current_plan() {
+EnginePlan UpdateEngine::current_plan() {
   Busy busy(*this);
   if (!plan_) plan_ = plan(policy_.policy, policy_.static_fraction, policy_.k);
   return *plan_;
 }
 
+void UpdateEngine::set_sync_after_step(bool on) {
+  Busy busy(*this);
+  sync_after_step_ = on;
+}
+
 std::vector<Segment> UpdateEngine::segments(const StepRequest& request, std::optional<std::size_t> only) const {
+  Busy busy(*this);
   return layout_.segments(request.groups, request.has_grad, only);
 }
 
@@ -644,7 +650,7 @@ EngineStep UpdateEngine::step(const StepRequest& request) {
   if (all.empty()) return EngineStep{};
   // Under auto without a stride the memory and the rates decide, and both move: plan anew.
   if (policy_.policy == Policy::automatic && !policy_.k) plan_.reset();
-  const EnginePlan& planned = current_plan();
+  const EnginePlan planned = current_plan();
   std::vector<Placement> placement = planned.plan.placement;
   if (!request.done.empty()) {
     // Updated during backward: the run leaves them as they are, and the scheduler cached for the
@@ -666,6 +672,7 @@ EngineStep UpdateEngine::step(const StepRequest& request) {
 // The previous phase's records have arrived by now: the links' busy time less the engine's own
 // copies tells the next plans what others take.
 double UpdateEngine::observe_iteration(double predicted_ns, double measured_ns) {
+  Busy busy(*this);
   return calibration_.observe_iteration(predicted_ns, measured_ns);
 }
 

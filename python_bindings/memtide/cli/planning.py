@@ -16,8 +16,6 @@ from .._memtide import format_bytes, format_count
 # gradient joins them in host memory.
 STATE_BYTES_PER_PARAM = _memtide.STATE_BYTES_PER_PARAM
 HOST_STATE_BYTES_PER_PARAM = _memtide.STATE_BYTES_PER_PARAM + _memtide.GRAD_BYTES_PER_PARAM
-# Model memory that stays on the GPU all iteration: 16-bit params and 16-bit grads.
-GPU_PERSISTENT_BYTES_PER_PARAM = 4
 
 # Where the defaults come from: the Deep Optimizer States testbed, per H100 (4 per node).
 DEFAULTS_NOTE = (
@@ -33,9 +31,12 @@ class PlanError(Exception):
 
 
 def subgroups(params: int, size: int) -> List[int]:
-    """The subgroup sizes: as many of `size` as fit, then the rest."""
-    full, rest = divmod(params, size)
-    return [size] * full + ([rest] if rest else [])
+    """The subgroup sizes, cut as TieredAdamW cuts them (memtide._memtide.cut_subgroups): as many of
+    `size` as fit, then the rest. PlanError beyond MAX_SUBGROUPS, naming the size that fits."""
+    try:
+        return [end - start for start, end in _memtide.cut_subgroups(params, size, "--subgroup-size")]
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def plan(params: int, subgroup_size: int, gpu_mem: int, host_mem: int, margin: int, *,
@@ -52,11 +53,6 @@ def plan(params: int, subgroup_size: int, gpu_mem: int, host_mem: int, margin: i
     the top level. Raises PlanError when the machine cannot hold the workload.
     """
     rates = dict(_memtide.default_rates(), **(rates or {}))
-    n = -(-params // subgroup_size)
-    if n > _memtide.MAX_SUBGROUPS:
-        raise PlanError(f"--subgroup-size {subgroup_size} cuts {format_count(params)} params into {n} subgroups; "
-                        f"at most {_memtide.MAX_SUBGROUPS} are planned: use --subgroup-size "
-                        f"{-(-params // _memtide.MAX_SUBGROUPS)} or more")
     sizes = subgroups(params, subgroup_size)
 
     host_state = HOST_STATE_BYTES_PER_PARAM * params
@@ -72,7 +68,7 @@ def plan(params: int, subgroup_size: int, gpu_mem: int, host_mem: int, margin: i
     if nvme:
         rates["nvme_read_bytes_per_s"] = nvme_read
         rates["nvme_write_bytes_per_s"] = nvme_write
-    persistent = GPU_PERSISTENT_BYTES_PER_PARAM * params
+    persistent = _memtide.GPU_MODEL_BYTES_PER_PARAM * params  # 16-bit params and grads, all iteration
     if persistent + margin > gpu_mem:
         raise PlanError(
             f"the 16-bit params and grads of {format_count(params)} params ({format_bytes(persistent)}) plus the "
@@ -113,7 +109,7 @@ def plan(params: int, subgroup_size: int, gpu_mem: int, host_mem: int, margin: i
     chosen = policies[policy]
     return {
         "params": params,
-        "subgroups": n,
+        "subgroups": len(sizes),
         "subgroup_size": subgroup_size,
         "policy": policy,
         "k": chosen["k"],

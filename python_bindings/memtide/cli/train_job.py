@@ -249,7 +249,7 @@ def _summarize(shape, device, model, opt, hooks, layer_window, data, sync, steps
         "window": None if layer_window is None else {
             "size": layer_window.size, "requested": layer_window.requested, "blocks": layer_window.n,
             "chosen": layer_window.chosen, **layer_window.stats},
-        "backward_updates": None if opt._eager is None else dict(opt._eager.stats, choice=dict(opt._eager.last_choice)),
+        "backward_updates": None if opt.backward_updates is None else dict(opt.backward_updates.stats, choice=dict(opt.backward_updates.last_choice)),
     }
 
 

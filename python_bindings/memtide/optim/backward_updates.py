@@ -34,7 +34,8 @@ first; the gradient path sends theirs to the host (UpdateEngine::set_host_gradie
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set
+import weakref
+from typing import Any, Dict, List, Optional, Set, Union
 
 import torch
 
@@ -56,9 +57,11 @@ class BackwardUpdates:
             copy until step()): the host memory the copies take is bounded by that.
     """
 
-    def __init__(self, optimizer: Any, max_subgroups: int) -> None:
-        self._opt = optimizer
-        self._max = max_subgroups
+    def __init__(self, optimizer: Any, max_subgroups: Union[bool, int]) -> None:
+        self._opt = weakref.ref(optimizer)  # the optimizer holds this: no cycle to keep its pinned memory
+        #: True: the engine's default over the layout's subgroups (BackwardUpdates.default_max_subgroups).
+        self._asked = max_subgroups
+        self._max = 1
         self._native = None
         self._watching = False
 
@@ -69,7 +72,7 @@ class BackwardUpdates:
     @max_subgroups.setter
     def max_subgroups(self, n: int) -> None:
         self._native.max_subgroups = n
-        self._max = n
+        self._asked = self._max = n
 
     def choose(self, ns_per_param: Optional[float] = None) -> None:
         """Chooses the subgroups the next backward updates (the engine's rule)."""
@@ -77,29 +80,36 @@ class BackwardUpdates:
 
     def rebuild(self) -> None:
         """The optimizer's layout changed (construction, add_param_group): a new engine."""
-        opt = self._opt
+        opt = self._opt()
         if self._native is not None:
             self._native.rollback()
+        self._native = None
+        if opt.engine is None:
+            return  # nothing to update
+        self._max = (_memtide.BackwardUpdates.default_max_subgroups(len(opt.layout.subgroups)) if self._asked is True
+                     else int(self._asked))
         self._native = _memtide.BackwardUpdates(opt.engine, self._max)
         lowp = opt.buffers.lowp
         if lowp is not None and not opt.model_attached:
             self._native.set_model_copy(lowp.data_ptr(), str(lowp.dtype).replace("torch.", ""))
-        self._native.rebuild([p.requires_grad and p.is_leaf for p in opt._layout.params])
+        self._native.rebuild([p.requires_grad and p.is_leaf for p in opt.layout.params])
         self._watching = False
+
+    @property
+    def native(self) -> Any:
+        """The engine's BackwardUpdates (the step protocol takes, redoes or puts back its work)."""
+        return self._native
 
     # ---- during backward --------------------------------------------------------------------------
 
-    def grad_ready(self, i: int) -> None:
-        """Param i's gradient is in the host buffer, or on its way there (the optimizer's hook)."""
-        opt = self._opt
-        if not opt.last_micro_batch:
-            return
-        self.watch()
-        complete = self._native.grad_ready(i)
-        if complete:  # the step's inputs as they stand now (the engine reads the subgroup's params only)
-            flags = bytes(p.grad is not None for p in opt._layout.params)
-            for sg in complete:
-                self._native.submit(sg, opt._step_groups(), flags, opt._grad_scale())
+    def start(self, subgroups: List[int]) -> None:
+        """Starts the updates of `subgroups` (the protocol said their gradients are complete) with
+        the step's inputs as they stand now (the engine reads those subgroups' params only)."""
+        opt = self._opt()
+        flags = bytes(p.grad is not None for p in opt.layout.params)
+        groups, scale = opt.step_groups(), opt.grad_scale()
+        for sg in subgroups:
+            self._native.submit(sg, groups, flags, scale)
 
     def watch(self) -> None:
         """Times this backward to its end (for the next choice) from its first gradient; called on
@@ -113,33 +123,9 @@ class BackwardUpdates:
         self._watching = False
         self._native.backward_ended()
 
-    # ---- at the step ------------------------------------------------------------------------------
-
-    def settle(self) -> bool:
-        """Waits for every update begun; whether any is speculative now."""
-        try:
-            self._native.settle()
-        except RuntimeError as e:
-            self._watching = False
-            raise RuntimeError(f"TieredAdamW: {e}") from e
-        return self._native.pending
-
-    def accept(self, groups: List[Any], flags: bytes, grad_scale: float, clip: float, stale: Set[int],
-               scaler: bool) -> Set[int]:
-        """Which settled subgroups the step takes as done; the others are put back now."""
-        stale_flags = [i in stale for i in range(len(self._opt._layout.params))]
-        done = self._native.accept(groups, flags, grad_scale, clip, stale_flags, scaler)
-        return {sg for sg, d in enumerate(done) if d}
-
-    def publish(self) -> None:
-        self._native.publish()
-
-    def nonfinite(self) -> bool:
-        return self._native.nonfinite
-
-    def finish(self) -> None:
+    def step_ended(self) -> None:
+        """The protocol's step settled, took or put back every update: the next backward is timed afresh."""
         self._watching = False  # a backward that failed never reached its end
-        self._native.finish()
 
     def rollback(self) -> None:
         self._watching = False

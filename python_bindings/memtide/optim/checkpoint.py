@@ -15,7 +15,7 @@ from .loss_scale import LossScaler
 def state_dict(opt: Any) -> Dict[str, Any]:
     opt.sync_state()
     packed = torch.optim.Optimizer.state_dict(opt)
-    layout = opt._layout
+    layout = opt.layout
     index = {id(p): i for i, p in enumerate(layout.params)}
     state = {}
     order = [p for g in opt.param_groups for p in g["params"]]
@@ -34,17 +34,17 @@ def state_dict(opt: Any) -> Dict[str, Any]:
 
 def load_state_dict(opt: Any, state_dict: Dict[str, Any]) -> None:
     entries, groups, scaler_state = check_state_dict(state_dict, opt.param_groups, "TieredAdamW.load_state_dict")
-    if opt._eager is not None:
-        opt._eager.rollback()
-    layout = opt._layout
+    if opt.backward_updates is not None:
+        opt.backward_updates.rollback()
+    layout = opt.layout
     index = {id(p): i for i, p in enumerate(layout.params)}
     if opt.engine is not None:
         entries = _apart_from(opt.buffers, entries)
         # Everything is known good from here on.
-        opt._wait_for_copies()
+        opt.wait_for_copies()
         if opt.spilled_subgroups:
             opt.sync_state()  # spilled ranges in host memory, so that what is written here counts
-        opt._host_changed()
+        opt.host_changed()
         # The model is the truth for fp32 params and the fallback for fp16/bf16 ones (a state
         # dict of torch.optim.AdamW has no master params); saved masters replace it below.
         opt.sync_master_from_model()
@@ -73,7 +73,7 @@ def load_state_dict(opt: Any, state_dict: Dict[str, Any]) -> None:
             opt.scaler = LossScaler()
         opt.scaler.load_state_dict(scaler_state)
     opt.state.clear()
-    opt._expose_state()
+    opt.expose_state()
     if opt.spilled_subgroups:
         opt.engine.spill_host(layout.numel)  # back within the host budget now
 
@@ -103,11 +103,11 @@ def _apart_from(buffers: Any, entries: List[Tuple[Any, ...]]) -> List[Tuple[Any,
 def sync_master_from_model(opt: Any) -> None:
     if opt.engine is None:
         return
-    opt._wait_for_copies()
+    opt.wait_for_copies()
     if opt.spilled_subgroups:
         opt.sync_state()  # the moments of spilled subgroups must be there beside the new params
-    opt._host_changed()
-    layout, b = opt._layout, opt.buffers
+    opt.host_changed()
+    layout, b = opt.layout, opt.buffers
     for i, p in enumerate(layout.params):
         lo, hi = layout.ranges[i]
         if layout.lowp_of[i]:

@@ -324,8 +324,8 @@ class DdpGradients:
             # than this one, it runs before the one this one queues).
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._queue_record)
-            if opt._eager is not None and opt.last_micro_batch:
-                opt._eager.watch()  # backward's own thread: the gradients arrive on another
+            if opt.backward_updates is not None and opt.last_micro_batch:
+                opt.backward_updates.watch()  # backward's own thread: the gradients arrive on another
         buffer = bucket.buffer()
         buffer.div_(dist.get_world_size(self._group))
         fut = dist.all_reduce(buffer, group=self._group, async_op=True).get_future()
@@ -334,7 +334,7 @@ class DdpGradients:
 
     def _reduced(self, params: List[torch.Tensor], reduced: torch.Tensor) -> torch.Tensor:
         opt = self._opt()
-        path = None if opt is None else opt._grads
+        path = None if opt is None else opt.gradient_path
         if path is not None:
             index = path.index
             offset = 0
@@ -354,8 +354,8 @@ class DdpGradients:
         self._queued = False
         sent, self._sent = self._sent, []
         opt = self._opt()
-        if opt is not None and opt._grads is not None:
-            opt._grads.record(sent)
+        if opt is not None and opt.gradient_path is not None:
+            opt.gradient_path.record(sent)
 
 
 def comm_hook_of(model: Any) -> Optional[str]:
@@ -383,7 +383,7 @@ def attach_ddp(opt: Any, model: Any, who: str, explicit: bool) -> None:
     (register_ddp asked for what cannot be), else a warning says what is lost."""
     import warnings
 
-    check_agreement(opt._settings(), model.process_group, who)
+    check_agreement(opt.settings(), model.process_group, who)
     hook = comm_hook_of(model)
     why = None
     if hook is not None:
@@ -402,8 +402,8 @@ def attach_ddp(opt: Any, model: Any, who: str, explicit: bool) -> None:
         return
     ddp = DdpGradients(opt, model)
     model.register_comm_hook(None, ddp.hook)
-    opt._ddp = ddp
-    opt._grads.follow_ddp(ddp)
+    opt.ddp_gradients = ddp
+    opt.gradient_path.follow_ddp(ddp)
 
 
 def _module_called(watch: "weakref.ref[DdpWatch]", module: torch.nn.Module, _args: Any) -> None:
@@ -442,12 +442,12 @@ class DdpWatch:
         """Removes the global hook (once)."""
         self._remove()
         opt = self._opt()
-        if opt is not None and opt.__dict__.get("_ddp_watch") is self:
-            opt._ddp_watch = None
+        if opt is not None and opt.__dict__.get("ddp_watch") is self:
+            opt.ddp_watch = None
 
     def called(self, module: torch.nn.Module) -> None:
         opt = self._opt()
-        if opt is None or opt._ddp is not None or opt.stats.steps or opt.stats.skipped:
+        if opt is None or opt.ddp_gradients is not None or opt.stats.steps or opt.stats.skipped:
             self.stop()
             return
         cls = self._ddp_class
@@ -459,7 +459,7 @@ class DdpWatch:
         self._seen.add(ddp)
         if getattr(ddp, "_use_python_reducer", False):
             return  # no buckets: step() takes the reduced gradients as they are
-        mine = opt._grads.index if opt._grads is not None else {}
+        mine = opt.gradient_path.index if opt.gradient_path is not None else {}
         if not any(id(p) in mine for p in ddp.module.parameters()):
             return
         self.stop()

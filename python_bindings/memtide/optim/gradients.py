@@ -1,7 +1,10 @@
-"""TieredAdamW's gradient path: a hook per param sends each gradient on its way the moment
-backward finishes it (CUDA gradients through the engine's own path: upcast on the GPU, D2H on its
-streams, checked for NaN/Inf on the way; CPU gradients copied into the flat buffer at once), and
-step() gathers what the hooks did not carry or what changed since."""
+"""TieredAdamW's gradient path: a hook per param hands each gradient to the engine's step protocol
+(memtide._memtide.StepProtocol, tiering::StepProtocol) the moment backward finishes it, which sends
+it on its way (CUDA gradients through the engine's own path: upcast on the GPU, D2H on its streams,
+checked for NaN/Inf on the way; CPU gradients copied into the flat buffer at once, or read where
+they lie by the step) and keeps the verdict its kernel gave. What stays here is what only torch
+knows: which tensor is a param's gradient now, and whether it changed since its hook ran (torch's
+version counters); step() sends again what changed."""
 
 from __future__ import annotations
 
@@ -17,18 +20,16 @@ from ..grad_copies import copy_of
 from .distributed import local
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_ROUTE = _memtide.GradRoute
 
 
 @dataclass
 class _Flushed:
-    """A gradient the hook sent on its way: which tensor, at which in-place version, its norm."""
+    """A gradient the hook sent on its way: which tensor, at which in-place version."""
 
     address: Optional[int]  # None: the tensor is not known yet (DDP writes .grad later)
     version: Optional[int]
-    norm: Optional[torch.Tensor]
-    on_device: bool  # through the engine's gradient path (with its NaN/Inf verdict)
-    finite: Optional[bool] = None  # a CPU gradient copied by copy_grad_cpu: its own NaN/Inf verdict
-    source: Optional[torch.Tensor] = None  # a CPU gradient the step reads where it lies (not copied)
+    source: Optional[torch.Tensor] = None  # a CPU gradient the step reads where it lies: kept alive until then
 
 
 def _hook(path: "weakref.ref[GradientPath]", i: int, p: torch.Tensor) -> None:
@@ -37,30 +38,28 @@ def _hook(path: "weakref.ref[GradientPath]", i: int, p: torch.Tensor) -> None:
         me.ready(i, p)
 
 
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
 class GradientPath:
-    """The hooks of one TieredAdamW over its current layout (made anew with it)."""
+    """The hooks of one TieredAdamW over its current layout (made anew with it, with its protocol)."""
 
     def __init__(self, opt: Any) -> None:
         # A weak reference: the params outlive the optimizer and must not keep it (and its pinned
         # memory) alive through their hooks.
         self._opt = weakref.ref(opt)
-        params = opt._layout.params
+        params = opt.layout.params
         #: The CUDA gradients travel the engine's own path (a real GPU); else they are copied here.
         self.device_path = opt.engine is not None and not opt.engine.host_memory
         self.flushed: List[Optional[_Flushed]] = [None] * len(params)
-        #: How CPU gradients are written into the flat buffer: non-temporal stores when the whole
-        #: step's streams are larger than the last-level cache (the step reads them from DRAM anyway).
-        self.stores = _memtide.out_stores_for(opt._layout.numel)
         self.index = {id(p): i for i, p in enumerate(params)}
         #: Params whose gradients come reduced from DDP's bucket hook (register_ddp), not the hooks.
         self.reduced_by_ddp: Set[int] = set()
-        self.follow_ddp(getattr(opt, "_ddp", None))
-        #: Params whose gradient step() had to copy itself (changed after its hook ran).
+        self.follow_ddp(getattr(opt, "ddp_gradients", None))
+        #: Params whose gradient step() had to send itself (changed after its hook ran).
         self.stale: Set[int] = set()
         self._sent_in_backward: List[int] = []  # by the hooks, in the backward now running
-        #: (start, n, address, dtype) of the CPU gradients the step reads where they lie (gather()).
-        self.sources: List[Tuple[int, int, int, str]] = []
-        self._source_tensors: List[Tuple[int, int, torch.Tensor]] = []
         me = weakref.ref(self)
         # Frozen params get none (step() gathers whatever gradient they have later).
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, me, i))
@@ -81,20 +80,18 @@ class GradientPath:
         self._hooks = []
 
     def reset(self) -> None:
-        """The next backward sends its own gradients."""
+        """The next backward sends its own gradients (the protocol forgets those it holds)."""
         self.flushed = [None] * len(self.flushed)
         self._sent_in_backward = []
+        opt = self.opt
+        if opt is not None and opt.protocol is not None:
+            opt.protocol.reset()
 
     @torch.no_grad()
     def ready(self, i: int, p: torch.Tensor) -> None:
-        """Backward has finished param i's gradient (a post-accumulate-grad hook): send it to the
-        host gradient buffer now, overlapping the rest of backward, and take its norm where it is.
-
-        CUDA gradients go through the engine's gradient path (upcast on the GPU, D2H on its own
-        streams, checked for NaN/Inf on the way); CPU gradients are copied (upcast) at once. With
-        gradient accumulation every micro-batch sends the accumulated gradient again: the last,
-        complete one is what step() finds.
-        """
+        """Backward has finished param i's gradient (a post-accumulate-grad hook): send it on its
+        way now, overlapping the rest of backward. With gradient accumulation every micro-batch
+        sends the accumulated gradient again: the last, complete one is what step() finds."""
         if i in self.reduced_by_ddp:
             return  # the local gradient, before DDP's all-reduce: the bucket hook sends the reduced one
         g = None if p.grad is None else local(p.grad)  # FSDP2: this rank's reduced shard
@@ -113,7 +110,7 @@ class GradientPath:
         micro-batch) counts as a write to the others sent before it; nothing else writes them
         between their hook and the end of backward."""
         sent, self._sent_in_backward = self._sent_in_backward, []
-        layout = self.opt._layout if self.opt is not None else None
+        layout = self.opt.layout if self.opt is not None else None
         if layout is None:
             return
         for i in sent:
@@ -128,83 +125,65 @@ class GradientPath:
 
     def record(self, params: List[int]) -> None:
         """Backward has ended and DDP has written these params' `.grad`: it is what was sent."""
-        layout = self.opt._layout
+        layout = self.opt.layout
         for i in params:
             f, g = self.flushed[i], layout.params[i].grad
             if f is not None and f.address is None and g is not None:
                 f.address, f.version = g.data_ptr(), g._version
 
     @torch.no_grad()
-    def send(self, i: int, g: Optional[torch.Tensor], known: bool = True) -> None:
-        lo, hi = self.opt._layout.ranges[i]
+    def send(self, i: int, g: Optional[torch.Tensor], known: bool = True, in_backward: bool = True) -> None:
+        """Hands param i's gradient `g` to the protocol: through the engine's device path, copied
+        into the flat buffer, or (an all-CPU step that reads it where it lies) kept as it is.
+        `known`: `g` is what `.grad` will hold (not DDP's bucket, written there later).
+        `in_backward`: the updates during backward may use it (not at step(): they are settled)."""
+        opt = self.opt
+        lo, hi = opt.layout.ranges[i]
         if g is None or g.is_sparse or hi == lo:
             return
+        stream, source = 0, None
         if g.is_cuda:
-            if not (self.device_path and g.device.index == self.opt.engine.device and g.is_contiguous()
+            if not (self.device_path and g.device.index == opt.engine.device and g.is_contiguous()
                     and g.dtype in SUPPORTED_DTYPES):
                 return  # gathered by step()
-            self.opt.engine.push_grad(lo, g.data_ptr(), str(g.dtype).replace("torch.", ""), hi - lo,
-                                  torch.cuda.current_stream(g.device).cuda_stream)
-            norm = None if self.opt.max_grad_norm is None else torch.linalg.vector_norm(g, dtype=torch.float32)
-            self.flushed[i] = _Flushed(*self._identity(g, known), norm, on_device=True)
-        elif known and self.direct() and g.is_contiguous() and g.dtype in SUPPORTED_DTYPES:
-            # Read where it lies by the step's own pass: nothing copied, nothing converted. A loss
-            # scaler needs the NaN/Inf verdict before the step: a scan (a read, no write) gives it.
-            g = g.detach()
-            finite = bool(_memtide.grads_finite_cpu(g.reshape(-1))) if self.opt.scaler is not None else None
-            norm = None if self.opt.max_grad_norm is None else torch.linalg.vector_norm(g, dtype=torch.float32)
-            self.flushed[i] = _Flushed(g.data_ptr(), g._version, norm, on_device=False, finite=finite, source=g)
+            how, stream = _ROUTE.device_path, torch.cuda.current_stream(g.device).cuda_stream
+        elif not (g.is_contiguous() and g.dtype in SUPPORTED_DTYPES and not g.is_conj() and not g.is_neg()):
+            opt.buffers.grads[lo:hi].copy_(g.reshape(-1))  # no kernel of memtide reads this layout: torch copies
+            opt.protocol.grad_written(i)
+            self.flushed[i] = _Flushed(*self._identity(g, known))
+            return
+        elif known and self.direct():
+            how, source = _ROUTE.in_place, g.detach()  # read where it lies by the step's own pass
         else:
-            grads = self.opt.buffers.grads
-            finite = self.copy_host(grads[lo:hi], g)
-            norm = None if self.opt.max_grad_norm is None else torch.linalg.vector_norm(grads[lo:hi])
-            self.flushed[i] = _Flushed(*self._identity(g, known), norm, on_device=False, finite=finite)
-        if self.opt._eager is not None:
-            self.opt._eager.grad_ready(i)
+            how = _ROUTE.host_copy
+        eager = opt.backward_updates if in_backward and opt.last_micro_batch else None
+        if eager is not None:
+            eager.watch()
+        complete = opt.protocol.grad_ready(i, g.data_ptr(), _dtype(g), hi - lo, how, stream, speculate=eager is not None)
+        self.flushed[i] = _Flushed(*self._identity(g, known), source=source)
+        if complete:
+            eager.start(complete)
 
     def direct(self) -> bool:
         """Whether CPU gradients are read where they lie rather than copied: an all-CPU engine in
         host memory (policy "cpu"), without updates during backward, NVMe, DDP or FSDP2 (whose
         paths read the gradient buffer)."""
         opt = self.opt
-        return (opt.engine is not None and opt.engine.host_memory and opt.policy == "cpu" and opt._eager is None
-                and opt.nvme is None and not opt._shards and opt._ddp is None and not self.reduced_by_ddp)
-
-    def release(self) -> None:
-        """Forgets the gradients gather() left where they lie (after the step that read them)."""
-        self.sources, self._source_tensors = [], []
-
-    def materialize(self) -> None:
-        """Copies the gradients gather() left where they lie into the flat buffer (for a step that
-        must scan the buffer); afterwards there are no sources."""
-        grads = self.opt.buffers.grads
-        for lo, hi, g in self._source_tensors:
-            self.copy_host(grads[lo:hi], g)
-        self.sources, self._source_tensors = [], []
-
-    def copy_host(self, dst: torch.Tensor, g: torch.Tensor) -> Optional[bool]:
-        """dst (a slice of the flat fp32 buffer) = g upcast, for a CPU gradient. One pass that also
-        gives the NaN/Inf verdict (so the step needs no scan of its own) and, above the last-level
-        cache, writes with non-temporal stores; None where torch copies (an odd layout or dtype)."""
-        if g.is_contiguous() and g.dtype in SUPPORTED_DTYPES and not g.is_conj() and not g.is_neg():
-            return bool(_memtide.copy_grad_cpu(dst, g.reshape(-1).detach(), self.stores))
-        dst.copy_(g.reshape(-1))
-        return None
+        return (opt.engine is not None and opt.engine.host_memory and opt.policy == "cpu"
+                and opt.backward_updates is None and opt.nvme is None and not opt.shards
+                and opt.ddp_gradients is None and not self.reduced_by_ddp)
 
     @staticmethod
     def _identity(g: torch.Tensor, known: bool) -> Tuple[Optional[int], Optional[int]]:
         return (g.data_ptr(), g._version) if known else (None, None)
 
-    def gather(self) -> Tuple[List[bool], Optional[bool]]:
-        """Makes the flat fp32 gradient buffer hold every gradient: waits for the gradient path,
-        then copies (upcast) those it did not carry or that changed since (an in-place edit
-        between backward and step). Returns which params have a gradient, and the gradient path's
-        NaN/Inf verdict when it carried all of them (else None: the engine scans the host)."""
-        layout, grads = self.opt._layout, self.opt.buffers.grads
-        has_grad = [False] * len(layout.params)
-        verdict = self.opt.engine.finish_grads() if self.device_path else True
-        all_on_device = True  # every gradient came with a verdict (the device path's or its copy's)
-        stale = []
+    def gather(self) -> Tuple[List[bool], List[bool]]:
+        """Makes the protocol hold every gradient: waits for the gradient path, then sends again
+        those the hooks did not send or that changed since (an in-place edit between backward and
+        step). Returns which params have a gradient, and which were sent again (stale)."""
+        opt = self.opt
+        layout = opt.layout
+        has_grad, stale = [False] * len(layout.params), [False] * len(layout.params)
         for i, p in enumerate(layout.params):
             g = p.grad
             if g is None:
@@ -219,52 +198,20 @@ class GradientPath:
             f = self.flushed[i]
             if f is not None and (f.address == g.data_ptr() and f.version == g._version
                                   or copy_of(g) == (f.address, f.version)):
-                # The gradient the hook sent, or an unchanged copy of it (the layer window sent it home).
-                all_on_device &= f.on_device or f.finite is not None
-                verdict = verdict and f.finite is not False
-                continue
+                continue  # the gradient the hook sent, or an unchanged copy of it (the layer window sent it home)
             self.flushed[i] = None
-            stale.append(i)
-        self.stale = set(stale)
-        self._source_tensors = [(*layout.ranges[i], f.source) for i, f in enumerate(self.flushed)
-                                if f is not None and f.source is not None]
-        self.sources = [(lo, hi - lo, g.data_ptr(), str(g.dtype).replace("torch.", ""))
-                        for lo, hi, g in self._source_tensors]
-        if stale and self.device_path:
-            # Gradients the path kept on the GPU go to the host first, so the copies below win.
-            self.opt.engine.grads_to_host()
+            stale[i] = True
+        self.stale = {i for i, s in enumerate(stale) if s}
+        opt.protocol.collect(stale)
         any_cuda = False
-        for i in stale:
+        for i in self.stale:
             g, (lo, hi) = local(layout.params[i].grad), layout.ranges[i]
-            any_cuda |= g.is_cuda
             if g.is_cuda:
-                all_on_device = False
-                grads[lo:hi].copy_(g.reshape(-1), non_blocking=True)
+                any_cuda = True
+                opt.buffers.grads[lo:hi].copy_(g.reshape(-1), non_blocking=True)
+                opt.protocol.grad_written(i)
             else:
-                finite = self.copy_host(grads[lo:hi], g)
-                all_on_device &= finite is not None
-                verdict = verdict and finite is not False
+                self.send(i, g, in_backward=False)
         if any_cuda:
             torch.cuda.synchronize()
-        return has_grad, (verdict if all_on_device and any(has_grad) else None)
-
-    def norm_squares(self, has_grad: List[bool]) -> float:
-        """Sum of the squared gradient norms, each taken where its gradient is (in the hook); with
-        FSDP2, the sharded params' squares are summed over the ranks (every rank gets the same)."""
-        b, shards = self.opt.buffers, self.opt._shards
-        sq = [0.0, 0.0]  # replicated or local, sharded
-        for i, (lo, hi) in enumerate(self.opt._layout.ranges):
-            if has_grad[i] and hi > lo:
-                f = self.flushed[i]
-                norm = f.norm if f is not None and f.norm is not None else torch.linalg.vector_norm(b.grads[lo:hi])
-                sq[bool(shards) and shards.sharded[i]] += float(norm) ** 2
-        return sq[0] + (shards.sum(sq[1]) if shards else sq[1])
-
-    def finite(self, has_grad: List[bool], verdict: Optional[bool]) -> bool:
-        """Whether every gradient of this rank is finite: the gradient path's verdict when it
-        carried them all, else a scan of the host buffer."""
-        if verdict is not None:
-            return bool(verdict)
-        grads = self.opt.buffers.grads
-        return all(bool(torch.isfinite(grads[lo:hi]).all())
-                   for (lo, hi), g in zip(self.opt._layout.ranges, has_grad) if g and hi > lo)
+        return has_grad, stale

@@ -18,7 +18,6 @@ Algorithm 1, one in every k subgroups updated on the GPU (k = 1 all, k = 2 every
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 import weakref
@@ -198,24 +197,26 @@ class TieredAdamW(torch.optim.Optimizer):
         self.last_report: Optional[Any] = None
         #: Every step's measured update phase in ns, on :attr:`clock` (skipped steps excluded).
         self.measured_ns: List[float] = []
-        self._mark_update = False
+        self.mark_update = False
         self._pending_copies: Optional[Any] = None  # CUDA event after the last write-back
         self._host_versions: Optional[Tuple[int, ...]] = None  # _versions() after the last update
         #: Whether the next backward is the last before step() (gradient accumulation: set False for
         #: the micro-batches before the last). Updates during backward happen only in the last.
         self.last_micro_batch = True
-        self._eager: Optional[BackwardUpdates] = None
-        self._update_during_backward = update_during_backward  # as given: compared across ranks (_settings)
-        self._grads: Optional[GradientPath] = None
-        self._ddp: Optional[Any] = None  # DdpGradients once register_ddp() was called
+        #: The updates during backward (None without update_during_backward).
+        self.backward_updates: Optional[BackwardUpdates] = (BackwardUpdates(self, update_during_backward)
+                                                            if update_during_backward else None)
+        self._update_during_backward = update_during_backward  # as given: compared across ranks (settings)
+        #: The hooks that hand each gradient to the protocol (made anew with the layout).
+        self.gradient_path: Optional[GradientPath] = None
+        #: The engine's step protocol (memtide._memtide.StepProtocol), made anew with the layout.
+        self.protocol: Optional[Any] = None
+        self.ddp_gradients: Optional[Any] = None  # DdpGradients once register_ddp() was called
+        #: The outcome of the last step the protocol decided (a memtide._memtide.StepOutcome).
+        self.last_outcome: Optional[Any] = None
         super().__init__(params, defaults)
         self._ready = True
         self._build()
-        if update_during_backward:
-            cap = (max(1, math.ceil(len(self._layout.subgroups) / 4)) if update_during_backward is True
-                   else int(update_during_backward))
-            self._eager = BackwardUpdates(self, cap)
-            self._eager.rebuild()
         self._agreed = False
         self._check_agreement()
 
@@ -228,15 +229,15 @@ class TieredAdamW(torch.optim.Optimizer):
             return
         from .distributed import mesh_ranks, watch_for_ddp
 
-        watch = self.__dict__.get("_ddp_watch")
-        ranks = mesh_ranks(self._layout.params)
+        watch = self.__dict__.get("ddp_watch")
+        ranks = mesh_ranks(self.layout.params)
         if ranks:
             if watch is not None:
                 watch.stop()
-            check_agreement(self._settings(), ranks, "TieredAdamW")
+            check_agreement(self.settings(), ranks, "TieredAdamW")
             self._agreed = True
-        elif watch is None and self._ddp is None and not (self.stats.steps or self.stats.skipped):
-            self._ddp_watch = watch_for_ddp(self)
+        elif watch is None and self.ddp_gradients is None and not (self.stats.steps or self.stats.skipped):
+            self.ddp_watch = watch_for_ddp(self)
 
     # -- param groups -----------------------------------------------------------------------------
 
@@ -270,7 +271,7 @@ class TieredAdamW(torch.optim.Optimizer):
 
         The check reads one data pointer and one version counter per param: per step, not per
         element."""
-        layout = self._layout
+        layout = self.layout
         held = [p for group in self.param_groups for p in group["params"]]
         swapped = len(held) != len(layout.params) or any(a is not b for a, b in zip(held, layout.params))
         now = self._bindings()
@@ -298,7 +299,7 @@ class TieredAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def _follow_values(self, changed: List[int]) -> None:
         """Takes the values of the params in `changed` (indices) from the model (_follow_params)."""
-        layout = self._layout
+        layout = self.layout
         if self.engine is None:  # nothing to update: only a size that is no longer 0 matters
             if any(local(layout.params[i]).numel() for i in changed):
                 self._build()
@@ -324,9 +325,9 @@ class TieredAdamW(torch.optim.Optimizer):
             else:
                 adopt.append(i)
         self.stats.followed += len(recast) + len(adopt)
-        if self._eager is not None:
-            self._eager.rollback()
-        self._wait_for_copies()
+        if self.backward_updates is not None:
+            self.backward_updates.rollback()
+        self.wait_for_copies()
         if recast:
             self._build(fresh={id(layout.params[i]) for i in recast + adopt})
             return
@@ -343,7 +344,7 @@ class TieredAdamW(torch.optim.Optimizer):
                 b.params[lo:hi].copy_(t)
             if layout.aliased[i]:
                 p.data = (b.lowp if layout.lowp_of[i] else b.params)[lo:hi].view(p.shape)
-        self._host_changed()
+        self.host_changed()
         if self.spilled_subgroups:
             self.engine.spill_host(layout.numel)
         self._bound = self._bindings()
@@ -380,9 +381,9 @@ class TieredAdamW(torch.optim.Optimizer):
         """(Re)creates the engine from param_groups, keeping the state of known params. The known
         params in `fresh` (by id) keep their moments and step but take their values from the model
         (they were cast or moved since)."""
-        if self._eager is not None:
-            self._eager.rollback()
-        old = getattr(self, "_layout", None)
+        if self.backward_updates is not None:
+            self.backward_updates.rollback()
+        old = getattr(self, "layout", None)
         old_buffers: Optional[FlatBuffers] = getattr(self, "buffers", None)
         old_index = {id(p): i for i, p in enumerate(old.params)} if old else {}
         fresh = set(fresh)
@@ -397,15 +398,14 @@ class TieredAdamW(torch.optim.Optimizer):
             ranges.append((offset, offset + n))
             offset += n
         numel = offset
-        if -(-numel // self.subgroup_size) > _memtide.MAX_SUBGROUPS:
-            raise ValueError(f"TieredAdamW: subgroup_size {self.subgroup_size} cuts {numel} params into "
-                             f"{-(-numel // self.subgroup_size)} subgroups, at most {_memtide.MAX_SUBGROUPS} are "
-                             f"supported: use subgroup_size >= {-(-numel // _memtide.MAX_SUBGROUPS)}")
-        bounds = tuple((s, min(s + self.subgroup_size, numel)) for s in range(0, numel, self.subgroup_size))
+        try:
+            bounds = tuple(_memtide.cut_subgroups(numel, self.subgroup_size))
+        except ValueError as e:
+            raise ValueError(f"TieredAdamW: {e}") from None
         lowp_of = [p.dtype in _LOWP for p in params]
         #: The process group of FSDP2-sharded params (None: nothing sharded): what must agree
         #: across ranks (the clipping norm, a skipped step) is reduced over it.
-        self._shards = shard_group(params)
+        self.shards = shard_group(params)
         why = engine_unavailable(numel)
         if why and numel > 0:
             raise ValueError(f"TieredAdamW: memtide's engine cannot run here: {why}")
@@ -467,25 +467,59 @@ class TieredAdamW(torch.optim.Optimizer):
             self.sync_after_step = not (self.model_attached and all(l and a for l, a in zip(lowp_of, aliased)))
             engine.set_sync_after_step(self.sync_after_step)
 
-        self._layout = _Layout(params, ranges, lowp_of, aliased, bounds, numel,
+        self.layout = _Layout(params, ranges, lowp_of, aliased, bounds, numel,
                                [(local(p).dtype, local(p).device) for p in params])
         # What _follow_params checks each step: every param but a LayerWindow's, which moves them
         # between device slots and their home in the optimizer's buffers itself.
         self._watched_index = [i for i, p in enumerate(params) if not getattr(p, "_memtide_windowed", False)]
         self._watched = [(params[i], is_dtensor(params[i]), aliased[i]) for i in self._watched_index]
         self._bound = self._bindings()
-        # The gradient path: each gradient leaves for the host the moment backward finishes it.
-        if self._grads is not None:
-            self._grads.remove()
-        self._grads = GradientPath(self)
         self._host_versions = None
         self._requested = requested(self.policy, bounds, self.k, self.gpu_static_fraction)
         if engine is not None:
             engine.plan  # planned now: the first backward's gradient path follows this plan
-        if self._eager is not None:
-            self._eager.rebuild()
+        if self.backward_updates is not None:
+            self.backward_updates.rebuild()
+        self.protocol = None if engine is None else self._make_protocol()
+        # The gradient path: each gradient leaves for the host the moment backward finishes it.
+        if self.gradient_path is not None:
+            self.gradient_path.remove()
+        self.gradient_path = GradientPath(self)
         self.state.clear()
-        self._expose_state()
+        self.expose_state()
+
+    def _make_protocol(self) -> Any:
+        """The engine's step protocol over this layout: what must agree across ranks is reduced over
+        the FSDP2 shard group's process groups (ShardGroup.sum and .any), called from the step."""
+        shards, eager = self.shards, self.backward_updates
+        return _memtide.StepProtocol(self.engine, max_grad_norm=self.max_grad_norm,
+                                     loss_scaler=self.scaler is not None,
+                                     sharded=list(shards.sharded) if shards else [],
+                                     sum_sharded=shards.sum if shards else None, any=shards.any if shards else None,
+                                     backward_updates=None if eager is None else eager.native)
+
+    @property
+    def max_grad_norm(self) -> Optional[float]:
+        """The global gradient norm the step clips to (None: no clipping); may be changed between steps."""
+        return self.__dict__.get("_max_grad_norm")
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: Optional[float]) -> None:
+        value = None if value is None else float(value)
+        if self.__dict__.get("protocol") is not None:
+            self.protocol.set_max_grad_norm(value)
+        self._max_grad_norm = value
+
+    @property
+    def scaler(self) -> Optional[LossScaler]:
+        """The loss scaler (None without loss scaling); a checkpoint with one may bring it."""
+        return self.__dict__.get("_scaler")
+
+    @scaler.setter
+    def scaler(self, value: Optional[LossScaler]) -> None:
+        if self.__dict__.get("protocol") is not None:
+            self.protocol.set_loss_scaler(value is not None)
+        self._scaler = value
 
     def _make_engine(self, numel: int, bounds, params: List[torch.Tensor], lowp_dtype: Optional[torch.dtype]):
         """The engine over `numel` elements cut at `bounds`, with :attr:`buffers` as tensors over it."""
@@ -523,7 +557,7 @@ class TieredAdamW(torch.optim.Optimizer):
     @property
     def plan(self) -> UpdatePlan:
         """The plan the next step runs (after a step under auto: the plan that step ran)."""
-        return UpdatePlan(self.policy, self.k, self.gpu_static_fraction, self._layout.subgroups, self._requested,
+        return UpdatePlan(self.policy, self.k, self.gpu_static_fraction, self.layout.subgroups, self._requested,
                           _memtide.Plan() if self.engine is None else self.engine.plan)
 
     @property
@@ -534,25 +568,25 @@ class TieredAdamW(torch.optim.Optimizer):
     def _versions(self) -> Tuple[int, ...]:
         """torch's in-place write counters of the host state and of the params that are views of it
         (a write through ``p.data`` in place is not counted: call sync_master_from_model after one)."""
-        b, layout = self.buffers, self._layout
+        b, layout = self.buffers, self.layout
         return (b.params._version, b.exp_avg._version, b.exp_avg_sq._version,
                 *(p._version for p, a in zip(layout.params, layout.aliased) if a))
 
-    def _host_changed(self) -> None:
+    def host_changed(self) -> None:
         self.engine.host_changed()
         self._host_versions = None
 
-    def _expose_state(self) -> None:
+    def expose_state(self) -> None:
         """torch.optim's view of every stepped param's state: views of the flat buffers, and the
         step count, a view of the engine's own (so a step changes it without a call here)."""
-        params = self._layout.params
+        params = self.layout.params
         if self.engine is None or len(self.state) == len(params):
             return
         steps = torch.from_dlpack(self.engine.steps())
         for i, taken in enumerate(steps.tolist()):
             p = params[i]
             if taken > 0 and p not in self.state:
-                lo, hi = self._layout.ranges[i]
+                lo, hi = self.layout.ranges[i]
                 shape = local(p).shape
                 self.state[p] = {"step": steps[i], "exp_avg": like(p, self.buffers.exp_avg[lo:hi].view(shape)),
                                  "exp_avg_sq": like(p, self.buffers.exp_avg_sq[lo:hi].view(shape))}
@@ -583,19 +617,19 @@ class TieredAdamW(torch.optim.Optimizer):
         who = "TieredAdamW.register_ddp"
         if not isinstance(model, DistributedDataParallel):
             raise ValueError(f"{who}: expected a DistributedDataParallel model, got {type(model).__name__}")
-        if self._ddp is not None:
-            if self._ddp.model() is model:
+        if self.ddp_gradients is not None:
+            if self.ddp_gradients.model() is model:
                 return
             raise ValueError(f"{who}: another DDP model is registered already; one per optimizer")
-        mine = self._grads.index
+        mine = self.gradient_path.index
         if mine and not any(id(p) in mine for p in model.module.parameters()):
             raise ValueError(f"{who}: the DDP model holds none of this optimizer's params")
-        watch = self.__dict__.get("_ddp_watch")
+        watch = self.__dict__.get("ddp_watch")
         if watch is not None:
             watch.stop()
         attach_ddp(self, model, who, explicit=True)
 
-    def _settings(self) -> Dict[str, Any]:
+    def settings(self) -> Dict[str, Any]:
         """What every rank's optimizer must agree on (check_agreement): each setting of the
         constructor, each group's hyper-parameters (every key but "params") and its params
         (count, global shape, dtype, a DTensor's placements). The NVMe directory may differ."""
@@ -603,7 +637,7 @@ class TieredAdamW(torch.optim.Optimizer):
 
         scaler, nvme = self.scaler, self.nvme
         eager = self.__dict__.get("_update_during_backward",
-                                  None if self._eager is None else self._eager.max_subgroups)
+                                  None if self.backward_updates is None else self.backward_updates.max_subgroups)
         settings: Dict[str, Any] = {
             "policy": self.policy, "subgroup_size": self.subgroup_size, "k": self.k,
             "gpu_static_fraction": self.gpu_static_fraction, "max_grad_norm": self.max_grad_norm,
@@ -644,123 +678,82 @@ class TieredAdamW(torch.optim.Optimizer):
         try:
             return self._step(closure)
         finally:
-            if self._grads is not None:
-                # Gradients the step read where they lay are let go now: held until the next
-                # step, they outlived zero_grad(set_to_none=True), and the next backward's
-                # gradients could not reuse their memory (fresh pages, faulted in during backward).
-                self._grads.release()
+            if self.gradient_path is not None:
+                # The next backward sends its own. Gradients the step read where they lay are let
+                # go now: held until the next step, they outlived zero_grad(set_to_none=True), and
+                # the next backward's gradients could not reuse their memory (fresh pages, faulted
+                # in during backward).
+                self.gradient_path.reset()
 
     def _step(self, closure: Optional[Callable[[], Any]]) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._mark_update:
+        if self.mark_update:
             _memtide.mark_phase("update")
         self._follow_params()
         if self.engine is None:
             return loss
         t0 = time.perf_counter()
-        self._wait_for_copies()
+        self.wait_for_copies()
         for group in self.param_groups:
             check_group(group)
-        groups = self._step_groups()
-
-        speculated = self._eager.settle() if self._eager is not None else False
-        has_grad, path_verdict = self._grads.gather()
-        self.stats.regathered += len(self._grads.stale)
-        self.last_step_skipped = False
-        if not any(has_grad):
-            self._grads.reset()
-            if self._eager is not None:
-                self._eager.rollback()
+        has_grad, stale = self.gradient_path.gather()
+        self._note_host_writes()
+        t1 = time.perf_counter()
+        # The verdict, the norm, the clip factor, skip or step, the updates made during backward:
+        # the engine's protocol decides them all (tiering::StepProtocol).
+        out = self.last_outcome = self.protocol.step(self.step_groups(), bytes(has_grad), self.grad_scale(), stale)
+        engine_seconds = time.perf_counter() - t1
+        self._decided(out)
+        if not out.any_gradient:
             return loss
-
-        grad_scale = self._grad_scale()
-        clip = 1.0
-        nonfinite = False
-        if self.max_grad_norm is not None:
-            norm = math.sqrt(self._grads.norm_squares(has_grad)) * abs(grad_scale)
-            self.last_grad_norm = norm
-            if math.isfinite(norm):
-                clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
-            else:
-                nonfinite = True
-        elif self.scaler is not None and self._shards:
-            # An inf on any rank skips the step on every rank (the norm above agrees by itself).
-            nonfinite = self._shards.any(not self._grads.finite(has_grad, path_verdict))
-        self._grads.reset()  # the next backward sends its own
-
-        flags = bytes(has_grad)
-        engine_seconds = 0.0
-        engine_ran = False
-        report = None
-        # The engine's own writes leave torch's version counters as they are: one reading serves
-        # before and after the step (a pass over every param, in caches the step has flushed).
-        versions = self._versions()
-        if not nonfinite and self._host_versions is not None and self._host_versions != versions:
-            # The model's params or the state were changed in place since the last step
-            # (model.load_state_dict, an init): copies the engine keeps on a GPU are stale.
-            self._host_changed()
-            self._host_versions = versions
-        done: set = set()
-        if speculated:
-            # Updates made during backward stand where they used exactly the step's inputs; the
-            # others are put back and run below (backward_updates.py).
-            done = self._eager.accept(groups, flags, grad_scale, clip, self._grads.stale,
-                                      self.scaler is not None)
-            if nonfinite or (self.scaler is not None and self._eager.nonfinite()):
-                self._eager.rollback()  # the whole step is skipped
-                done = set()
-                nonfinite = True
-        if not nonfinite:
-            nonfinite_done = self._eager is not None and self._eager.nonfinite()
-            marks = [sg in done for sg in range(len(self._layout.subgroups))] if done else []
-            sources = self._grads.sources
-            if sources and not (self.scaler is None or (path_verdict is not None and abs(grad_scale) * clip <= 1.0)):
-                self._grads.materialize()  # the engine must scan the gradient buffer: it needs them all
-                sources = []
-            t1 = time.perf_counter()
-            report = self.engine.step(groups, flags, grad_scale=grad_scale, clip=clip,
-                                      skip_if_nonfinite=self.scaler is not None, grads_finite=path_verdict,
-                                      done=marks, grad_sources=sources)
-            engine_seconds = time.perf_counter() - t1
-            nonfinite = report.nonfinite
-            engine_ran = not report.skipped
-            if not engine_ran and done:
-                self._eager.rollback()  # skipped: the updates made during backward go too
-            elif done:
-                self._eager.publish()
-            if engine_ran:
-                self.last_report = report
-                self.measured_ns.append(float(report.measured_ns))
-                if self._round_host_copy(has_grad):
-                    versions = self._versions()  # torch wrote the model's copy
-            nonfinite |= nonfinite_done
-            self._host_versions = versions
-
-        if self._eager is not None:
-            self._eager.finish()
-        if self.scaler is not None:
-            self.scaler.update(nonfinite)
-        # Skipped: with a loss scaler the engine left everything untouched; with clipping the
-        # norm told before anything ran. Without either, the step ran as torch.optim.AdamW would.
-        skipped = nonfinite and not engine_ran
-        if nonfinite and self.scaler is None:
-            warnings.warn("TieredAdamW: non-finite gradient " +
-                          ("(gradient norm is not finite): step skipped" if skipped else
-                           "without loss scaling: params and state now hold NaN/Inf"),
-                          RuntimeWarning, stacklevel=2)
-        self.last_step_skipped = skipped
-        if skipped:
+        if out.ran:
+            self._engine_ran(out.engine, has_grad)
+        if out.skipped:
             self.stats.skipped += 1
             return loss
-
-        self._expose_state()  # the engine counted the step of every param with a gradient
+        self.expose_state()  # the engine counted the step of every param with a gradient
         self._write_back(has_grad)
-        step_seconds = time.perf_counter() - t0
-        params_in_step = (self._layout.numel if all(has_grad) else
-                          sum(hi - lo for (lo, hi), g in zip(self._layout.ranges, has_grad) if g))
+        self._count(has_grad, engine_seconds, time.perf_counter() - t0)
+        return loss
+
+    def _decided(self, out: Any) -> None:
+        """What the optimizer keeps of the protocol's decision, and the loss scale it moves."""
+        self.stats.regathered += len(self.gradient_path.stale)
+        self.last_step_skipped = out.skipped
+        if out.grad_norm is not None:
+            self.last_grad_norm = out.grad_norm
+        if self.backward_updates is not None:
+            self.backward_updates.step_ended()
+        if not out.any_gradient:
+            return
+        if self.scaler is not None:
+            self.scaler.update(out.nonfinite)
+        elif out.nonfinite:
+            warnings.warn("TieredAdamW: non-finite gradient " +
+                          ("(gradient norm is not finite): step skipped" if out.skipped else
+                           "without loss scaling: params and state now hold NaN/Inf"), RuntimeWarning, stacklevel=3)
+
+    def _note_host_writes(self) -> None:
+        """The model's params or the state changed in place since the last step (model.load_state_dict,
+        an init): copies the engine keeps on a GPU are stale. The engine's own writes leave torch's
+        version counters as they are: one reading serves until the next step."""
+        versions = self._versions()
+        if self._host_versions is not None and self._host_versions != versions:
+            self.host_changed()
+        self._host_versions = versions
+
+    def _engine_ran(self, report: Any, has_grad: List[bool]) -> None:
+        self.last_report = report
+        self.measured_ns.append(float(report.measured_ns))
+        if self._round_host_copy(has_grad):
+            self._host_versions = self._versions()  # torch wrote the model's copy
+
+    def _count(self, has_grad: List[bool], engine_seconds: float, step_seconds: float) -> None:
+        params_in_step = (self.layout.numel if all(has_grad) else
+                          sum(hi - lo for (lo, hi), g in zip(self.layout.ranges, has_grad) if g))
         s = self.stats
         s.steps += 1
         s.params_updated += params_in_step
@@ -768,12 +761,11 @@ class TieredAdamW(torch.optim.Optimizer):
         s.step_seconds += step_seconds
         s.last_engine_seconds, s.last_step_seconds, s.last_params = engine_seconds, step_seconds, params_in_step
         s.history.append((params_in_step, engine_seconds, step_seconds))
-        return loss
 
     def _round_host_copy(self, has_grad: List[bool]) -> bool:
         """A model copy in fp16/bf16 that is not the engine's is rounded from the fp32 masters
         here (round to nearest even, as the fused kernel writes it). Whether it wrote any."""
-        b, layout = self.buffers, self._layout
+        b, layout = self.buffers, self.layout
         if b.lowp is None or self.model_attached:
             return False
         wrote = False
@@ -783,7 +775,7 @@ class TieredAdamW(torch.optim.Optimizer):
                 wrote = True
         return wrote
 
-    def _grad_scale(self) -> float:
+    def grad_scale(self) -> float:
         """The factor the kernel multiplies each gradient by: the loss scale's inverse, negative
         under ``maximize=True`` (torch's AdamW steps along ``-grad`` then: the same bits)."""
         scale = 1.0 if self.scaler is None else 1.0 / self.scaler.scale
@@ -796,14 +788,14 @@ class TieredAdamW(torch.optim.Optimizer):
                              "optimizer is supported (make one TieredAdamW per direction)")
         return directions == {True}
 
-    def _step_groups(self) -> List[Any]:
+    def step_groups(self) -> List[Any]:
         """Each param group's hyper-parameters as the engine takes them."""
         return [_memtide.StepParams(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
                                     float(g["weight_decay"])) for g in self.param_groups]
 
     def _write_back(self, has_grad: List[bool]) -> None:
         """Copies the new values into model params that are not views of the flat buffers."""
-        layout, b = self._layout, self.buffers
+        layout, b = self.layout, self.buffers
         any_cuda = False
         for i in layout.copied:
             if not has_grad[i]:
@@ -819,7 +811,7 @@ class TieredAdamW(torch.optim.Optimizer):
             event.record()
             self._pending_copies = event
 
-    def _wait_for_copies(self) -> None:
+    def wait_for_copies(self) -> None:
         if self._pending_copies is not None:
             self._pending_copies.synchronize()
             self._pending_copies = None
@@ -833,9 +825,9 @@ class TieredAdamW(torch.optim.Optimizer):
         the engine's device buffer, nothing else reads the host copy, so it is refreshed only on
         demand. state_dict() calls this itself.
         """
-        if self._eager is not None:
-            self._eager.rollback()  # a checkpoint holds no update the next step may still take back
-        self._wait_for_copies()
+        if self.backward_updates is not None:
+            self.backward_updates.rollback()  # a checkpoint holds no update the next step may still take back
+        self.wait_for_copies()
         if self.engine is not None:
             self.engine.sync_host()
 
@@ -885,5 +877,5 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         plan = self.plan.summary() if self.engine is not None else "nothing to update"
-        return (f"TieredAdamW({self._layout.numel} params in {len(self._layout.subgroups)} subgroup(s) of "
+        return (f"TieredAdamW({self.layout.numel} params in {len(self.layout.subgroups)} subgroup(s) of "
                 f"{self.subgroup_size}, {plan}, loss scale {self.scaler!r})")

@@ -88,13 +88,13 @@ def train(scenario: str, tiered: bool) -> Dict[str, Any]:
             sched.step()
             opt.zero_grad()
             if tiered and step == 0:
-                out["found_at_first_forward"] = opt._ddp is not None
+                out["found_at_first_forward"] = opt.ddp_gradients is not None
     out["params"] = [p.detach().clone() for p in model.parameters()]
     if tiered:
         out["warnings"] = [str(w.message) for w in caught if "TieredAdamW" in str(w.message)]
-        out["found"] = opt._ddp is not None
+        out["found"] = opt.ddp_gradients is not None
         out["regathered"] = opt.stats.regathered
-        out["watching"] = opt.__dict__.get("_ddp_watch") is not None
+        out["watching"] = opt.__dict__.get("ddp_watch") is not None
         if scenario in ("auto", "explicit"):
             try:
                 opt.register_ddp(model)  # the same model again: nothing happens
@@ -102,7 +102,7 @@ def train(scenario: str, tiered: bool) -> Dict[str, Any]:
             except ValueError as e:
                 out["register_again"] = str(e)
         if scenario == "auto+eager":
-            out["eager_kept"] = opt._eager._native.stats.kept
+            out["eager_kept"] = opt.backward_updates.native.stats.kept
     return out
 
 
@@ -113,12 +113,12 @@ def not_mine() -> Dict[str, Any]:
     alone = TieredAdamW(other.parameters(), policy="cpu")
     model(torch.randn(2, 7)).sum().backward()
     other(torch.randn(2, 3)).sum().backward()
-    found = {"mine": opt._ddp is not None, "other": alone._ddp is not None,
-             "other_watching_before_step": alone.__dict__.get("_ddp_watch") is not None}
+    found = {"mine": opt.ddp_gradients is not None, "other": alone.ddp_gradients is not None,
+             "other_watching_before_step": alone.__dict__.get("ddp_watch") is not None}
     opt.step()
     alone.step()
     other(torch.randn(2, 3))  # the first module call after its first step ends its watch
-    found["other_watching_after_step"] = alone.__dict__.get("_ddp_watch") is not None
+    found["other_watching_after_step"] = alone.__dict__.get("ddp_watch") is not None
     found["hooks_left"] = len(torch_module._global_forward_pre_hooks)
     return found
 

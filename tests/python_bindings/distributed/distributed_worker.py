@@ -150,10 +150,10 @@ def train(tiered: bool):
         out["side_steps"] = int(opt.state[net.side.weight]["step"])
     if tiered:
         out["host_bytes"] = opt.buffers.nbytes()
-        out["numel"] = opt._layout.numel
+        out["numel"] = opt.layout.numel
         out["regathered"] = opt.stats.regathered
         if EAGER:
-            stats = opt._eager._native.stats
+            stats = opt.backward_updates.native.stats
             out["eager"] = {"speculated": stats.speculated, "kept": stats.kept, "rolled_back": stats.rolled_back}
     return out
 

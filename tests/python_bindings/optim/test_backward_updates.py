@@ -55,19 +55,19 @@ def test_updates_during_backward_give_the_sequential_result(policy):
     marks = opt.plan.engine_plan.marks
     # Subgroups were updated during backward (else this compared two sequential runs: auto on a
     # device that holds the whole state makes every subgroup a resident), and the step took them.
-    stats = opt._eager.stats
+    stats = opt.backward_updates.stats
     assert stats["speculated"] > 0 and stats["kept"] == stats["speculated"], (marks, stats)
     if policy == "interleaved":
         # Streamed subgroups keep their state in host memory between steps: they take part too.
-        assert any(marks[sg] == "g" for sg in opt._eager._chosen)
+        assert any(marks[sg] == "g" for sg in opt.backward_updates._chosen)
     # GPU residents hold their newest state on the device: they never do.
-    assert not any(marks[sg] == "s" for sg in opt._eager._chosen)
+    assert not any(marks[sg] == "s" for sg in opt.backward_updates._chosen)
 
 
 def test_at_most_the_given_number_of_subgroups_take_part_the_first_backward_completes():
     model, opt = make(eager=False)
     opt2_model, opt2 = make()
-    eager = opt2._eager
+    eager = opt2.backward_updates
     eager.max_subgroups = 3
     eager.choose()
     assert eager._chosen == {9, 10, 11}  # untimed: the last layers' (backward runs in reverse)
@@ -111,16 +111,16 @@ def test_clipping_that_bites_redoes_and_clipping_that_does_not_keeps():
         model, opt = make(max_grad_norm=max_norm)
         train(model, opt)
         assert same(everything(ref_model, ref), everything(model, opt))
-        stats = opt._eager.stats
+        stats = opt.backward_updates.stats
         assert stats["speculated"] > 0
         assert (stats["kept"] > 0) == expect_kept and (stats["redone"] > 0) != expect_kept
 
 
 def subgroups_of(opt, param):
     """The subgroups `param`'s elements fall in."""
-    i = next(j for j, p in enumerate(opt._layout.params) if p is param)
-    lo, hi = opt._layout.ranges[i]
-    return {g for g, (s, e) in enumerate(opt._layout.subgroups) if s < hi and lo < e}
+    i = next(j for j, p in enumerate(opt.layout.params) if p is param)
+    lo, hi = opt.layout.ranges[i]
+    return {g for g, (s, e) in enumerate(opt.layout.subgroups) if s < hi and lo < e}
 
 
 def test_an_overflow_seen_after_updates_during_backward_puts_them_back():
@@ -135,14 +135,14 @@ def test_an_overflow_seen_after_updates_during_backward_puts_them_back():
         def inf_in(g):
             if at["n"] != 2:
                 return None
-            if opt._eager is not None:  # the others were updated before this gradient arrived
-                assert opt._eager.stats["speculated"] > at["speculated"]
+            if opt.backward_updates is not None:  # the others were updated before this gradient arrived
+                assert opt.backward_updates.stats["speculated"] > at["speculated"]
             g = g.clone()
             g.view(-1)[0] = float("inf")
             return g
 
         def before_backward(n, model, opt):
-            at.update(n=n, speculated=opt._eager.stats["speculated"] if opt._eager is not None else 0)
+            at.update(n=n, speculated=opt.backward_updates.stats["speculated"] if opt.backward_updates is not None else 0)
 
         model.pos.weight.register_hook(inf_in)
         train(model, opt, during=before_backward)
@@ -152,7 +152,7 @@ def test_an_overflow_seen_after_updates_during_backward_puts_them_back():
     model, opt = run(True)
     assert ref.stats.skipped == opt.stats.skipped == 1
     assert same(everything(ref_model, ref), everything(model, opt))
-    assert opt._eager.stats["rolled_back"] > 0, opt._eager.stats
+    assert opt.backward_updates.stats["rolled_back"] > 0, opt.backward_updates.stats
 
 
 def test_changes_between_backward_and_step_are_seen():
@@ -166,12 +166,12 @@ def test_changes_between_backward_and_step_are_seen():
             # An in-place edit of a gradient whose subgroup was updated during this backward: the
             # final norm's bias, in the last subgroup, which backward completes first.
             edited = list(model.parameters())[-1]
-            if opt._eager is not None:
-                assert subgroups_of(opt, edited) <= opt._eager._chosen and opt._eager._native.pending
-                seen["redone"] = opt._eager.stats["redone"]
+            if opt.backward_updates is not None:
+                assert subgroups_of(opt, edited) <= opt.backward_updates._chosen and opt.backward_updates.native.pending
+                seen["redone"] = opt.backward_updates.stats["redone"]
             edited.grad.mul_(0.25)
-        if n == 4 and opt._eager is not None:
-            assert opt._eager.stats["redone"] > seen["redone"], "the edited gradient's update was not redone"
+        if n == 4 and opt.backward_updates is not None:
+            assert opt.backward_updates.stats["redone"] > seen["redone"], "the edited gradient's update was not redone"
         if n == 5:
             x, y = DATA[0]
             lm_loss(model(x), y).backward()  # a second backward: gradients accumulate
@@ -181,7 +181,7 @@ def test_changes_between_backward_and_step_are_seen():
     model, opt = make()
     train(model, opt, between=meddle)
     assert same(everything(ref_model, ref), everything(model, opt))
-    assert opt._eager.stats["redone"] > 0 and opt._eager.stats["kept"] > 0
+    assert opt.backward_updates.stats["redone"] > 0 and opt.backward_updates.stats["kept"] > 0
 
 
 def test_a_checkpoint_between_backward_and_step_holds_no_speculation():
@@ -191,7 +191,7 @@ def test_a_checkpoint_between_backward_and_step_holds_no_speculation():
     x, y = DATA[0]
     opt.zero_grad(set_to_none=True)
     lm_loss(model(x), y).backward()
-    assert opt._eager.stats["speculated"] > 0
+    assert opt.backward_updates.stats["speculated"] > 0
     assert same(before, everything(model, opt))  # state_dict() rolled every update back
     opt.step()  # and the step then runs them as usual
     assert not same(before, everything(model, opt))
@@ -229,7 +229,7 @@ def test_with_the_layer_window_the_updates_stand_and_are_exact(accumulate):
     ref, _ = run(False, False)
     got, opt = run(True, True)
     assert same(ref, got)
-    assert opt._eager.stats["kept"] > 0
+    assert opt.backward_updates.stats["kept"] > 0
 
 
 def test_memtide_run_with_the_window_and_updates_during_backward_trains_the_same(tmp_path):
@@ -274,4 +274,4 @@ def test_on_a_gpu_the_updates_wait_for_the_gradient_path_and_are_exact(policy):
     ref, _ = run(False)
     got, opt = run(True)
     assert same(ref, got)
-    assert opt._eager.stats["kept"] > 0
+    assert opt.backward_updates.stats["kept"] > 0

@@ -78,7 +78,7 @@ def test_params_moved_after_the_optimizer_was_built_keep_training_as_torch_adamw
     if move != "load_state_dict":  # an in-place write into a view of the buffers is the master itself
         assert opt.stats.followed == len(start)
     # Every param is again a view of the optimizer's buffers: the step writes it, nothing copies.
-    assert all(opt._layout.aliased)
+    assert all(opt.layout.aliased)
     base = opt.buffers.params.untyped_storage().data_ptr()
     assert all(p.untyped_storage().data_ptr() == base for p in m.parameters())
 
@@ -111,7 +111,7 @@ def test_a_cast_model_is_followed_with_its_moments_and_steps():
     moments = opt.buffers.exp_avg.clone()
     m.to(torch.bfloat16)  # the engine is rebuilt around bf16 params with fp32 masters
     train(m, opt, steps=1)
-    assert opt._layout.lowp_of == [True] * 4 and opt.buffers.lowp.dtype == torch.bfloat16
+    assert opt.layout.lowp_of == [True] * 4 and opt.buffers.lowp.dtype == torch.bfloat16
     assert [int(opt.state[p]["step"]) for p in m.parameters()] == [3] * 4
     assert not torch.equal(opt.buffers.exp_avg, moments) and opt.buffers.exp_avg.abs().sum() > 0
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())

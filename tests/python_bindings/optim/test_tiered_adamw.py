@@ -285,7 +285,7 @@ def test_a_step_moves_the_plans_bytes_and_writes_the_models_params():
             assert report.h2d.bytes == pred.h2d_bytes
             assert report.d2h.bytes == pred.d2h_bytes
     opt.sync_state()
-    for p, (lo, hi) in zip(model.parameters(), opt._layout.ranges):
+    for p, (lo, hi) in zip(model.parameters(), opt.layout.ranges):
         assert torch.equal(p.detach().reshape(-1), opt.buffers.params[lo:hi].to(torch.bfloat16))
 
 
@@ -317,7 +317,7 @@ def test_an_optimizer_that_is_gone_gives_its_memory_back(dtype):
 
 
 def param_ranges(opt):
-    return dict(zip(map(id, opt._layout.params), opt._layout.ranges))
+    return dict(zip(map(id, opt.layout.params), opt.layout.ranges))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -600,16 +600,18 @@ def test_cpu_gradients_bring_their_own_nonfinite_verdict():
     opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP)
     x, y = DATA[0]
     backward(model, opt, x, y)
-    assert opt._grads.gather()[1] is True
+    opt.step()
+    assert opt.last_outcome.verdict is True
     opt.zero_grad()
-    opt._grads.reset()
     (lm_loss(model(x), y) * float("inf")).backward()
-    assert opt._grads.gather()[1] is False
     for p in model.parameters():  # every gradient the hooks copied is the one backward made
-        lo, hi = opt._layout.ranges[opt._grads.index[id(p)]]
+        lo, hi = opt.layout.ranges[opt.gradient_path.index[id(p)]]
         g, buf = p.grad.reshape(-1).float(), opt.buffers.grads[lo:hi]
         assert torch.equal(torch.isnan(g), torch.isnan(buf))
         assert torch.equal(g.nan_to_num(), buf.nan_to_num())
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        opt.step()
+    assert opt.last_outcome.verdict is False and opt.stats.regathered == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -631,14 +633,14 @@ def test_cpu_policy_reads_gradients_where_they_lie(dtype, scaled):
             backward(m, o, x, y)
             if k == 3 and scaled:
                 next(m.parameters()).grad.view(-1)[0] = float("inf")
-        assert opt._grads.direct() and not ref._grads.direct()
+        assert opt.gradient_path.direct() and not ref.gradient_path.direct()
         opt.step()
         ref.step()
         assert opt.last_step_skipped == ref.last_step_skipped == (scaled and k == 3)
-    # Nothing was copied into the flat gradient buffer but the first param's gradient, edited in
-    # place after its hook ran (step() copies such a one itself).
-    assert not opt.buffers.grads[opt._layout.ranges[0][1]:].any()
-    assert opt.buffers.grads[:opt._layout.ranges[0][1]].any() == scaled
+        assert opt.stats.regathered == (1 if scaled and k >= 3 else 0)
+    # Nothing was copied into the flat gradient buffer, not even the first param's gradient,
+    # edited in place after its hook ran: step() sends it again, to be read where it lies too.
+    assert not opt.buffers.grads.any()
     for p, r in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p.detach(), r.detach())
     ref.engine.sync_host()  # its (simulated) GPU residents hold the newest state
@@ -653,7 +655,7 @@ def test_gradients_read_where_they_lie_are_let_go_after_the_step():
     opt = TieredAdamW(model.parameters(), policy="cpu", subgroup_size=SUBGROUP, **HYPER)
     for x, y in DATA[:2]:
         backward(model, opt, x, y)
-        assert opt._grads.direct()
+        assert opt.gradient_path.direct()
         addresses = {p.grad.data_ptr() for p in model.parameters()}
         opt.step()
         opt.zero_grad(set_to_none=True)

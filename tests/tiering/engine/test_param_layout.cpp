@@ -110,5 +110,25 @@ TEST(ParamLayout, BadInputIsNamed) {
             std::string::npos);
 }
 
+// The one cut every front end uses: whole subgroups then the rest, and a count beyond the bound
+// refused with the smallest size that fits (named as the caller's user knows it).
+TEST(CutSubgroups, CutsWholeSubgroupsThenTheRest) {
+  using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
+  EXPECT_EQ(cut_subgroups(10, 4), (Ranges{{0, 4}, {4, 8}, {8, 10}}));
+  EXPECT_EQ(cut_subgroups(8, 4), (Ranges{{0, 4}, {4, 8}}));
+  EXPECT_EQ(cut_subgroups(3, 100), (Ranges{{0, 3}}));
+  EXPECT_TRUE(cut_subgroups(0, 4).empty());
+  EXPECT_EQ(cut_subgroups(kMaxSubgroups, 1).size(), kMaxSubgroups);
+  try {
+    (void)cut_subgroups(kMaxSubgroups * 3 + 1, 2, "--subgroup-size");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("--subgroup-size 2 cuts"), std::string::npos) << m;
+    EXPECT_NE(m.find("use --subgroup-size >= 4"), std::string::npos) << m;
+  }
+  EXPECT_THROW((void)cut_subgroups(10, 0), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace memtide::tiering

@@ -35,6 +35,12 @@ struct BackwardStats {
 
 class BackwardUpdates {
  public:
+  /// The bound an optimizer asks for by default over `subgroups` subgroups: a quarter of them (at
+  /// least one), whose copies take a quarter of the state's 12 B/param at most.
+  [[nodiscard]] static std::size_t default_max_subgroups(std::size_t subgroups) noexcept {
+    return subgroups <= 4 ? 1 : (subgroups + 3) / 4;
+  }
+
   /// Over `engine`'s layout and arrays (the engine must outlive it), at most `max_subgroups` (>= 1)
   /// per backward: each holds its copy until the step. Throws InvalidArgument for 0.
   BackwardUpdates(UpdateEngine& engine, std::size_t max_subgroups);

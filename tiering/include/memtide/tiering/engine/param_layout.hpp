@@ -29,6 +29,13 @@ struct Segment {
 };
 
 /// One param of the layout.
+/// `n` params cut into subgroups of `size` elements (the last may be smaller), as [start, end)
+/// ranges: the one rule for every front end (TieredAdamW, `memtide plan`). Throws InvalidArgument
+/// for a size of 0, or for more than kMaxSubgroups, naming the smallest size that fits;
+/// `size_name` is what the caller's user calls the size.
+std::vector<std::pair<std::size_t, std::size_t>> cut_subgroups(std::size_t n, std::size_t size,
+                                                               const char* size_name = "subgroup_size");
+
 struct ParamSlot {
   std::size_t start = 0;  ///< [start, end) of the flat arrays
   std::size_t end = 0;

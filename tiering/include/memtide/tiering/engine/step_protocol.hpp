@@ -58,7 +58,7 @@ struct GradArrival {
   std::size_t n = 0;
   GradRoute how = GradRoute::host_copy;
   Stream producer{};  ///< device_path: the stream that made it
-  OutStores stores = OutStores::automatic;  ///< host_copy: how the array is written
+  OutStores stores = OutStores::automatic;  ///< host_copy: how the array is written (automatic: by the engine's size)
 };
 
 /// What one step() did.
@@ -108,6 +108,10 @@ class StepProtocol {
   void reset();
 
   [[nodiscard]] const ProtocolOptions& options() const noexcept { return options_; }
+  /// What the next steps clip to (none: no clipping). Throws InvalidArgument unless finite and > 0.
+  void set_max_grad_norm(std::optional<double> max_grad_norm);
+  /// Whether a loss scaler decides from the next gradient on (a checkpoint may bring one).
+  void set_loss_scaler(bool on) noexcept { options_.loss_scaler = on; }
   /// The arrivals the step reads where they lie now (GradRoute::in_place), by param.
   [[nodiscard]] std::size_t in_place_count() const noexcept;
 
@@ -123,8 +127,8 @@ class StepProtocol {
   [[nodiscard]] std::optional<bool> verdict(const std::vector<std::uint8_t>& has_grad) const;
   [[nodiscard]] std::pair<double, double> square_sums(const std::vector<std::uint8_t>& has_grad);
   [[nodiscard]] bool scan_finite(const std::vector<std::uint8_t>& has_grad) const;
-  void materialize();
-  [[nodiscard]] std::vector<GradSource> sources() const;
+  void materialize(const std::vector<std::uint8_t>& has_grad);
+  [[nodiscard]] std::vector<GradSource> sources(const std::vector<std::uint8_t>& has_grad) const;
 
   UpdateEngine& engine_;
   ProtocolOptions options_;

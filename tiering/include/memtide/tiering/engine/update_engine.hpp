@@ -5,7 +5,8 @@
 /// PerfModel from the memory the phase tracker says is free, runs the UpdateScheduler and feeds
 /// what it measured back into the Calibration: plan -> schedule -> calibrate. Its residents,
 /// device memory budget, lending and NVMe tier are described in docs/architecture.md
-/// ("UpdateEngine"). Not thread-safe: one caller at a time (the Python binding serializes).
+/// ("UpdateEngine"). Every public call holds the engine's own lock: callers on several threads (a front end, the
+/// updates during backward) need no lock of their own.
 
 #include <cstddef>
 #include <cstdint>
@@ -67,10 +68,11 @@ class UpdateEngine {
   /// The policy step(const StepRequest&) plans with; drops the current plan.
   void set_policy(PolicyChoice choice);
   [[nodiscard]] const PolicyChoice& policy() const noexcept { return policy_; }
-  /// The plan the next step runs: made under the policy when there is none (every step under auto without k).
-  const EnginePlan& current_plan();
+  /// The plan the next step runs: made under the policy when there is none (every step under auto
+  /// without k). A copy: another thread's step may plan anew meanwhile.
+  EnginePlan current_plan();
   /// Copy the residents' newest state into the host arrays after every step (params that are views of them).
-  void set_sync_after_step(bool on) noexcept { sync_after_step_ = on; }
+  void set_sync_after_step(bool on);
   /// The optimizer's step: segmented by the layout, planned under the policy, run, counted unless skipped.
   EngineStep step(const StepRequest& request);
   /// The segments step(request) would run; only subgroup `only` when given.
@@ -177,8 +179,8 @@ class UpdateEngine {
   [[nodiscard]] std::vector<bool> per_subgroup(const char* what, std::vector<bool> flags) const;
   EnginePlan plan_subset(Policy policy, double static_fraction, std::optional<double> k,
                          const std::vector<std::size_t>& index);
-  std::recursive_mutex api_mutex_;
-  int busy_ = 0;
+  mutable std::recursive_mutex api_mutex_;
+  mutable int busy_ = 0;
   std::uint64_t lender_id_ = 0;
 
   double phase_h2d_bytes_ = 0;

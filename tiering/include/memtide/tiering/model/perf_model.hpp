@@ -67,6 +67,9 @@ struct Workload {
 inline constexpr double kStateBytesPerParam = 12;
 /// Bytes per parameter of the fp32 gradient; with the state, 16 B/param of host memory.
 inline constexpr double kGradBytesPerParam = 4;
+/// Bytes per parameter a mixed-precision model keeps on the GPU all iteration, whatever the plan:
+/// its 16-bit params and its 16-bit gradients (what an update phase may not count as free).
+inline constexpr double kGpuModelBytesPerParam = 4;
 
 /// Streamed subgroups in flight at once: with three, one is being prefetched, one updated and one
 /// flushed, so both PCIe directions and the GPU are busy; more buys nothing but memory.
