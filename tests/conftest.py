@@ -21,6 +21,21 @@ def cli():
     return invoke
 
 
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A device mesh of this process alone (a gloo group of one rank), for DTensors."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("torch.distributed unavailable or already initialised")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "sized_device: run the test in a child process on a SimDevice of memtide_testing.SIZED_DEVICE "

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .arguments import check_state_dict
-from .distributed import like, local
+from .distributed import local
 from .loss_scale import LossScaler
 
 
@@ -25,7 +25,7 @@ def state_dict(opt: Any) -> Dict[str, Any]:
         if layout.lowp_of[i]:
             lo, hi = layout.ranges[i]
             p = layout.params[i]
-            entry["master_param"] = like(p, opt.buffers.params[lo:hi].view(local(p).shape))
+            entry["master_param"] = opt.distribution.wrap(p, opt.buffers.params[lo:hi].view(local(p).shape))
         state[idx] = entry
     packed["state"] = state
     packed["memtide"] = {"format": 1, "loss_scaler": None if opt.scaler is None else opt.scaler.state_dict()}

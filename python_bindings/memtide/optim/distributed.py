@@ -296,6 +296,73 @@ def shard_group(params: List[torch.Tensor]) -> Optional[ShardGroup]:
     return group if group else None
 
 
+class Distribution:
+    """How one TieredAdamW's params are spread over ranks, and all that follows from it, in one
+    place: ``none`` (one process, or ranks that share nothing), ``ddp`` (replicated params whose
+    gradients DDP all-reduces), ``fsdp2`` (DTensor params sharded on dim 0) or ``hsdp`` (sharded,
+    and replicated over a second mesh dimension). Made anew with the optimizer's layout; the DDP
+    model, once found (attach_ddp), is carried over.
+
+    What it owns:
+
+    - this rank's part of a param or a gradient (:meth:`local`) and a state tensor seen as the
+      param is seen, a DTensor of the same mesh and placements (:meth:`wrap`);
+    - which params may become views of memtide's buffers (:meth:`can_view`): never a DTensor.
+      FSDP2 keeps each shard in its own padded storage (``FSDPParam._sharded_param_data``), which
+      its all-gather reads; the DTensor's local tensor is a view of that storage, so swapping it
+      for a view of memtide's flat buffer would leave FSDP2 gathering stale values, and one flat
+      pinned array cannot be made to alias many separate allocations. A shard is therefore
+      written back after each step (:meth:`write_back`, 2 or 4 B/param) and its gradient, the
+      reduce-scatter's output, is copied in as it arrives;
+    - what must agree in a step (:meth:`protocol_kwargs`: the StepProtocol's Collective, the
+      shard group's sums and the mesh-wide verdict);
+    - the settings agreement across the ranks (:meth:`agree`).
+    """
+
+    def __init__(self, params: List[torch.Tensor], ddp: Optional["DdpGradients"] = None) -> None:
+        #: The process groups of the sharded params (None: nothing sharded).
+        self.shards = shard_group(params)
+        #: The DDP model's communication hook, once found (register_ddp, or DdpWatch).
+        self.ddp = ddp
+        self._mesh = mesh_ranks(params)
+
+    @property
+    def kind(self) -> str:
+        if self.shards:
+            return "hsdp" if self.shards.replicas is not None else "fsdp2"
+        return "ddp" if self.ddp is not None else "none"
+
+    local = staticmethod(local)
+    wrap = staticmethod(like)
+
+    @staticmethod
+    def can_view(p: torch.Tensor, buffer: torch.Tensor) -> bool:
+        """Whether param `p` can become a view of `buffer` (memtide's): same device, not a DTensor."""
+        return buffer.device == p.device and not is_dtensor(p)
+
+    @staticmethod
+    def write_back(p: torch.Tensor, values: torch.Tensor, non_blocking: bool) -> None:
+        """Copies the step's new `values` (flat) into this rank's part of `p`."""
+        target = local(p)
+        target.data.copy_(values.view(target.shape), non_blocking=non_blocking)
+
+    def protocol_kwargs(self) -> Dict[str, Any]:
+        """The StepProtocol's view of the ranks: which params' squares sum over the shard group,
+        and the reductions (None in one process)."""
+        shards = self.shards
+        if not shards:
+            return dict(sharded=[], sum_sharded=None, any=None)
+        return dict(sharded=list(shards.sharded), sum_sharded=shards.sum, any=shards.any)
+
+    def agree(self, settings: Dict[str, Any], who: str) -> bool:
+        """Checks that every rank of the params' device mesh built its optimizer alike
+        (check_agreement); False when no param is a DTensor (DDP's ranks agree at attach_ddp)."""
+        if not self._mesh:
+            return False
+        check_agreement(settings, self._mesh, who)
+        return True
+
+
 class DdpGradients:
     """DDP's communication hook for TieredAdamW (TieredAdamW.register_ddp): each bucket is
     all-reduced as DDP's default does (divided by the world size, then summed), and the reduced
@@ -402,7 +469,7 @@ def attach_ddp(opt: Any, model: Any, who: str, explicit: bool) -> None:
         return
     ddp = DdpGradients(opt, model)
     model.register_comm_hook(None, ddp.hook)
-    opt.ddp_gradients = ddp
+    opt.distribution.ddp = ddp
     opt.gradient_path.follow_ddp(ddp)
 
 
@@ -447,7 +514,7 @@ class DdpWatch:
 
     def called(self, module: torch.nn.Module) -> None:
         opt = self._opt()
-        if opt is None or opt.ddp_gradients is not None or opt.stats.steps or opt.stats.skipped:
+        if opt is None or opt.distribution.ddp is not None or opt.stats.steps or opt.stats.skipped:
             self.stop()
             return
         cls = self._ddp_class

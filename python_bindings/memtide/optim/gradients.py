@@ -56,7 +56,7 @@ class GradientPath:
         self.index = {id(p): i for i, p in enumerate(params)}
         #: Params whose gradients come reduced from DDP's bucket hook (register_ddp), not the hooks.
         self.reduced_by_ddp: Set[int] = set()
-        self.follow_ddp(getattr(opt, "ddp_gradients", None))
+        self.follow_ddp(opt.distribution.ddp)
         #: Params whose gradient step() had to send itself (changed after its hook ran).
         self.stale: Set[int] = set()
         self._sent_in_backward: List[int] = []  # by the hooks, in the backward now running
@@ -170,8 +170,8 @@ class GradientPath:
         paths read the gradient buffer)."""
         opt = self.opt
         return (opt.engine is not None and opt.engine.host_memory and opt.policy == "cpu"
-                and opt.backward_updates is None and opt.nvme is None and not opt.shards
-                and opt.ddp_gradients is None and not self.reduced_by_ddp)
+                and opt.backward_updates is None and opt.nvme is None and opt.distribution.kind == "none"
+                and not self.reduced_by_ddp)
 
     @staticmethod
     def _identity(g: torch.Tensor, known: bool) -> Tuple[Optional[int], Optional[int]]:

@@ -31,7 +31,7 @@ from . import checkpoint
 from .arguments import (NvmeTier, check_group, check_options, device_of, engine_unavailable, nvme_tier,
                         torch_group_defaults)
 from .backward_updates import BackwardUpdates
-from .distributed import check_agreement, is_dtensor, like, local, shard_group
+from .distributed import Distribution, is_dtensor
 from .gradients import SUPPORTED_DTYPES, GradientPath
 from .loss_scale import LossScaler, make_scaler
 from .plan import UpdatePlan, requested
@@ -211,7 +211,8 @@ class TieredAdamW(torch.optim.Optimizer):
         self.gradient_path: Optional[GradientPath] = None
         #: The engine's step protocol (memtide._memtide.StepProtocol), made anew with the layout.
         self.protocol: Optional[Any] = None
-        self.ddp_gradients: Optional[Any] = None  # DdpGradients once register_ddp() was called
+        #: How the params are spread over ranks (none, DDP, FSDP2, HSDP): made anew with the layout.
+        self.distribution: Optional[Distribution] = None
         #: The outcome of the last step the protocol decided (a memtide._memtide.StepOutcome).
         self.last_outcome: Optional[Any] = None
         super().__init__(params, defaults)
@@ -227,16 +228,14 @@ class TieredAdamW(torch.optim.Optimizer):
         holds plain params, found at its first forward (DdpWatch) or given to register_ddp."""
         if getattr(self, "_agreed", False):
             return
-        from .distributed import mesh_ranks, watch_for_ddp
+        from .distributed import watch_for_ddp
 
         watch = self.__dict__.get("ddp_watch")
-        ranks = mesh_ranks(self.layout.params)
-        if ranks:
+        if self.distribution.agree(self.settings(), "TieredAdamW"):
             if watch is not None:
                 watch.stop()
-            check_agreement(self.settings(), ranks, "TieredAdamW")
             self._agreed = True
-        elif watch is None and self.ddp_gradients is None and not (self.stats.steps or self.stats.skipped):
+        elif watch is None and self.distribution.ddp is None and not (self.stats.steps or self.stats.skipped):
             self.ddp_watch = watch_for_ddp(self)
 
     # -- param groups -----------------------------------------------------------------------------
@@ -301,7 +300,7 @@ class TieredAdamW(torch.optim.Optimizer):
         """Takes the values of the params in `changed` (indices) from the model (_follow_params)."""
         layout = self.layout
         if self.engine is None:  # nothing to update: only a size that is no longer 0 matters
-            if any(local(layout.params[i]).numel() for i in changed):
+            if any(self.distribution.local(layout.params[i]).numel() for i in changed):
                 self._build()
             else:
                 self._bound = self._bindings()
@@ -311,7 +310,7 @@ class TieredAdamW(torch.optim.Optimizer):
         recast, adopt = [], []
         for i in changed:
             p, (lo, hi) = layout.params[i], layout.ranges[i]
-            t = local(p)
+            t = self.distribution.local(p)
             if t.numel() != hi - lo:
                 if steps[i] > 0:
                     gi, k = self._where(i)
@@ -335,7 +334,7 @@ class TieredAdamW(torch.optim.Optimizer):
             self.sync_state()  # the spilled ranges in host memory, so that what is written here counts
         for i in adopt:
             p, (lo, hi) = layout.params[i], layout.ranges[i]
-            t = local(p).detach().reshape(-1)
+            t = self.distribution.local(p).detach().reshape(-1)
             if layout.lowp_of[i]:
                 if not torch.equal(t, b.lowp[lo:hi].to(t.device)):
                     b.lowp[lo:hi].copy_(t)
@@ -392,9 +391,10 @@ class TieredAdamW(torch.optim.Optimizer):
             self.engine.sync_host()  # residents may hold newer state than the old host buffers
 
         params, group_of, lowp_dtype = self._params()
+        self.distribution = Distribution(params, ddp=self.distribution.ddp if self.distribution else None)
         ranges, offset = [], 0
         for p in params:  # a DTensor's own shard: each rank keeps the state of what it holds
-            n = local(p).numel()
+            n = self.distribution.local(p).numel()
             ranges.append((offset, offset + n))
             offset += n
         numel = offset
@@ -403,9 +403,6 @@ class TieredAdamW(torch.optim.Optimizer):
         except ValueError as e:
             raise ValueError(f"TieredAdamW: {e}") from None
         lowp_of = [p.dtype in _LOWP for p in params]
-        #: The process group of FSDP2-sharded params (None: nothing sharded): what must agree
-        #: across ranks (the clipping norm, a skipped step) is reduced over it.
-        self.shards = shard_group(params)
         why = engine_unavailable(numel)
         if why and numel > 0:
             raise ValueError(f"TieredAdamW: memtide's engine cannot run here: {why}")
@@ -430,12 +427,12 @@ class TieredAdamW(torch.optim.Optimizer):
                         buffers.exp_avg_sq[lo:hi].copy_(old_buffers.exp_avg_sq[olo:ohi])
                         steps[i] = float(old_steps[j])
                     if j is None or old_buffers is None or id(p) in fresh:
-                        buffers.params[lo:hi].copy_(local(p).detach().reshape(-1))
+                        buffers.params[lo:hi].copy_(self.distribution.local(p).detach().reshape(-1))
                     if lowp_of[i]:
-                        buffers.lowp[lo:hi].copy_(local(p).detach().reshape(-1))
+                        buffers.lowp[lo:hi].copy_(self.distribution.local(p).detach().reshape(-1))
                     source = buffers.lowp if lowp_of[i] else buffers.params
                     # FSDP2 owns a sharded param's storage (its all-gather reads it): written back.
-                    if source.device == p.device and not is_dtensor(p):
+                    if self.distribution.can_view(p, source):
                         # The param becomes a view of the buffer the step writes: no copy-back.
                         p.data = source[lo:hi].view(p.shape)
                         aliased[i] = True
@@ -468,7 +465,7 @@ class TieredAdamW(torch.optim.Optimizer):
             engine.set_sync_after_step(self.sync_after_step)
 
         self.layout = _Layout(params, ranges, lowp_of, aliased, bounds, numel,
-                               [(local(p).dtype, local(p).device) for p in params])
+                               [(self.distribution.local(p).dtype, self.distribution.local(p).device) for p in params])
         # What _follow_params checks each step: every param but a LayerWindow's, which moves them
         # between device slots and their home in the optimizer's buffers itself.
         self._watched_index = [i for i, p in enumerate(params) if not getattr(p, "_memtide_windowed", False)]
@@ -491,12 +488,11 @@ class TieredAdamW(torch.optim.Optimizer):
     def _make_protocol(self) -> Any:
         """The engine's step protocol over this layout: what must agree across ranks is reduced over
         the FSDP2 shard group's process groups (ShardGroup.sum and .any), called from the step."""
-        shards, eager = self.shards, self.backward_updates
+        eager = self.backward_updates
         return _memtide.StepProtocol(self.engine, max_grad_norm=self.max_grad_norm,
                                      loss_scaler=self.scaler is not None,
-                                     sharded=list(shards.sharded) if shards else [],
-                                     sum_sharded=shards.sum if shards else None, any=shards.any if shards else None,
-                                     backward_updates=None if eager is None else eager.native)
+                                     backward_updates=None if eager is None else eager.native,
+                                     **self.distribution.protocol_kwargs())
 
     @property
     def max_grad_norm(self) -> Optional[float]:
@@ -587,9 +583,10 @@ class TieredAdamW(torch.optim.Optimizer):
             p = params[i]
             if taken > 0 and p not in self.state:
                 lo, hi = self.layout.ranges[i]
-                shape = local(p).shape
-                self.state[p] = {"step": steps[i], "exp_avg": like(p, self.buffers.exp_avg[lo:hi].view(shape)),
-                                 "exp_avg_sq": like(p, self.buffers.exp_avg_sq[lo:hi].view(shape))}
+                shape = self.distribution.local(p).shape
+                wrap = self.distribution.wrap
+                self.state[p] = {"step": steps[i], "exp_avg": wrap(p, self.buffers.exp_avg[lo:hi].view(shape)),
+                                 "exp_avg_sq": wrap(p, self.buffers.exp_avg_sq[lo:hi].view(shape))}
 
     # -- phases, loss scale -----------------------------------------------------------------------
 
@@ -617,8 +614,8 @@ class TieredAdamW(torch.optim.Optimizer):
         who = "TieredAdamW.register_ddp"
         if not isinstance(model, DistributedDataParallel):
             raise ValueError(f"{who}: expected a DistributedDataParallel model, got {type(model).__name__}")
-        if self.ddp_gradients is not None:
-            if self.ddp_gradients.model() is model:
+        if self.distribution.ddp is not None:
+            if self.distribution.ddp.model() is model:
                 return
             raise ValueError(f"{who}: another DDP model is registered already; one per optimizer")
         mine = self.gradient_path.index
@@ -802,8 +799,7 @@ class TieredAdamW(torch.optim.Optimizer):
                 continue
             p, (lo, hi) = layout.params[i], layout.ranges[i]
             source = b.lowp if layout.lowp_of[i] else b.params
-            target = local(p)
-            target.data.copy_(source[lo:hi].view(target.shape), non_blocking=b.pinned and p.is_cuda)
+            self.distribution.write_back(p, source[lo:hi], non_blocking=b.pinned and p.is_cuda)
             any_cuda |= p.is_cuda
         if any_cuda:
             # The next step overwrites the pinned sources: it waits for these copies first.

@@ -88,11 +88,11 @@ def train(scenario: str, tiered: bool) -> Dict[str, Any]:
             sched.step()
             opt.zero_grad()
             if tiered and step == 0:
-                out["found_at_first_forward"] = opt.ddp_gradients is not None
+                out["found_at_first_forward"] = opt.distribution.ddp is not None
     out["params"] = [p.detach().clone() for p in model.parameters()]
     if tiered:
         out["warnings"] = [str(w.message) for w in caught if "TieredAdamW" in str(w.message)]
-        out["found"] = opt.ddp_gradients is not None
+        out["found"] = opt.distribution.ddp is not None
         out["regathered"] = opt.stats.regathered
         out["watching"] = opt.__dict__.get("ddp_watch") is not None
         if scenario in ("auto", "explicit"):
@@ -113,7 +113,7 @@ def not_mine() -> Dict[str, Any]:
     alone = TieredAdamW(other.parameters(), policy="cpu")
     model(torch.randn(2, 7)).sum().backward()
     other(torch.randn(2, 3)).sum().backward()
-    found = {"mine": opt.ddp_gradients is not None, "other": alone.ddp_gradients is not None,
+    found = {"mine": opt.distribution.ddp is not None, "other": alone.distribution.ddp is not None,
              "other_watching_before_step": alone.__dict__.get("ddp_watch") is not None}
     opt.step()
     alone.step()

@@ -86,7 +86,7 @@ def attempt(wrap: str, case: str, differ: bool) -> str:
             opt.register_ddp(model)
         elif wrap == "ddp-auto":
             model(torch.randn(3, 5))  # TieredAdamW finds the DDP model here
-            if opt.ddp_gradients is None:
+            if opt.distribution.ddp is None:
                 return "no error, and no DDP found"
         return "no error"
     except ValueError as e:

@@ -285,21 +285,6 @@ def test_state_on_a_cuda_device_loads_as_its_cpu_copy_would(key):
     _steps_alike(model, opt, twin_model, twin)
 
 
-@pytest.fixture
-def one_rank_mesh(tmp_path):
-    """A device mesh of this process alone (a gloo group of one rank), for DTensors."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or dist.is_initialized():
-        pytest.skip("torch.distributed unavailable or already initialised")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_dtensor_whose_local_shard_has_another_shape_is_refused_changing_nothing(one_rank_mesh):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
