@@ -18,6 +18,14 @@ from .loss_scale import LossScaler
 from .plan import POLICIES
 
 
+def check_max_grad_norm(max_grad_norm: Any) -> None:
+    """max_grad_norm is None or a finite number > 0 (at construction, or set between steps)."""
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                          and not isinstance(max_grad_norm, bool)
+                                          and math.isfinite(max_grad_norm) and max_grad_norm > 0):
+        raise ValueError(f"TieredAdamW: max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+
+
 def check_options(policy: Any, subgroup_size: Any, gpu_static_fraction: Any, k: Any, max_grad_norm: Any,
                   update_during_backward: Any) -> None:
     """TieredAdamW's own arguments (torch.optim's are checked per group by check_group)."""
@@ -38,10 +46,7 @@ def check_options(policy: Any, subgroup_size: Any, gpu_static_fraction: Any, k: 
                          f"gpu_static_fraction={gpu_static_fraction!r} and k={k!r} would be ignored")
     if policy == "static" and k is not None:
         raise ValueError(f"TieredAdamW: k={k!r} applies to policies 'interleaved' and 'auto', not 'static'")
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
-                                          and not isinstance(max_grad_norm, bool)
-                                          and math.isfinite(max_grad_norm) and max_grad_norm > 0):
-        raise ValueError(f"TieredAdamW: max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+    check_max_grad_norm(max_grad_norm)
     if not (isinstance(update_during_backward, bool) or (isinstance(update_during_backward, int)
                                                           and update_during_backward >= 1)):
         raise ValueError("TieredAdamW: update_during_backward must be True, False or a number of subgroups >= 1, "

@@ -28,8 +28,8 @@ import torch
 
 from .. import _memtide, torch_bridge
 from . import checkpoint
-from .arguments import (NvmeTier, check_group, check_options, device_of, engine_unavailable, nvme_tier,
-                        torch_group_defaults)
+from .arguments import (NvmeTier, check_group, check_max_grad_norm, check_options, device_of, engine_unavailable,
+                        nvme_tier, torch_group_defaults)
 from .backward_updates import BackwardUpdates
 from .distributed import Distribution, is_dtensor
 from .gradients import SUPPORTED_DTYPES, GradientPath
@@ -501,6 +501,7 @@ class TieredAdamW(torch.optim.Optimizer):
 
     @max_grad_norm.setter
     def max_grad_norm(self, value: Optional[float]) -> None:
+        check_max_grad_norm(value)
         value = None if value is None else float(value)
         if self.__dict__.get("protocol") is not None:
             self.protocol.set_max_grad_norm(value)

@@ -681,6 +681,33 @@ def test_max_grad_norm_matches_clip_grad_norm():
         assert_rel_close(p.detach(), r.detach(), tol=1e-5, what=f"param {i}")
 
 
+def test_clipping_set_between_steps_reaches_the_engines_step():
+    # max_grad_norm is the step protocol's now: set on the optimizer between steps, it clips the
+    # next step as clip_grad_norm_ does; a bad value is refused and changes nothing.
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, **HYPER)
+    ref, ref_opt = mirror(model)
+    for k, (x, y) in enumerate(DATA[:6]):
+        if k == 2:
+            opt.max_grad_norm = 0.5
+            for bad in (0, -1.0, float("nan"), "0.5", True):
+                with pytest.raises(ValueError, match="max_grad_norm"):
+                    opt.max_grad_norm = bad
+        backward(model, opt, x, y)
+        teach(model, ref)
+        if k >= 2:
+            norm = torch.nn.utils.clip_grad_norm_(ref, 0.5, foreach=False)
+            assert opt.max_grad_norm == 0.5
+        opt.step()
+        ref_opt.step()
+        assert (opt.last_outcome.grad_norm is not None) == (k >= 2)
+        if k >= 2:
+            assert opt.last_grad_norm == pytest.approx(float(norm), rel=1e-5)
+            assert opt.last_outcome.clip < 1.0
+    for i, (p, r) in enumerate(zip(model.parameters(), ref)):
+        assert_rel_close(p.detach(), r.detach(), tol=1e-5, what=f"param {i}")
+
+
 # ---- param groups, schedulers, partial gradients ------------------------------------------------
 
 
