@@ -32,7 +32,7 @@ import time
 from datetime import date
 
 import memtide
-import memtide_timeline as timeline
+from memtide import _timeline as timeline
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: plotting
 from plotting import cpu_model  # noqa: E402

@@ -45,7 +45,7 @@ _TEMP_PREFIX = ".memtide-"
 class FileRefused(ValueError):
     """A path memtide will not read or write as a file (a symbolic link, a FIFO, a device or a folder
     where a regular file must be, a folder that does not exist), or a file it cannot read as what it
-    must be (memtide_timeline's TraceError is this class). The message names the path."""
+    must be (memtide._timeline's TraceError is this class). The message names the path."""
 
 
 class NestedTooDeep(ValueError):

@@ -12,7 +12,7 @@ tier in one report.
             opt.zero_grad()
 
 On leaving the ``with`` block (also when it raises) memtide writes REPORT.trace.jsonl (the trace,
-see the memtide_timeline package) and the report REPORT.html that opens offline, with:
+see the memtide._timeline package) and the report REPORT.html that opens offline, with:
 
 - device memory (memtide's allocator, with the phases ``TieredAdamW.attach`` marks);
 - the host tier: the HostArena's reserved and allocated bytes, the NVMe tier's pinned staging and
@@ -78,7 +78,7 @@ class Recorder:
 
     def __init__(self, report: str, optimizer: Any = None, *, interval: float = 0.005, source: str = "memtide",
                  **header: Any):
-        import memtide_timeline
+        from . import _timeline
 
         if not isinstance(report, (str, os.PathLike)):
             raise TypeError(f"memtide.timeline.record: report must be a path (REPORT.html), got {report!r}")
@@ -89,10 +89,10 @@ class Recorder:
         # memtide: the rank a log line and a spill folder name is the rank here).
         rank, world = _memtide.job_rank(), _memtide.job_world_size()
         if rank is not None:
-            self.report = memtide_timeline.rank_report(self.report, rank)
+            self.report = _timeline.rank_report(self.report, rank)
             header = {"rank": rank, **({"world_size": world} if world is not None else {}), **header}
-        memtide_timeline.check_report_target(self.report)  # refused before the run, not after
-        self.files = memtide_timeline.companions(self.report)
+        _timeline.check_report_target(self.report)  # refused before the run, not after
+        self.files = _timeline.companions(self.report)
         self.interval = float(interval)
         # The machine and its wall clock against the steady one: how the traces of ranks on several
         # machines share a time axis (one machine's ranks share its steady clock).
@@ -100,7 +100,7 @@ class Recorder:
                                            epoch_offset_s=time.time() - time.monotonic(), **header)
         # The job (torchrun's run id, rendezvous endpoint and start; without torchrun this
         # process's own identity): `memtide timeline` refuses to draw ranks of different jobs as one.
-        self.header.setdefault("job", memtide_timeline.job_identity())
+        self.header.setdefault("job", _timeline.job_identity())
         self.result: Optional[Dict[str, Any]] = None
         self._optimizers: List[Any] = []
         self._hooks: List[Any] = []
@@ -207,9 +207,9 @@ class Recorder:
 
     def stop(self, write: bool = True) -> Optional[Dict[str, Any]]:
         """Stops recording; writes the trace and the report (unless `write` is False) and returns
-        what memtide_timeline.render() returned."""
+        what memtide._timeline.render() returned."""
         import memtide
-        import memtide_timeline
+        from . import _timeline
 
         if self._base is None:
             raise RuntimeError("memtide.timeline.record: stop() before start()")
@@ -242,12 +242,12 @@ class Recorder:
             header["nvme_capacity_bytes"] = sum(files)
         with self._lock:
             events = sorted(self._events, key=lambda e: e.get("t", e.get("start", 0.0)))
-        memtide_timeline.trace_from_allocator(memtide.allocator_events(), self.files["trace"],
+        _timeline.trace_from_allocator(memtide.allocator_events(), self.files["trace"],
                                               base_allocated=self._base.get("allocated_bytes.all.current", 0),
                                               base_reserved=self._base.get("reserved_bytes.all.current", 0),
                                               activities=activities, extra=events, **header)
         memtide.dump_snapshot(self.files["pickle"])  # for torch's memory_viz
-        self.result = memtide_timeline.render(self.files["trace"], self.report, chrome=self.files["chrome"],
+        self.result = _timeline.render(self.files["trace"], self.report, chrome=self.files["chrome"],
                                               png=self.files["png"])
         self.result.update(trace=self.files["trace"], memory_viz=self.files["pickle"])
         return self.result

@@ -18,7 +18,7 @@ from memtide_testing import clean_env
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 PACKAGES = [os.path.join(ROOT, "python_bindings", "memtide"),
-            os.path.join(ROOT, "tools", "timeline", "memtide_timeline")]
+            os.path.join(ROOT, "tools", "timeline", "_timeline")]
 WRITER = os.path.normpath(os.path.join(ROOT, "python_bindings", "memtide", "_files.py"))
 
 

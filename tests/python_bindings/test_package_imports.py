@@ -1,4 +1,4 @@
-"""The memtide package and the Python tools installed beside it (memtide_timeline) have no import
+"""The memtide package and the Python tools installed beside it (memtide._timeline) have no import
 loop: no module imports, at load or lazily inside a function, one that imports it back. Imports
 under TYPE_CHECKING never run and are left out."""
 
@@ -8,12 +8,12 @@ import ast
 import os
 
 import memtide
-import memtide_timeline
+import memtide._timeline  # noqa: F401 - the tools' package, installed inside memtide
 
 
 def _modules():
     mods = {}
-    for package in (memtide, memtide_timeline):
+    for package in (memtide,):  # memtide._timeline (tools/timeline) inside it
         root = os.path.dirname(os.path.dirname(package.__file__))
         for folder, _, files in os.walk(os.path.dirname(package.__file__), followlinks=True):
             for f in files:
@@ -74,7 +74,7 @@ def test_no_module_imports_one_that_imports_it_back():
         return False
 
     loops = sorted(f"{a} -> {b} -> ... -> {a}" for a in edges for b in edges[a] if reaches(b, a))
-    assert "memtide.cli" in mods and "memtide.cli.planning" in mods and "memtide_timeline.trace" in mods
+    assert "memtide.cli" in mods and "memtide.cli.planning" in mods and "memtide._timeline.trace" in mods
     assert not loops, loops
 
 
@@ -83,7 +83,7 @@ def test_the_library_never_imports_the_command_line():
     # reaches nothing of memtide.cli, so the CLI's helpers can change without touching them.
     mods = _modules()
     library = [name for name in mods if name.startswith("memtide") and not name.startswith("memtide.cli")
-               and not name.startswith("memtide_timeline")]
+               and not name.startswith("memtide._timeline")]
     reached = {}
     for name in library:
         for target in _imports(name, *mods[name], mods):

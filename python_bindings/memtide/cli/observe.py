@@ -143,7 +143,7 @@ def _cmd_observe(args: argparse.Namespace) -> int:
         raise UsageError(f"memtide observe: cannot write the timeline {log}: its folder "
                          f"{'does not exist' if not os.path.isdir(folder) else 'is not writable'}")
     if args.timeline:
-        import memtide_timeline as timeline
+        from memtide import _timeline as timeline
 
         files = timeline.companions(args.timeline)
         try:  # before the program runs, not after

@@ -110,7 +110,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     nvme = None if args.host_budget is None else {"host_budget": args.host_budget, "nvme_dir": args.nvme_dir}
     recorder = None  # device memory, the host and NVMe tiers (memtide.timeline.record)
     if args.timeline:
-        import memtide_timeline as timeline
+        from memtide import _timeline as timeline
 
         from memtide.timeline import Recorder
 

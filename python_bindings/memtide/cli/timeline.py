@@ -1,4 +1,4 @@
-"""``memtide timeline``: render a memtide trace (the memtide_timeline package, tools/timeline/) as an
+"""``memtide timeline``: render a memtide trace (the memtide._timeline package, tools/timeline/) as an
 HTML report, a Chrome trace, a PNG and a memory_viz pickle."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from memtide._memtide import format_bytes
 from ._common import UsageError
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    import memtide_timeline as timeline
+    from memtide import _timeline as timeline
 
     try:
         inputs = timeline.trace_inputs(args.trace)
@@ -61,8 +61,8 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
 
 
 def _cmd_ranks(args: argparse.Namespace, inputs) -> int:
-    """Several traces: the ranks of one job in one report (memtide_timeline.ranks)."""
-    import memtide_timeline as timeline
+    """Several traces: the ranks of one job in one report (memtide._timeline.ranks)."""
+    from memtide import _timeline as timeline
 
     for flag, given in (("--png", args.png), ("--memory-viz", args.memory_viz)):
         if given:
@@ -96,7 +96,7 @@ def add_parser(sub) -> None:
     tl = sub.add_parser(
         "timeline", help="render a memtide trace: an HTML report that opens offline, a Chrome trace, a PNG, a "
         "memory_viz pickle",
-        description="Reads a memtide trace (JSON Lines; see the memtide_timeline package for the format), or a torch "
+        description="Reads a memtide trace (JSON Lines; see the memtide._timeline package for the format), or a torch "
         "memory snapshot pickle (its segments, allocations over time and the largest blocks at the peak), and writes four "
         "outputs: a single-file HTML report (memory over time per phase, the PCIe lanes, the engines as a Gantt "
         "chart, the update-phase schedule, a summary per phase) that opens offline, a Chrome/Perfetto trace, a PNG "

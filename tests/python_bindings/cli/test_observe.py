@@ -155,7 +155,7 @@ def test_observe_names_a_log_folder_it_cannot_write(tmp_path):
 
 
 def test_observe_timeline_draws_the_programs_memory(tmp_path, fake_cudart):
-    import memtide_timeline as timeline
+    from memtide import _timeline as timeline
 
     p = observe(tmp_path, "--log", "t.jsonl", "--timeline", "obs.html", "--", sys.executable, "-c", PROGRAM,
                 fake_cudart, "0")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-import memtide_timeline as timeline
+from memtide import _timeline as timeline
 from memtide_testing import clean_env
 
 
@@ -398,7 +398,7 @@ def test_a_png_skipped_for_want_of_matplotlib_is_said_with_how_to_install_it(tmp
 # trace in a folder): each must refuse it naming it, never open it and wait for a writer.
 READ_A_FIFO_EVERY_WAY = r"""
 import os, sys
-import memtide_timeline as timeline
+from memtide import _timeline as timeline
 fifo, folder, real, out = sys.argv[1:5]
 calls = {
     "read_trace": lambda: timeline.read_trace(fifo),
@@ -483,7 +483,7 @@ def close(fig):
 '''
 
 
-RENDER_PNG = "import memtide_timeline as t, sys; t.render(*sys.argv[1:3], png=sys.argv[3])"
+RENDER_PNG = "from memtide import _timeline as t; import sys; t.render(*sys.argv[1:3], png=sys.argv[3])"
 
 
 def test_a_png_target_that_is_a_link_is_refused_and_its_target_untouched(tmp_path):

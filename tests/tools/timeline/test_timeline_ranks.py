@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import memtide_timeline as timeline
+from memtide import _timeline as timeline
 from memtide_testing import clean_env
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "train_gpt_distributed.py"

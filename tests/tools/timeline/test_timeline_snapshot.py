@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-import memtide_timeline as timeline
+from memtide import _timeline as timeline
 from memtide_testing import clean_env
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "data", "snapshots")

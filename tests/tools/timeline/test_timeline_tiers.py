@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-import memtide_timeline as timeline
+from memtide import _timeline as timeline
 from memtide_testing import clean_env, direct_io_dir
 
 
@@ -130,7 +130,7 @@ def test_the_nvme_charts_values_are_the_bytes_the_tier_moves_and_its_file_holds(
     assert tl.nvme_totals["read_bytes"] == tl.nvme_totals["write_bytes"] == steps * step_bytes
     rows = tl.summary()  # the table per phase (this loop marks none: one row, "other")
     assert sum(r["nvme_read_bytes"] for r in rows) == sum(r["nvme_write_bytes"] for r in rows) == steps * step_bytes
-    from memtide_timeline.html_report import _fmt_bytes
+    from memtide._timeline.html_report import _fmt_bytes
 
     doc = (tmp_path / "loop.html").read_text()
     assert (f"reads ({_fmt_bytes(steps * step_bytes)}), {tl.nvme_totals['writes']:,} write-backs "

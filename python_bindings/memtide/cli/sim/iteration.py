@@ -117,7 +117,7 @@ def _params(model, shape: Dict[str, int]) -> float:
 
 def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, Any]:
     """Writes the memtide contender's last simulated iteration (recorded) as a trace, then its report."""
-    import memtide_timeline as timeline
+    from memtide import _timeline as timeline
 
     html_path = args.timeline
     files = timeline.companions(html_path)
@@ -127,7 +127,7 @@ def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, 
 
 def run(args: argparse.Namespace) -> int:
     if args.timeline:
-        import memtide_timeline as timeline
+        from memtide import _timeline as timeline
 
         try:
             timeline.check_report_target(args.timeline)  # before the simulation, not after

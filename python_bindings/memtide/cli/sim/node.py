@@ -117,10 +117,10 @@ _SHARE_NVME = ("nvme_read_bytes_per_s", "nvme_write_bytes_per_s")
 def _timeline(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, Any]:
     """memtide's ranks under memtide's placement: one trace per rank, named by its rank as a job's
     ranks name theirs (REPORT.rank<R>.trace.jsonl, its header's rank and world_size), and one
-    report of them all with a lane per rank (memtide_timeline.render_ranks, which draws a real
+    report of them all with a lane per rank (memtide._timeline.render_ranks, which draws a real
     job's ranks). simulate_node keeps no rank's operations, so each distinct rank is simulated again
     with record_ops on its share of the host: the same simulation, checked to give the same times."""
-    import memtide_timeline as timeline
+    from memtide import _timeline as timeline
 
     from .trace import write_simulation_trace
 
@@ -159,7 +159,7 @@ def _timeline(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.timeline:
-        import memtide_timeline as timeline
+        from memtide import _timeline as timeline
 
         try:
             timeline.check_report_target(args.timeline)  # before the simulation, not after

@@ -10,7 +10,7 @@ from typing import Any, Dict
 def write_simulation_trace(args: argparse.Namespace, r: Dict[str, Any], trace: str, **header: Any) -> None:
     """Writes one simulated iteration of memtide (simulate_iteration with record_ops) as a trace;
     `header` adds to its header (a node's rank: rank, world_size, job; sim/node.py)."""
-    import memtide_timeline as timeline
+    from memtide import _timeline as timeline
 
     tiers = {}
     if r["nvme_subgroups"]:

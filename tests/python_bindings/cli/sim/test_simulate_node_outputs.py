@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-import memtide_timeline as timeline
+from memtide import _timeline as timeline
 from memtide_testing import clean_env
 
 # A tiny model on a small GPU: every node run here takes well under a second.
