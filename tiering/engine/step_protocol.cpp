@@ -135,32 +135,31 @@ std::optional<bool> StepProtocol::verdict(const std::vector<std::uint8_t>& has_g
   return finite;
 }
 
-std::pair<double, double> StepProtocol::square_sums(const std::vector<std::uint8_t>& has_grad) {
+std::vector<StepProtocol::Located> StepProtocol::locate(const std::vector<std::uint8_t>& has_grad) const {
   engine_.grads_to_host();  // kept on the device (a GPU-resident subgroup's): read on the host
   const auto& slots = engine_.layout().params();
-  double sums[2] = {0.0, 0.0};  // replicated or local, sharded
+  std::vector<Located> out;
   for (std::size_t i = 0; i < slots.size(); ++i) {
     const std::size_t n = slots[i].end - slots[i].start;
     if (!has_grad[i] || n == 0) continue;
     const Arrival& a = arrivals_[i];
-    const double s = a.source != nullptr ? grad_square_sum(a.source, a.dtype, n, engine_.pool())
-                                         : grad_square_sum(engine_.grad() + slots[i].start, DType::fp32, n, engine_.pool());
-    sums[!options_.sharded.empty() && options_.sharded[i]] += s;
+    out.push_back(a.source != nullptr ? Located{i, a.source, a.dtype, n}
+                                      : Located{i, engine_.grad() + slots[i].start, DType::fp32, n});
+  }
+  return out;
+}
+
+std::pair<double, double> StepProtocol::square_sums(const std::vector<std::uint8_t>& has_grad) const {
+  double sums[2] = {0.0, 0.0};  // replicated or local, sharded
+  for (const Located& g : locate(has_grad)) {
+    sums[!options_.sharded.empty() && options_.sharded[g.param]] += grad_square_sum(g.data, g.dtype, g.n, engine_.pool());
   }
   return {sums[0], sums[1]};
 }
 
 bool StepProtocol::scan_finite(const std::vector<std::uint8_t>& has_grad) const {
-  engine_.grads_to_host();
-  const auto& slots = engine_.layout().params();
-  for (std::size_t i = 0; i < slots.size(); ++i) {
-    const std::size_t n = slots[i].end - slots[i].start;
-    if (!has_grad[i] || n == 0) continue;
-    const Arrival& a = arrivals_[i];
-    const bool finite = a.source != nullptr
-                            ? grads_finite(a.source, a.dtype, n, 1.0, 1.0, engine_.pool())
-                            : grads_finite(engine_.grad() + slots[i].start, DType::fp32, n, 1.0, 1.0, engine_.pool());
-    if (!finite) return false;
+  for (const Located& g : locate(has_grad)) {
+    if (!grads_finite(g.data, g.dtype, g.n, 1.0, 1.0, engine_.pool())) return false;
   }
   return true;
 }

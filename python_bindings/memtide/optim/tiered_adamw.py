@@ -465,7 +465,7 @@ class TieredAdamW(torch.optim.Optimizer):
             engine.set_sync_after_step(self.sync_after_step)
 
         self.layout = _Layout(params, ranges, lowp_of, aliased, bounds, numel,
-                               [(self.distribution.local(p).dtype, self.distribution.local(p).device) for p in params])
+                               [(t.dtype, t.device) for t in map(self.distribution.local, params)])
         # What _follow_params checks each step: every param but a LayerWindow's, which moves them
         # between device slots and their home in the optimizer's buffers itself.
         self._watched_index = [i for i, p in enumerate(params) if not getattr(p, "_memtide_windowed", False)]

@@ -7,28 +7,17 @@
 #include <random>
 #include <vector>
 
-#include "memtide/allocator/caching_allocator.hpp"
-#include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/error.hpp"
-#include "memtide/device/sim_device.hpp"
 #include "memtide/tiering/engine/backward_updates.hpp"
+#include "sim_engine.hpp"
 
 namespace memtide::tiering {
 namespace {
 
-constexpr std::size_t kN = 12'000;
+constexpr std::size_t kN = test::SimEngine::kParams;
 constexpr std::size_t kPer = 3'000;  // 4 subgroups; params of 2,000 elements: 6 params
 
-struct Rig {
-  SimDevice device{SimConfig{}};
-  CachingAllocator allocator{device};
-  HostArena arena{[this] {
-    HostArenaConfig c;
-    c.device = &device;
-    c.slab_bytes = 4 << 20;
-    return c;
-  }()};
-  UpdateEngine engine{allocator, arena, kN, {{0, 3000}, {3000, 6000}, {6000, 9000}, {9000, 12000}}, nullptr};
+struct Rig : test::SimEngine {
   StepRequest request;
 
   explicit Rig(unsigned seed) {

@@ -10,38 +10,27 @@
 #include <random>
 #include <vector>
 
-#include "memtide/allocator/caching_allocator.hpp"
-#include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/error.hpp"
-#include "memtide/device/sim_device.hpp"
 #include "memtide/tiering/engine/backward_updates.hpp"
 #include "memtide/tiering/engine/step_protocol.hpp"
+#include "sim_engine.hpp"
 
 namespace memtide::tiering {
 namespace {
 
-constexpr std::size_t kN = 12'000;
+constexpr std::size_t kN = test::SimEngine::kParams;
 constexpr std::size_t kParam = 2'000;  // 6 params over 4 subgroups of 3,000
 
-struct Rig {
-  SimDevice device{SimConfig{}};
-  CachingAllocator allocator{device};
-  HostArena arena{[this] {
-    HostArenaConfig c;
-    c.device = &device;
-    c.slab_bytes = 4 << 20;
-    return c;
-  }()};
-  UpdateEngine engine{allocator, arena, kN, {{0, 3000}, {3000, 6000}, {6000, 9000}, {9000, 12000}}, nullptr};
+struct Rig : test::SimEngine {
   std::vector<float> grads;  // the model's gradients, one param after the other
   StepRequest request;
 
-  explicit Rig(unsigned seed = 5, Policy policy = Policy::cpu) : grads(kN) {
+  Rig() : grads(kN) {
     std::vector<ParamSlot> slots;
     for (std::size_t s = 0; s < kN; s += kParam) slots.push_back({s, s + kParam, 0, false});
     engine.set_layout(ParamLayout(slots, engine.subgroups()));
-    engine.set_policy(PolicyChoice{policy, 0, {}});
-    std::mt19937 rng(seed);
+    engine.set_policy(PolicyChoice{Policy::cpu, 0, {}});
+    std::mt19937 rng(5);  // every rig alike: reference() steps a twin
     std::normal_distribution<float> normal(0.0F, 1.0F);
     for (std::size_t i = 0; i < kN; ++i) {
       engine.param()[i] = normal(rng);

@@ -124,8 +124,18 @@ class StepProtocol {
     DType dtype = DType::fp32;
   };
 
+  struct Located {  // one param's gradient where it lies now
+    std::size_t param = 0;
+    const void* data = nullptr;
+    DType dtype = DType::fp32;
+    std::size_t n = 0;
+  };
+
   [[nodiscard]] std::optional<bool> verdict(const std::vector<std::uint8_t>& has_grad) const;
-  [[nodiscard]] std::pair<double, double> square_sums(const std::vector<std::uint8_t>& has_grad);
+  /// Every gradient of the step where it lies: read in place, or the host array (kept device
+  /// gradients brought there first).
+  [[nodiscard]] std::vector<Located> locate(const std::vector<std::uint8_t>& has_grad) const;
+  [[nodiscard]] std::pair<double, double> square_sums(const std::vector<std::uint8_t>& has_grad) const;
   [[nodiscard]] bool scan_finite(const std::vector<std::uint8_t>& has_grad) const;
   void materialize(const std::vector<std::uint8_t>& has_grad);
   [[nodiscard]] std::vector<GradSource> sources(const std::vector<std::uint8_t>& has_grad) const;
