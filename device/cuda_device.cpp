@@ -4,6 +4,8 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <iterator>
 #include <type_traits>
 
 #include "memtide/core/error.hpp"
@@ -18,6 +20,22 @@ void check(cudaError_t err, const char* what) {
   throw CudaError(static_cast<int>(err), std::string(what) + " failed: " + cudaGetErrorName(err) + " (" +
                                              cudaGetErrorString(err) + ")");
 }
+
+// torch captures a CUDA graph in the global capture mode, in which any thread's cudaMalloc is
+// refused (cudaErrorStreamCaptureUnsupported) and invalidates the capture. A new segment during
+// capture is legitimate (the graph's private pool grows), so, as torch's own caching allocator
+// does, the allocation runs in the relaxed mode for this thread and the mode is restored after.
+// https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__STREAM.html (cudaThreadExchangeStreamCaptureMode)
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
 
 // The driver's virtual memory functions, looked up once. Null members: this driver has none.
 struct VmmApi {
@@ -114,6 +132,7 @@ void CudaDevice::do_map_memory(void* at, std::size_t bytes) {
   const CUmemAllocationProp prop = device_prop(index_);
   const auto base = reinterpret_cast<CUdeviceptr>(at);
   std::size_t done = 0;
+  const RelaxedCapture relaxed;  // expandable segments grow during capture too
   try {
     for (; done < bytes; done += granularity_) {
       CUmemGenericAllocationHandle handle{};
@@ -151,7 +170,10 @@ void CudaDevice::activate() const {
 void* CudaDevice::do_allocate(std::size_t bytes) {
   activate();
   void* p = nullptr;
-  const cudaError_t err = cudaMalloc(&p, bytes);
+  const cudaError_t err = [&] {
+    const RelaxedCapture relaxed;
+    return cudaMalloc(&p, bytes);
+  }();
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
     throw OutOfMemory("cudaMalloc of " + format_bytes(bytes) + " on GPU " + std::to_string(index_) + " failed");
@@ -226,7 +248,36 @@ void CudaDevice::do_copy_async(void* dst, const void* src, std::size_t bytes, Co
   const cudaMemcpyKind k = kind == CopyKind::host_to_device   ? cudaMemcpyHostToDevice
                            : kind == CopyKind::device_to_host ? cudaMemcpyDeviceToHost
                                                               : cudaMemcpyDeviceToDevice;
-  check(cudaMemcpyAsync(dst, src, bytes, k, raw(stream)), "cudaMemcpyAsync");
+  if (kind == CopyKind::device_to_device) {
+    check(cudaMemcpyAsync(dst, src, bytes, k, raw(stream)), "cudaMemcpyAsync");
+    return;
+  }
+  // The runtime takes a host pointer inside a registered range for that range's memory and
+  // refuses a copy that runs past the range's end (cudaErrorInvalidValue; seen on an H200 with
+  // CUDA 13.0). Such a copy is legitimate here: the NVMe tier registers the host ranges of the
+  // subgroups kept in memory, rounded out to pages, and a spilled neighbour's range starts or ends
+  // inside such a page. So a host range is copied in pieces that each lie inside one registered
+  // range or outside all of them; almost every copy is one piece.
+  const auto host = reinterpret_cast<std::uintptr_t>(kind == CopyKind::host_to_device ? src : dst);
+  for (std::size_t done = 0; done < bytes;) {
+    const std::size_t n = same_registration(host + done, bytes - done);
+    check(cudaMemcpyAsync(static_cast<unsigned char*>(dst) + done, static_cast<const unsigned char*>(src) + done, n,
+                          k, raw(stream)),
+          "cudaMemcpyAsync");
+    done += n;
+  }
+}
+
+std::size_t CudaDevice::same_registration(std::uintptr_t at, std::size_t bytes) const {
+  const std::uintptr_t end = at + bytes;
+  const std::lock_guard lock(registered_mutex_);
+  auto next = registered_.upper_bound(at);  // the first range that starts after `at`
+  if (next != registered_.begin()) {
+    const auto here = std::prev(next);
+    if (at < here->second) return std::min(end, here->second) - at;  // inside it
+  }
+  if (next != registered_.end() && next->first < end) return next->first - at;  // up to the next one
+  return bytes;
 }
 
 void CudaDevice::do_memset_async(void* ptr, int value, std::size_t bytes, Stream stream) {
@@ -244,11 +295,16 @@ bool CudaDevice::do_can_run(const DeviceKernel& kernel) const { return static_ca
 void CudaDevice::do_host_register(void* ptr, std::size_t bytes) {
   activate();  // registration maps the range into the current device's context first
   check(cudaHostRegister(ptr, bytes, cudaHostRegisterDefault), "cudaHostRegister");
+  const auto at = reinterpret_cast<std::uintptr_t>(ptr);
+  const std::lock_guard lock(registered_mutex_);
+  registered_[at] = at + bytes;
 }
 
 void CudaDevice::do_host_unregister(void* ptr) {
   activate();
   check(cudaHostUnregister(ptr), "cudaHostUnregister");
+  const std::lock_guard lock(registered_mutex_);
+  registered_.erase(reinterpret_cast<std::uintptr_t>(ptr));
 }
 
 MemInfo CudaDevice::do_mem_info() {

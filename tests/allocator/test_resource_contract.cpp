@@ -126,7 +126,10 @@ class Caching : public DeviceResourceBase {
   static constexpr Traits traits{.stream_ordered = true,
                                  .caches_per_stream = true,
                                  .zero_size = ZeroSize::null_pointer,
-                                 .alignment = 512,  // PyTorch's rounding, kept by every block
+                                 // Blocks are 512-byte multiples (PyTorch's rounding) cut from the
+                                 // segment's base, which has the device's 256 (cudaMalloc's
+                                 // guarantee; glibc 2.39's aligned_alloc gave SimDevice exactly that).
+                                 .alignment = 256,
                                  .interchangeable = false};
   static constexpr const char* name = Expandable ? "CachingExpandable" : "Caching";
   static std::string unavailable() {

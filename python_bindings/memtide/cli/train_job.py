@@ -47,7 +47,8 @@ def _digest(opt: Any) -> str:
     h = hashlib.sha256()
     b = opt.buffers
     for t in (b.params, b.exp_avg, b.exp_avg_sq) + ((b.lowp,) if b.lowp is not None else ()):
-        h.update(t.view(torch.uint8).numpy().tobytes())
+        # The low-precision copy lives on the GPU when there is one: hashed from a host copy.
+        h.update(t.detach().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 

@@ -299,6 +299,16 @@ void dispatch_convert(cudaStream_t st, void* dst, DType dd, const void* src, DTy
 
 bool is_float_type(DType d) { return d == DType::fp32 || d == DType::fp16 || d == DType::bf16; }
 
+// A GPU load of an element must be aligned to its size (a misaligned one is a sticky
+// cudaErrorMisalignedAddress that ends the context), so it is refused here, naming the array.
+// torch's tensors always satisfy it; the CPU kernels accept any address.
+void require_element_aligned(const void* p, DType d, const char* fn, const char* name) {
+  if (!aligned(p, elem_size(d))) {
+    throw InvalidArgument(std::string("cuda::") + fn + ": " + name + " is not aligned to its " +
+                          std::to_string(elem_size(d)) + "-byte element");
+  }
+}
+
 }  // namespace
 
 void adamw_step(void* stream, const AdamwArgs& args, unsigned* nonfinite_flag, const unsigned* skip_flag) {
@@ -309,9 +319,14 @@ void adamw_step(void* stream, const AdamwArgs& args, unsigned* nonfinite_flag, c
         "cuda::adamw_step: skip_if_nonfinite needs a host round trip; run grads_nonfinite into a device flag and "
         "pass it as skip_flag instead");
   }
+  const DType out = args.param_out_dtype;
+  require_element_aligned(args.param, DType::fp32, "adamw_step", "param");
+  require_element_aligned(args.exp_avg, DType::fp32, "adamw_step", "exp_avg");
+  require_element_aligned(args.exp_avg_sq, DType::fp32, "adamw_step", "exp_avg_sq");
+  require_element_aligned(args.grad, args.grad_dtype, "adamw_step", "grad");
+  if (out != DType::none) require_element_aligned(args.param_out, out, "adamw_step", "param_out");
   const auto st = static_cast<cudaStream_t>(stream);
   const AdamwConsts c = detail::adamw_consts(args);
-  const DType out = args.param_out_dtype;
   const bool vec = aligned(args.param, 16) && aligned(args.exp_avg, 16) && aligned(args.exp_avg_sq, 16) &&
                    aligned(args.grad, 4 * elem_size(args.grad_dtype)) &&
                    (out == DType::none || aligned(args.param_out, 8));
@@ -336,6 +351,8 @@ void grads_nonfinite(void* stream, const void* grad, DType dtype, std::size_t n,
   if (n == 0) return;
   if (grad == nullptr || flag == nullptr) throw InvalidArgument("cuda::grads_nonfinite: grad and flag must not be null");
   if (!is_float_type(dtype)) throw InvalidArgument("cuda::grads_nonfinite: dtype must be fp32, fp16 or bf16");
+  require_element_aligned(grad, dtype, "grads_nonfinite", "grad");
+  require_element_aligned(flag, DType::fp32, "grads_nonfinite", "flag");
   const auto st = static_cast<cudaStream_t>(stream);
   const float gs = static_cast<float>(grad_scale), cl = static_cast<float>(clip);
   const std::size_t head = aligned(grad, 4 * elem_size(dtype)) ? n / 4 * 4 : 0;
@@ -349,6 +366,8 @@ void convert(void* stream, void* dst, DType dst_dtype, const void* src, DType sr
   if (!is_float_type(dst_dtype) || !is_float_type(src_dtype)) {
     throw InvalidArgument("cuda::convert: dtypes must be fp32, fp16 or bf16");
   }
+  require_element_aligned(dst, dst_dtype, "convert", "dst");
+  require_element_aligned(src, src_dtype, "convert", "src");
   const auto st = static_cast<cudaStream_t>(stream);
   const float s = static_cast<float>(scale);
   const std::size_t head =

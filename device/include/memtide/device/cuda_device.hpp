@@ -3,6 +3,10 @@
 /// Device over the CUDA runtime. Only built when memtide is configured with CUDA; create it
 /// through `open_device`, which checks that a driver and GPU are present first.
 
+#include <cstdint>
+#include <map>
+#include <mutex>
+
 #include "memtide/device/device.hpp"
 
 namespace memtide {
@@ -45,8 +49,12 @@ class CudaDevice final : public Device {
 
   /// Makes this device current on the calling thread (CUDA's current device is per thread).
   void activate() const;
+  /// How many bytes from `at` lie wholly inside one registered range, or wholly outside all.
+  std::size_t same_registration(std::uintptr_t at, std::size_t bytes) const;
   int index_;
   std::size_t granularity_ = 0;  ///< 0: no virtual memory management (set in the constructor)
+  mutable std::mutex registered_mutex_;
+  std::map<std::uintptr_t, std::uintptr_t> registered_;  ///< host_register'ed ranges: start -> end
 };
 
 }  // namespace memtide
