@@ -17,6 +17,7 @@
 
 #include <nanobind/operators.h>
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/set.h>
 #include <nanobind/stl/tuple.h>
 
@@ -245,6 +246,15 @@ class PyUpdateEngine {
     engine_->sync_host();
   }
 
+  std::shared_ptr<tiering::StateSnapshot> save_async(const std::string& target, std::uint64_t buffer_bytes,
+                                                     const nb::bytes& meta) {
+    std::string bytes(meta.c_str(), meta.size());
+    nb::gil_scoped_release nogil;  // a running save is waited for first
+    return engine_->save_async(target, buffer_bytes, std::move(bytes));
+  }
+
+  std::shared_ptr<tiering::StateSnapshot> running_save() { return engine_->running_save(); }
+
   // The model's 16-bit params in the engine's device memory: a CUDA array on a GPU, a CPU array
   // over the simulated device's memory (which is host memory) on a SimDevice.
   nb::ndarray<> model_params(nb::handle self, const std::string& dtype) {
@@ -454,6 +464,45 @@ void bind_results(nb::module_& m) {
 }  // namespace
 
 void bind_engine(nb::module_& m) {
+  nb::class_<tiering::StateSnapshot>(m, "StateSnapshot",
+                                     "A checkpoint save running beside training (UpdateEngine.save_async).")
+      .def("wait", &tiering::StateSnapshot::wait, nb::call_guard<nb::gil_scoped_release>(),
+           "Blocks until the save is committed; OSError when it failed (the target is then as it was).")
+      .def("cancel", &tiering::StateSnapshot::cancel, "Stops the save; its partial folder is removed.")
+      .def_prop_ro("target", [](const tiering::StateSnapshot& s) { return s.target().string(); })
+      .def("progress", [](const tiering::StateSnapshot& s) {
+            const tiering::SnapshotProgress p = s.progress();
+            nb::dict d;
+            d["bytes_total"] = p.bytes_total;
+            d["bytes_written"] = p.bytes_written;
+            d["elapsed_s"] = p.elapsed_s;
+            d["write_s"] = p.write_s;
+            d["waited_s"] = p.waited_s;
+            d["copied_bytes"] = p.copied_bytes;
+            d["peak_buffer_bytes"] = p.peak_buffer_bytes;
+            d["buffer_bound"] = p.buffer_bound;
+            d["done"] = p.done;
+            d["committed"] = p.committed;
+            d["error"] = p.error;
+            return d;
+          }, "bytes written of the total, seconds elapsed and spent writing, seconds training waited, the\n"
+             "copy-on-write buffer's bytes (copied in all, peak, bound), done, committed, error.");
+  m.def("read_checkpoint_manifest", [](const std::string& folder, bool verify) {
+        tiering::SnapshotManifest man;
+        {
+          nb::gil_scoped_release nogil;
+          man = tiering::StateSnapshot::read_manifest(folder, verify);
+        }
+        nb::dict d;
+        d["params"] = man.params;
+        d["subgroups"] = man.subgroups;
+        d["data"] = tiering::StateSnapshot::kData;
+        d["meta"] = tiering::StateSnapshot::kMeta;
+        return d;
+      }, "folder"_a, "verify"_a = true,
+      "A checkpoint folder's manifest ({params, subgroups, data, meta}); with verify every subgroup's\n"
+      "checksum is checked. OSError naming what is missing, cut short or corrupt.");
+
   bind_results(m);
 
   nb::class_<PyUpdateEngine>(m, "UpdateEngine",
@@ -532,6 +581,10 @@ void bind_engine(nb::module_& m) {
            "again from the host on the next step.")
       .def("sync_host", &PyUpdateEngine::sync_host,
            "Copies the newest state of GPU-static residents into the host arrays (before reading them).")
+      .def("save_async", &PyUpdateEngine::save_async, "target"_a, "buffer_bytes"_a, "meta"_a,
+           "Starts saving params, exp_avg and exp_avg_sq to the folder `target` while steps go on (a\n"
+           "StateSnapshot); `meta` is saved beside them as meta.pt. A running save is waited for first.")
+      .def("running_save", &PyUpdateEngine::running_save, "The running save, or None.")
       .def("model_params", [](nb::handle self, const std::string& dtype) {
              return nb::cast<PyUpdateEngine&>(self).model_params(self, dtype);
            }, "dtype"_a,

@@ -199,6 +199,7 @@ void BackwardUpdates::run(Speculation& s) {
   std::size_t n_total = 0;
   for (const Segment& seg : s.segments) {
     const std::size_t n = seg.end - seg.start;
+    engine_.protect_host(seg.subgroup);  // a running checkpoint save keeps the state before this update
     Piece piece;
     piece.start = seg.start;
     piece.end = seg.end;

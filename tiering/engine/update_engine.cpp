@@ -156,6 +156,14 @@ void UpdateEngine::lend() {
 UpdateEngine::~UpdateEngine() {
   allocator_.remove_lender(lender_id_);  // first: the allocator must not call into a dying engine
   Busy busy(*this);
+  if (save_) {
+    // A save asked for reads the host arrays until it is written: it finishes before they go.
+    try {
+      save_->wait();
+    } catch (const std::exception&) {
+      // Already logged by the save; the target is as it was.
+    }
+  }
   try {
     // The host arrays hold every step's result (and maybe later changes): drop the residents'
     // device copies first, so the schedulers' destructors do not copy stale ones back.
@@ -420,6 +428,13 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
         s.end > subgroups_[s.subgroup].second || s.end <= s.start) {
       throw InvalidArgument("UpdateEngine::step: segment [" + std::to_string(s.start) + ", " + std::to_string(s.end) +
                             ") is empty or not inside subgroup " + std::to_string(s.subgroup));
+    }
+  }
+  // A running save keeps its view of every subgroup whose host state this step changes: all but
+  // static residents that stay on the device (unless they are synced back after the step).
+  if (std::shared_ptr<StateSnapshot> save = running_save()) {
+    for (const Segment& s : segments) {
+      if (placement[s.subgroup] != Placement::gpu_static || sync_after_step_) save->protect(s.subgroup);
     }
   }
   EngineStep out;
@@ -766,12 +781,47 @@ void UpdateEngine::host_changed() {
 
 void UpdateEngine::sync_host() {
   Busy busy(*this);
+  if (save_) {
+    for (std::size_t i = 0; i < subgroups_.size(); ++i) save_->protect(i);  // residents come back over the host ranges
+  }
   for (Entry& e : cache_) {
     if (e.scheduler->resident_count() == 0) continue;
     e.scheduler->sync_to_host();
     if (nvme_) nvme_->synced(e.ranges, *e.scheduler);
   }
   if (nvme_) nvme_->load_all();
+}
+
+std::shared_ptr<StateSnapshot> UpdateEngine::save_async(const std::filesystem::path& target, std::uint64_t buffer_bytes,
+                                                        std::string meta) {
+  Busy busy(*this);
+  if (nvme_) {
+    throw InvalidArgument("UpdateEngine::save_async: the state has subgroups spilled to NVMe, which a save while "
+                          "training goes on does not cover yet; use state_dict() and torch.save");
+  }
+  if (std::shared_ptr<StateSnapshot> previous = running_save()) previous->wait();  // one at a time, never interleaved
+  sync_host();  // the residents' newest state, in the host ranges the save reads
+  StateSnapshot::Config c;
+  c.target = target;
+  c.param = arrays_[0];
+  c.exp_avg = arrays_[1];
+  c.exp_avg_sq = arrays_[2];
+  c.n = n_;
+  c.subgroups = subgroups_;
+  c.buffer_bytes = buffer_bytes;
+  c.meta = std::move(meta);
+  save_ = StateSnapshot::start(std::move(c));
+  return save_;
+}
+
+std::shared_ptr<StateSnapshot> UpdateEngine::running_save() {
+  Busy busy(*this);
+  if (save_ && save_->progress().done) save_.reset();
+  return save_;
+}
+
+void UpdateEngine::protect_host(std::size_t subgroup) {
+  if (std::shared_ptr<StateSnapshot> s = running_save()) s->protect(subgroup);
 }
 
 Subgroup& UpdateEngine::scheduler_state(UpdateScheduler& scheduler, std::size_t j) {

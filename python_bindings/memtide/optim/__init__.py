@@ -2,8 +2,11 @@
 step (memtide._memtide.UpdateEngine), and what it shows of it."""
 
 from .arguments import engine_unavailable
+from .checkpoint import AsyncSave
+from .checkpoint import read as read_checkpoint
 from .loss_scale import LossScaler
 from .plan import POLICIES, UpdatePlan
 from .tiered_adamw import TieredAdamW, UpdateStats
 
-__all__ = ["POLICIES", "LossScaler", "TieredAdamW", "UpdatePlan", "UpdateStats", "engine_unavailable"]
+__all__ = ["POLICIES", "AsyncSave", "LossScaler", "TieredAdamW", "UpdatePlan", "UpdateStats", "engine_unavailable",
+           "read_checkpoint"]

@@ -1,12 +1,17 @@
 """TieredAdamW's checkpoints: torch.optim.AdamW's state_dict layout over the engine's buffers,
-checked whole before anything is loaded, and the masters re-read from the model."""
+checked whole before anything is loaded, and the masters re-read from the model; and checkpoints
+saved while training goes on (save_async, read, load: a folder the engine's StateSnapshot writes)."""
 
 from __future__ import annotations
 
+import io
+import os
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import _memtide
 from .arguments import check_state_dict
 from .distributed import local
 from .loss_scale import LossScaler
@@ -34,6 +39,7 @@ def state_dict(opt: Any) -> Dict[str, Any]:
 
 def load_state_dict(opt: Any, state_dict: Dict[str, Any]) -> None:
     entries, groups, scaler_state = check_state_dict(state_dict, opt.param_groups, "TieredAdamW.load_state_dict")
+    finish_running_save(opt)  # it reads the buffers this overwrites
     if opt.backward_updates is not None:
         opt.backward_updates.rollback()
     layout = opt.layout
@@ -103,6 +109,7 @@ def _apart_from(buffers: Any, entries: List[Tuple[Any, ...]]) -> List[Tuple[Any,
 def sync_master_from_model(opt: Any) -> None:
     if opt.engine is None:
         return
+    finish_running_save(opt)  # it reads the masters this overwrites
     opt.wait_for_copies()
     if opt.spilled_subgroups:
         opt.sync_state()  # the moments of spilled subgroups must be there beside the new params
@@ -116,3 +123,138 @@ def sync_master_from_model(opt: Any) -> None:
             b.params[lo:hi].copy_(b.lowp[lo:hi])
         elif not layout.aliased[i]:
             b.params[lo:hi].copy_(local(p).detach().reshape(-1))
+
+
+# ---- saves while training goes on -----------------------------------------------------------------
+
+FORMAT = 1
+
+
+class AsyncSave:
+    """A checkpoint being written while training goes on (TieredAdamW.save_checkpoint).
+
+    The folder holds the state as it was when the save was asked for, whatever the steps since do:
+    the engine keeps each subgroup's old state (a bounded copy, or a wait for the writer) until it
+    is written. The folder appears whole when the save commits; until then a previous checkpoint
+    at the same path stays as it was.
+    """
+
+    def __init__(self, snapshot: Any) -> None:
+        self._snapshot = snapshot
+
+    @property
+    def path(self) -> str:
+        return self._snapshot.target
+
+    def wait(self) -> None:
+        """Blocks until the checkpoint is committed. OSError when the save failed (a full disk,
+        an I/O error, cancel()): the path then holds what it held before."""
+        self._snapshot.wait()
+
+    def done(self) -> bool:
+        return bool(self._snapshot.progress()["done"])
+
+    def cancel(self) -> None:
+        """Stops the save and removes what it wrote; the path is left as it was."""
+        self._snapshot.cancel()
+
+    def progress(self) -> Dict[str, Any]:
+        """bytes_total, bytes_written, elapsed_s, write_s (the writer's time in write calls),
+        waited_s (time steps waited for the writer), copied_bytes, peak_buffer_bytes, buffer_bound
+        (the copy-on-write buffer), done, committed, error."""
+        return dict(self._snapshot.progress())
+
+    def __repr__(self) -> str:
+        p = self.progress()
+        state = "committed" if p["committed"] else (f"failed: {p['error']}" if p["done"] else "running")
+        return f"AsyncSave({self.path!r}, {p['bytes_written']}/{p['bytes_total']} bytes, {state})"
+
+
+def finish_running_save(opt: Any) -> None:
+    """Waits for a save still reading the buffers (before they are written outside a step). Its
+    failure was logged and left the target as it was; it is not this caller's error."""
+    running = opt.engine.running_save() if opt.engine is not None else None
+    if running is not None:
+        try:
+            running.wait()
+        except OSError:
+            pass
+
+
+def save_async(opt: Any, path: Any, buffer_bytes: int = 0) -> AsyncSave:
+    who = "TieredAdamW.save_checkpoint"
+    if not isinstance(path, (str, bytes, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"{who}: path must be a non-empty path of the checkpoint folder, got {path!r}")
+    if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 0:
+        raise ValueError(f"{who}: buffer_bytes must be an int >= 0 (0: two of the largest subgroup), got {buffer_bytes!r}")
+    if opt.engine is None:
+        raise ValueError(f"{who}: the optimizer has no params with state to save")
+    if opt.distribution.kind != "none":
+        raise NotImplementedError(
+            f"{who}: saves while training goes on are built for one process; the params here are "
+            f"{opt.distribution.kind} ({opt.distribution.kind.upper()} ranks each hold part of the state): use "
+            "torch.distributed.checkpoint.save(optimizer.state_dict())")
+    if opt.spilled_subgroups:
+        raise NotImplementedError(
+            f"{who}: {opt.spilled_subgroups} subgroup(s) live on NVMe, which saves while training goes on do not "
+            "cover yet: use torch.save(optimizer.state_dict())")
+    packed = state_dict(opt)  # syncs the state (updates during backward rolled back, residents copied home)
+    layout = opt.layout
+    index = {id(p): i for i, p in enumerate(layout.params)}
+    order = [p for g in opt.param_groups for p in g["params"]]
+    ranges = {}
+    skeleton = {}
+    for idx, entry in packed["state"].items():
+        i = index[id(order[idx])]
+        lo, hi = layout.ranges[i]
+        ranges[idx] = (lo, hi, tuple(local(layout.params[i]).shape))
+        skeleton[idx] = {k: v for k, v in entry.items() if k not in ("exp_avg", "exp_avg_sq", "master_param")}
+    meta = io.BytesIO()
+    torch.save({"format": FORMAT, "numel": layout.numel, "ranges": ranges,
+                "state_dict": {"state": skeleton, "param_groups": packed["param_groups"],
+                               "memtide": packed["memtide"]}}, meta)
+    return AsyncSave(opt.engine.save_async(os.fspath(path), buffer_bytes, meta.getvalue()))
+
+
+def read(path: Any) -> Dict[str, Any]:
+    """The checkpoint at `path` as a state dict of TieredAdamW's layout (torch.optim.AdamW's, with
+    the fp32 params as "master_param"), every checksum checked first. Its tensors map the file
+    (read-only, no copy in memory); load_state_dict copies them."""
+    folder = os.fspath(path)
+    manifest = _memtide.read_checkpoint_manifest(folder, True)
+    meta_path = os.path.join(folder, manifest["meta"])
+    try:
+        meta = torch.load(meta_path, weights_only=True)
+    except Exception as e:  # a file torch cannot read: name it, whatever torch raised
+        raise OSError(f"checkpoint: {meta_path} cannot be read: {e}") from e
+    n = manifest["params"]
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("numel") != n:
+        raise OSError(f"checkpoint: {meta_path} does not describe the {n} params of {folder}")
+    import numpy as np
+
+    flat = np.memmap(os.path.join(folder, manifest["data"]), dtype=np.float32, mode="r", shape=(3 * n,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only by design: load_state_dict copies
+        t = torch.from_numpy(flat)
+    params, exp_avg, exp_avg_sq = t[:n], t[n:2 * n], t[2 * n:]
+    sd = meta["state_dict"]
+    state = {}
+    for idx, entry in sd["state"].items():
+        lo, hi, shape = meta["ranges"][idx]
+        state[idx] = dict(entry, exp_avg=exp_avg[lo:hi].view(shape), exp_avg_sq=exp_avg_sq[lo:hi].view(shape),
+                          master_param=params[lo:hi].view(shape))
+    return {"state": state, "param_groups": sd["param_groups"], "memtide": sd["memtide"]}
+
+
+@torch.no_grad()
+def load(opt: Any, path: Any) -> None:
+    load_state_dict(opt, read(path))
+    # The fp32 params the model holds apart from the buffers take the saved values too (fp16/bf16
+    # ones were written from their masters by load_state_dict).
+    layout, b = opt.layout, opt.buffers
+    if opt.engine is None:
+        return
+    for i, p in enumerate(layout.params):
+        if not layout.lowp_of[i] and not layout.aliased[i]:
+            lo, hi = layout.ranges[i]
+            opt.distribution.write_back(p, b.params[lo:hi])

@@ -848,6 +848,34 @@ class TieredAdamW(torch.optim.Optimizer):
         checkpoint.load_state_dict(self, state_dict)
         self._bound = self._bindings()
 
+    def save_checkpoint(self, path: Any, *, blocking: bool = False, buffer_bytes: int = 0) -> checkpoint.AsyncSave:
+        """Saves the optimizer's state and the fp32 params it holds to the folder `path` while
+        training goes on, and returns at once (``blocking=True``: when it is written).
+
+        The folder holds the state as it is now: steps go on, and before one changes a subgroup
+        the writer has not reached, the engine copies that subgroup into a buffer of at most
+        `buffer_bytes` (0: two of the largest subgroup) or waits for the writer. No second copy of
+        the state is made, in memory or in the page cache. The folder appears whole when the save
+        commits, replacing a previous checkpoint there; a save that fails or is killed leaves the
+        path as it was. One save at a time: a second waits for the first. Read it back with
+        load_checkpoint() or memtide.optim.read_checkpoint(). One process, without NVMe spills.
+        """
+        if not isinstance(blocking, bool):
+            raise ValueError(f"TieredAdamW.save_checkpoint: blocking must be True or False, got {blocking!r}")
+        self._follow_params()
+        save = checkpoint.save_async(self, path, buffer_bytes)
+        if blocking:
+            save.wait()
+        return save
+
+    def load_checkpoint(self, path: Any) -> None:
+        """Loads a checkpoint folder save_checkpoint() wrote: every checksum is checked before
+        anything changes (OSError naming what is missing or corrupt); the model's params take the
+        saved values."""
+        self._follow_params()
+        checkpoint.load(self, path)
+        self._bound = self._bindings()
+
     spilled_subgroups = 0  #: subgroups whose params and moments live on NVMe (0 without an NVMe tier)
     engine = None  #: memtide._memtide.UpdateEngine (None while there is nothing to update)
     model_attached = False

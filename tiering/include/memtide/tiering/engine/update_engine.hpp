@@ -21,6 +21,7 @@
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/thread_pool.hpp"
+#include "memtide/tiering/checkpoint/state_snapshot.hpp"
 #include "memtide/tiering/engine/engine_types.hpp"
 #include "memtide/tiering/engine/grad_sink.hpp"
 #include "memtide/tiering/engine/param_layout.hpp"
@@ -110,6 +111,21 @@ class UpdateEngine {
   /// Copies the newest state of static residents (and spilled subgroups) into the host arrays.
   void sync_host();
 
+  // ---- checkpoints while training goes on ---------------------------------------------------
+  /// Starts saving the host state (params, exp_avg, exp_avg_sq) to `target` while steps go on
+  /// (StateSnapshot): brings residents' state to the host first, then every step protects the
+  /// subgroups whose host state it changes. One save at a time: a running one is waited for.
+  /// `buffer_bytes` bounds the copy-on-write buffer (0: two of the largest subgroup); `meta` is
+  /// saved beside the state. Throws InvalidArgument with the NVMe tier (its spilled subgroups are
+  /// not saved this way yet) and for a bad target.
+  std::shared_ptr<StateSnapshot> save_async(const std::filesystem::path& target, std::uint64_t buffer_bytes,
+                                            std::string meta);
+  /// The running save (null when none, or once it is over).
+  [[nodiscard]] std::shared_ptr<StateSnapshot> running_save();
+  /// Before the host state of `subgroup` changes outside step() (updates during backward): keeps
+  /// a running save's view of it.
+  void protect_host(std::size_t subgroup);
+
   [[nodiscard]] Rates rates() const { return calibration_.rates(); }
   [[nodiscard]] PredictionErrors prediction_errors() const { return calibration_.error_summary(); }
   /// A whole iteration predicted (PerfModel::predict_iteration) and measured; returns the error.
@@ -187,6 +203,7 @@ class UpdateEngine {
   std::vector<bool> done_before_phase_;
   std::vector<bool> host_gradients_;
   std::unique_ptr<SpillTier> nvme_;  // the NVMe tier (null: none)
+  std::shared_ptr<StateSnapshot> save_;  // the running checkpoint save (null: none)
 
   // The optimizer's step (step(const StepRequest&)).
   ParamLayout layout_;

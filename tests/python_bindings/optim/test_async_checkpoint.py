@@ -1,0 +1,204 @@
+"""TieredAdamW.save_checkpoint: a checkpoint written while training goes on holds the state as it
+was when asked for, commits whole or not at all, and a run resumed from it equals the
+uninterrupted run bit for bit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from memtide.optim import TieredAdamW, read_checkpoint
+
+HIDDEN = 1024  # about 3.1M params, 37 MB of state in 48 subgroups: steps outrun the writer
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
+                               torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1024)).to(dtype)
+
+
+def _optimizer(model, policy, **kw):
+    return TieredAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, policy=policy, subgroup_size=1 << 16, **kw)
+
+
+def _train(model, opt, steps, first):
+    for s in range(first, first + steps):
+        g = torch.Generator().manual_seed(100 + s)
+        x = torch.randn(8, HIDDEN, generator=g).to(next(model.parameters()).dtype)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _frozen(opt):
+    """The optimizer's state now, as plain tensors that no later step changes."""
+    sd = opt.state_dict()
+    return {idx: {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in e.items()}
+            for idx, e in sd["state"].items()}
+
+
+CASES = {
+    "cpu": ("cpu", torch.float32, {}),
+    "interleaved": ("interleaved", torch.float32, {}),  # streamed GPU subgroups flush into the host
+    "auto": ("auto", torch.float32, {}),  # GPU residents: their host ranges are synced at the save
+    "bf16": ("cpu", torch.bfloat16, {}),  # fp32 masters of a bf16 model
+    "during-backward": ("cpu", torch.float32, {"update_during_backward": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_checkpoint_holds_the_state_when_asked_and_a_resumed_run_equals_the_uninterrupted_one(tmp_path, case):
+    policy, dtype, kw = CASES[case]
+    model = _model(dtype)
+    opt = _optimizer(model, policy, **kw)
+    _train(model, opt, 2, 0)
+    asked = _frozen(opt)
+    # A buffer of one subgroup: most of the next steps' subgroups wait for the writer or are copied.
+    save = opt.save_checkpoint(tmp_path / "ckpt", buffer_bytes=12 << 16)
+    _train(model, opt, 3, 2)
+    save.wait()
+    p = save.progress()
+    assert p["committed"] and p["bytes_written"] == p["bytes_total"] == 12 * opt.layout.numel
+    assert p["peak_buffer_bytes"] <= 12 << 16
+    after = [q.detach().clone() for q in model.parameters()]
+
+    # The folder holds the state at the save, not the state now.
+    saved = read_checkpoint(tmp_path / "ckpt")["state"]
+    for idx, entry in asked.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved[idx][key], entry[key]), (case, idx, key)
+        assert int(saved[idx]["step"]) == int(entry["step"]) == 2
+
+    # Resumed from it on a fresh model and optimizer, the same three steps give the same bits.
+    model2 = _model(dtype)
+    opt2 = _optimizer(model2, policy, **kw)
+    opt2.load_checkpoint(tmp_path / "ckpt")
+    _train(model2, opt2, 3, 2)
+    for a, b in zip(after, model2.parameters()):
+        assert torch.equal(a, b), case
+
+
+def test_a_second_save_waits_for_the_first_and_replaces_it(tmp_path):
+    model = _model()
+    opt = _optimizer(model, "cpu")
+    _train(model, opt, 1, 0)
+    first = opt.save_checkpoint(tmp_path / "ckpt")
+    _train(model, opt, 1, 1)
+    second = opt.save_checkpoint(tmp_path / "ckpt")  # never interleaved with the first
+    assert first.done()
+    second.wait()
+    assert first.progress()["committed"] and second.progress()["committed"]
+    state = read_checkpoint(tmp_path / "ckpt")["state"]
+    assert all(int(e["step"]) == 2 for e in state.values())
+    assert [f for f in os.listdir(tmp_path) if "partial" in f] == []
+
+
+def test_bad_targets_and_arguments_are_refused_naming_them(tmp_path):
+    model = _model()
+    opt = _optimizer(model, "cpu")
+    _train(model, opt, 1, 0)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("keep")
+    os.symlink(tmp_path / "theirs", tmp_path / "link")
+    for target, words in ((tmp_path / "file", "not a folder"), (tmp_path / "theirs", "not a memtide checkpoint"),
+                          (tmp_path / "link", "symbolic link")):
+        with pytest.raises(ValueError, match=words):
+            opt.save_checkpoint(target)
+    with pytest.raises(OSError, match="does not exist"):
+        opt.save_checkpoint(tmp_path / "missing" / "ckpt")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="buffer_bytes"):
+            opt.save_checkpoint(tmp_path / "ckpt", buffer_bytes=bad)
+    with pytest.raises(ValueError, match="path"):
+        opt.save_checkpoint("")
+    assert (tmp_path / "theirs" / "notes.txt").read_text() == "keep"
+
+
+def test_a_refused_load_changes_nothing(tmp_path):
+    model = _model()
+    opt = _optimizer(model, "cpu")
+    _train(model, opt, 2, 0)
+    opt.save_checkpoint(tmp_path / "ckpt", blocking=True)
+    _train(model, opt, 1, 2)
+    before = _frozen(opt)
+    params = [p.detach().clone() for p in model.parameters()]
+    data = tmp_path / "ckpt" / "state.bin"
+    with open(data, "r+b") as f:  # one byte of the moments flipped
+        f.seek(12 * opt.layout.numel // 2)
+        f.write(b"\x7f")
+    with pytest.raises(OSError, match="corrupt: subgroup"):
+        opt.load_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(OSError, match="no checkpoint"):
+        opt.load_checkpoint(tmp_path / "none")
+    os.truncate(data, 100)
+    with pytest.raises(OSError, match="truncated"):
+        opt.load_checkpoint(tmp_path / "ckpt")
+    after = _frozen(opt)
+    for idx in before:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(before[idx][key], after[idx][key])
+    for a, b in zip(params, model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_refused_with_subgroups_spilled_to_nvme(tmp_path):
+    from memtide_testing import direct_io_dir
+
+    model = _model(torch.bfloat16)
+    opt = TieredAdamW(model.parameters(), lr=1e-3, policy="cpu", subgroup_size=1 << 16,
+                      nvme_dir=direct_io_dir(tmp_path), host_budget=24 << 20)
+    _train(model, opt, 1, 0)
+    assert opt.spilled_subgroups > 0
+    with pytest.raises(NotImplementedError, match="NVMe"):
+        opt.save_checkpoint(tmp_path / "ckpt")
+
+
+def test_torch_adamw_loads_the_checkpoint(tmp_path):
+    model = _model()
+    opt = _optimizer(model, "cpu")
+    _train(model, opt, 2, 0)
+    opt.save_checkpoint(tmp_path / "ckpt", blocking=True)
+    twin = torch.optim.AdamW(_model().parameters(), lr=1e-3, weight_decay=0.01)
+    twin.load_state_dict(read_checkpoint(tmp_path / "ckpt"))
+    for idx, entry in opt.state_dict()["state"].items():
+        assert torch.equal(twin.state_dict()["state"][idx]["exp_avg"], entry["exp_avg"])
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    sys.path.insert(0, sys.argv[2])
+    from test_async_checkpoint import _model, _optimizer, _train
+    model = _model()
+    opt = _optimizer(model, "cpu")
+    _train(model, opt, 2, 0)
+    opt.save_checkpoint(sys.argv[1], blocking=True)
+    _train(model, opt, 1, 2)
+    save = opt.save_checkpoint(sys.argv[1], buffer_bytes=12 << 16)
+    while save.progress()["bytes_written"] == 0:
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_killed_save_leaves_the_previous_checkpoint_and_the_next_save_cleans_up(tmp_path):
+    target = tmp_path / "ckpt"
+    r = subprocess.run([sys.executable, "-c", KILLED, str(target), os.path.dirname(__file__)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    partial = [f for f in os.listdir(tmp_path) if ".memtide-partial-" in f]
+    assert partial, "the killed save left its partial folder"
+    state = read_checkpoint(target)["state"]  # the previous one, whole
+    assert all(int(e["step"]) == 2 for e in state.values())
+    model = _model()
+    opt = _optimizer(model, "cpu")
+    opt.load_checkpoint(target)
+    opt.save_checkpoint(target, blocking=True)
+    assert [f for f in os.listdir(tmp_path) if ".memtide-partial-" in f] == []

@@ -1,0 +1,217 @@
+// StateSnapshot: a save of the host state while it changes, with a bounded copy-on-write buffer,
+// committed whole or not at all.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "memtide/core/error.hpp"
+#include "memtide/tiering/checkpoint/state_snapshot.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using memtide::tiering::StateSnapshot;
+
+struct State {
+  std::vector<float> p, m, v;
+  explicit State(std::size_t n, float base) : p(n), m(n), v(n) {
+    for (std::size_t i = 0; i < n; ++i) {
+      p[i] = base + static_cast<float>(i);
+      m[i] = base * 0.5F - static_cast<float>(i);
+      v[i] = base + 0.25F * static_cast<float>(i);
+    }
+  }
+};
+
+class StateSnapshotTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/memtide-snapshot-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  static StateSnapshot::Ranges cut(std::size_t n, std::size_t size) {
+    StateSnapshot::Ranges r;
+    for (std::size_t s = 0; s < n; s += size) r.emplace_back(s, std::min(n, s + size));
+    return r;
+  }
+  static StateSnapshot::Config config(const fs::path& target, const State& s, std::size_t size,
+                                      std::uint64_t buffer = 0) {
+    StateSnapshot::Config c;
+    c.target = target;
+    c.param = s.p.data();
+    c.exp_avg = s.m.data();
+    c.exp_avg_sq = s.v.data();
+    c.n = s.p.size();
+    c.subgroups = cut(c.n, size);
+    c.buffer_bytes = buffer;
+    c.meta = "meta bytes";
+    return c;
+  }
+  // What the checkpoint at `target` holds, after the manifest and every checksum were checked.
+  static State read(const fs::path& target) {
+    const memtide::tiering::SnapshotManifest m = StateSnapshot::read_manifest(target, /*verify=*/true);
+    State s(m.params, 0);
+    std::ifstream in(target / StateSnapshot::kData, std::ios::binary);
+    for (std::vector<float>* a : {&s.p, &s.m, &s.v}) {
+      in.read(reinterpret_cast<char*>(a->data()), static_cast<std::streamsize>(a->size() * sizeof(float)));
+    }
+    EXPECT_TRUE(in.good());
+    return s;
+  }
+  std::size_t partials() const {
+    std::size_t n = 0;
+    for (const auto& e : fs::directory_iterator(dir_)) n += e.path().filename().string().find(".memtide-partial-") != std::string::npos;
+    return n;
+  }
+  fs::path dir_;
+};
+
+TEST_F(StateSnapshotTest, SavesTheStateAsItWasAskedForWhileStepsChangeIt) {
+  const std::size_t n = 1 << 20, size = 1 << 16;  // 16 subgroups of 768 KiB
+  State live(n, 1.0F);
+  const State asked = live;
+  const std::uint64_t bound = 2 * 3 * sizeof(float) * size;
+  auto save = StateSnapshot::start(config(dir_ / "ckpt", live, size, bound));
+  // Three "steps" change every subgroup, each protecting it first, as the engine does.
+  for (int step = 0; step < 3; ++step) {
+    for (std::size_t g = 0; g < n / size; ++g) {
+      save->protect(g);
+      for (std::size_t i = g * size; i < (g + 1) * size; ++i) {
+        live.p[i] += 1.0F;
+        live.m[i] -= 2.0F;
+        live.v[i] *= 0.5F;
+      }
+    }
+  }
+  save->wait();
+  const memtide::tiering::SnapshotProgress pr = save->progress();
+  EXPECT_TRUE(pr.committed);
+  EXPECT_EQ(pr.bytes_written, 3 * sizeof(float) * n);
+  EXPECT_LE(pr.peak_buffer_bytes, bound) << "the copy-on-write buffer stays within its bound";
+  const State saved = read(dir_ / "ckpt");
+  EXPECT_EQ(saved.p, asked.p);
+  EXPECT_EQ(saved.m, asked.m);
+  EXPECT_EQ(saved.v, asked.v);
+  std::ifstream meta(dir_ / "ckpt" / StateSnapshot::kMeta);
+  std::string text((std::istreambuf_iterator<char>(meta)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "meta bytes");
+  EXPECT_EQ(partials(), 0U);
+}
+
+TEST_F(StateSnapshotTest, ASecondSaveReplacesTheFirstWhole) {
+  State a(3000, 1.0F), b(3000, 7.0F);
+  StateSnapshot::start(config(dir_ / "ckpt", a, 1000))->wait();
+  StateSnapshot::start(config(dir_ / "ckpt", b, 700))->wait();
+  const State saved = read(dir_ / "ckpt");
+  EXPECT_EQ(saved.p, b.p);
+  EXPECT_EQ(StateSnapshot::read_manifest(dir_ / "ckpt", false).subgroups.size(), 5U);
+  EXPECT_EQ(partials(), 0U) << "the previous checkpoint is removed once replaced";
+}
+
+TEST_F(StateSnapshotTest, RefusesTargetsThatAreNotItsOwn) {
+  State s(100, 1.0F);
+  auto refused = [&](const fs::path& target, const std::string& words) {
+    try {
+      StateSnapshot::start(config(target, s, 50));
+      ADD_FAILURE() << target << " was accepted";
+    } catch (const memtide::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  std::ofstream(dir_ / "file") << "x";
+  refused(dir_ / "file", "not a folder");
+  fs::create_directory(dir_ / "theirs");
+  std::ofstream(dir_ / "theirs" / "keep.txt") << "x";
+  refused(dir_ / "theirs", "not a memtide checkpoint");
+  EXPECT_TRUE(fs::exists(dir_ / "theirs" / "keep.txt"));
+  fs::create_directory_symlink(dir_ / "theirs", dir_ / "link");
+  refused(dir_ / "link", "symbolic link");
+  refused(dir_ / "missing" / "ckpt", "does not exist");
+  EXPECT_EQ(partials(), 0U);
+}
+
+TEST_F(StateSnapshotTest, AFailedWriteLeavesThePreviousCheckpointLoadable) {
+  State first(4096, 1.0F), second(4096, 5.0F);
+  StateSnapshot::start(config(dir_ / "ckpt", first, 1024))->wait();
+  auto save = StateSnapshot::start(config(dir_ / "ckpt", second, 1024));
+  save->inject_write_error(ENOSPC);
+  // The fault fires at the writer's next write; one may already be done.
+  try {
+    save->wait();
+    // The writer finished before the fault could fire: inject into a fresh save instead.
+    save = StateSnapshot::start(config(dir_ / "ckpt2", second, 1024));
+  } catch (const memtide::IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("did not complete"), std::string::npos) << e.what();
+    EXPECT_FALSE(save->progress().committed);
+  }
+  EXPECT_EQ(read(dir_ / "ckpt").p, first.p) << "the previous checkpoint is untouched";
+  EXPECT_EQ(partials(), 0U) << "the failed save's folder is removed";
+}
+
+TEST_F(StateSnapshotTest, CorruptTruncatedAndPartialCheckpointsAreRefusedNamingWhatIsWrong) {
+  State s(5000, 2.0F);
+  StateSnapshot::start(config(dir_ / "ckpt", s, 1000))->wait();
+  auto refused = [&](const std::string& words) {
+    try {
+      (void)StateSnapshot::read_manifest(dir_ / "ckpt", true);
+      ADD_FAILURE() << "accepted";
+    } catch (const memtide::IoError& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  {  // one byte of subgroup 3's exp_avg flipped
+    std::fstream f(dir_ / "ckpt" / StateSnapshot::kData, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>((5000 + 3500) * sizeof(float)));
+    f.put('\x7f');
+  }
+  refused("subgroup 3");
+  fs::resize_file(dir_ / "ckpt" / StateSnapshot::kData, 1000);
+  refused("truncated");
+  fs::remove(dir_ / "ckpt" / StateSnapshot::kManifest);
+  refused("no state.manifest");
+  // A save that died before its commit: the target does not exist, the partial folder is named.
+  fs::remove_all(dir_ / "ckpt");
+  fs::create_directory(dir_ / ".ckpt.memtide-partial-1-dead");
+  refused("did not complete");
+}
+
+TEST_F(StateSnapshotTest, PartialFoldersOfDeadSavesAreRemovedAndCancelLeavesTheTarget) {
+  // pid_max is at most 2^22: this process cannot exist.
+  fs::create_directory(dir_ / ".ckpt.memtide-partial-99999999-abc");
+  std::ofstream(dir_ / ".ckpt.memtide-partial-99999999-abc" / "state.bin") << "half";
+  State s(1 << 18, 3.0F);
+  StateSnapshot::start(config(dir_ / "ckpt", s, 1 << 14))->wait();
+  EXPECT_FALSE(fs::exists(dir_ / ".ckpt.memtide-partial-99999999-abc"));
+  auto save = StateSnapshot::start(config(dir_ / "other", s, 1 << 14));
+  save->cancel();
+  EXPECT_THROW(save->wait(), memtide::IoError);
+  save.reset();
+  EXPECT_FALSE(fs::exists(dir_ / "other"));
+  EXPECT_EQ(partials(), 0U);
+  EXPECT_EQ(read(dir_ / "ckpt").v, s.v);
+}
+
+TEST_F(StateSnapshotTest, BadConfigsAreRefused) {
+  State s(100, 1.0F);
+  StateSnapshot::Config c = config(dir_ / "ckpt", s, 30);
+  c.subgroups.pop_back();
+  EXPECT_THROW(StateSnapshot::start(c), memtide::InvalidArgument);
+  c = config(dir_ / "ckpt", s, 30);
+  c.exp_avg = nullptr;
+  EXPECT_THROW(StateSnapshot::start(c), memtide::InvalidArgument);
+  c = config("", s, 30);
+  EXPECT_THROW(StateSnapshot::start(c), memtide::InvalidArgument);
+}
+
+}  // namespace

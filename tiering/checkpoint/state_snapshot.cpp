@@ -1,0 +1,559 @@
+#include "memtide/tiering/checkpoint/state_snapshot.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <system_error>
+
+#if MEMTIDE_HAVE_NVME
+#include <xxhash.h>
+#endif
+
+#include "memtide/core/error.hpp"
+#include "memtide/core/files.hpp"
+#include "memtide/core/format.hpp"
+#include "memtide/core/log.hpp"
+
+namespace memtide::tiering {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::size_t kChunk = std::size_t{8} << 20;  // bytes per write call
+constexpr const char* kPartialTag = ".memtide-partial-";
+constexpr const char* kFormat = "memtide-state 1";
+
+std::string err_text(int err) { return files::errno_text(err); }
+
+IoError io_error(const std::string& what, int err) { return IoError(what + ": " + err_text(err)); }
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// ---- the file calls of a save, in one place ----------------------------------------------------
+
+void write_all(int fd, const void* data, std::size_t bytes, off_t offset, const fs::path& file) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pwrite(fd, p, bytes, offset);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw io_error("writing " + file.string() + " at byte " + std::to_string(offset), errno);
+    if (n == 0) throw IoError("writing " + file.string() + " at byte " + std::to_string(offset) + ": no progress");
+    p += n;
+    bytes -= static_cast<std::size_t>(n);
+    offset += n;
+  }
+}
+
+// Written bytes go to the disk now and leave the page cache: a save of a state that fills host
+// memory must not fill it a second time with dirty pages.
+void flush_range(int fd, off_t offset, std::size_t bytes, const fs::path& file) {
+  if (::sync_file_range(fd, offset, static_cast<off_t>(bytes),
+                        SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER) != 0 &&
+      errno != ENOSYS && errno != EINVAL) {
+    throw io_error("writing back " + file.string(), errno);
+  }
+  (void)::posix_fadvise(fd, offset, static_cast<off_t>(bytes), POSIX_FADV_DONTNEED);
+}
+
+void sync_folder(const fs::path& folder) {
+  const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw io_error("opening folder " + folder.string(), errno);
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0 && err != EINVAL) throw io_error("syncing folder " + folder.string(), err);
+}
+
+void put_file(const fs::path& path, const std::string& bytes) {
+  if (std::string why = files::write_atomically(path.string(), bytes); !why.empty()) throw IoError(why);
+}
+
+bool is_checkpoint(const fs::path& folder) {
+  struct stat st {};
+  return ::lstat((folder / StateSnapshot::kManifest).c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+// What memtide will not replace: a link, a file, a folder that is not one of its checkpoints.
+std::string refuse_target(const fs::path& target) {
+  struct stat st {};
+  if (::lstat(target.c_str(), &st) != 0) {
+    return errno == ENOENT ? "" : "cannot inspect " + target.string() + ": " + err_text(errno);
+  }
+  if (S_ISLNK(st.st_mode)) return target.string() + " is a symbolic link; memtide saves only into a real folder";
+  if (!S_ISDIR(st.st_mode)) return target.string() + " exists and is not a folder";
+  if (!is_checkpoint(target)) {
+    return target.string() + " is a folder that is not a memtide checkpoint (no " + StateSnapshot::kManifest +
+           "); memtide replaces only its own checkpoints";
+  }
+  return "";
+}
+
+fs::path parent_of(const fs::path& target) {
+  const fs::path parent = target.parent_path();
+  return parent.empty() ? fs::path(".") : parent;
+}
+
+std::string partial_prefix(const fs::path& target) {
+  std::string s = ".";  // appended, not `"." + name`: GCC 12's -Wrestrict misfires on that at -O3
+  s.append(target.filename().string());
+  s.append(kPartialTag);
+  return s;
+}
+
+// Partial folders beside `target` whose save died with its process: removed, and said so.
+void remove_dead_partials(const fs::path& target) {
+  const std::string prefix = partial_prefix(target);
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(parent_of(target), ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
+    if (pid <= 0 || pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    std::error_code rm;
+    fs::remove_all(e.path(), rm);
+    MEMTIDE_LOG(warn, "checkpoint: removed " + e.path().string() + ", left by an interrupted save (process " +
+                          std::to_string(pid) + " is gone)" + (rm ? "; could not remove all of it: " + rm.message() : ""));
+  }
+}
+
+std::string hex64(std::uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+}  // namespace
+
+// ---- the save ----------------------------------------------------------------------------------
+
+StateSnapshot::StateSnapshot(Config config) : config_(std::move(config)) {}
+
+std::uint64_t StateSnapshot::subgroup_bytes(std::size_t i) const {
+  return 3 * sizeof(float) * static_cast<std::uint64_t>(config_.subgroups[i].second - config_.subgroups[i].first);
+}
+
+std::shared_ptr<StateSnapshot> StateSnapshot::start(Config config) {
+#if !MEMTIDE_HAVE_NVME
+  (void)config;
+  throw InvalidArgument("checkpoint: memtide was built without xxHash (libxxhash-dev), which saves need");
+#else
+  if (config.target.empty()) throw InvalidArgument("checkpoint: the target path is empty");
+  if (config.n > 0 && (config.param == nullptr || config.exp_avg == nullptr || config.exp_avg_sq == nullptr)) {
+    throw InvalidArgument("checkpoint: the state arrays must not be null");
+  }
+  std::size_t expect = 0, largest = 0;
+  for (const auto& [first, end] : config.subgroups) {
+    if (first != expect || end <= first) {
+      throw InvalidArgument("checkpoint: subgroups must be consecutive, non-empty and start at 0 (got [" +
+                            std::to_string(first) + ", " + std::to_string(end) + ") after " + std::to_string(expect) + ")");
+    }
+    largest = std::max(largest, end - first);
+    expect = end;
+  }
+  if (expect != config.n) {
+    throw InvalidArgument("checkpoint: the subgroups cover " + std::to_string(expect) + " params, the state has " +
+                          std::to_string(config.n));
+  }
+  if (config.buffer_bytes == 0) config.buffer_bytes = 2 * 3 * sizeof(float) * static_cast<std::uint64_t>(largest);
+  config.target = fs::absolute(config.target).lexically_normal();
+  if (config.target.filename().empty()) config.target = config.target.parent_path();
+  const fs::path parent = parent_of(config.target);
+  std::error_code ec;
+  if (!fs::is_directory(parent, ec)) throw IoError("checkpoint: cannot save to " + config.target.string() + ": folder " + parent.string() + " does not exist");
+  if (std::string why = refuse_target(config.target); !why.empty()) throw InvalidArgument("checkpoint: " + why);
+  remove_dead_partials(config.target);
+
+  std::shared_ptr<StateSnapshot> s(new StateSnapshot(std::move(config)));
+  const Config& c = s->config_;
+  std::random_device rd;
+  s->partial_ = parent / (partial_prefix(c.target) + std::to_string(::getpid()) + "-" +
+                          hex64((std::uint64_t{rd()} << 32) ^ rd()).substr(8));
+  if (::mkdir(s->partial_.c_str(), 0700) != 0) throw io_error("checkpoint: cannot make " + s->partial_.string(), errno);
+  try {
+    const fs::path data = s->partial_ / kData;
+    s->fd_ = ::open(data.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (s->fd_ < 0) throw io_error("checkpoint: cannot create " + data.string(), errno);
+    const std::uint64_t total = 3 * sizeof(float) * static_cast<std::uint64_t>(c.n);
+    if (total > 0) {
+      if (const int err = ::posix_fallocate(s->fd_, 0, static_cast<off_t>(total)); err != 0) {
+        throw io_error("checkpoint: cannot reserve " + format_bytes(total) + " for " + data.string(), err);
+      }
+    }
+    s->stage_.assign(c.subgroups.size(), Stage::pending);
+    s->copies_.resize(c.subgroups.size());
+    s->checksums_.assign(c.subgroups.size(), 0);
+    s->progress_.bytes_total = total;
+    s->progress_.buffer_bound = c.buffer_bytes;
+    s->started_ = std::chrono::steady_clock::now();
+    MEMTIDE_LOG(info, "checkpoint: saving " + format_bytes(total) + " of optimizer state to " + c.target.string() +
+                          " while training goes on (copy-on-write buffer up to " + format_bytes(c.buffer_bytes) + ")");
+    s->writer_ = std::thread([raw = s.get()] { raw->run(); });
+  } catch (...) {
+    s->remove_partial();
+    throw;
+  }
+  return s;
+#endif
+}
+
+StateSnapshot::~StateSnapshot() {
+  cancel();
+  if (writer_.joinable()) writer_.join();
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void StateSnapshot::cancel() {
+  std::lock_guard lock(mutex_);
+  if (progress_.done) return;
+  stop_ = true;
+  changed_.notify_all();
+}
+
+void StateSnapshot::inject_write_error(int err) {
+  std::lock_guard lock(mutex_);
+  inject_errno_ = err;
+}
+
+void StateSnapshot::protect(std::size_t i) {
+  std::unique_lock lock(mutex_);
+  if (i >= stage_.size()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  bool waited = false;
+  for (;;) {
+    if (progress_.done || stop_) break;  // over: nothing left to keep
+    const Stage s = stage_[i];
+    if (s == Stage::copied || s == Stage::writing_copy || s == Stage::written) break;
+    if (s == Stage::pending) {
+      const std::uint64_t bytes = subgroup_bytes(i);
+      if (buffer_used_ + bytes <= config_.buffer_bytes) {
+        stage_[i] = Stage::copying;
+        buffer_used_ += bytes;
+        progress_.peak_buffer_bytes = std::max(progress_.peak_buffer_bytes, buffer_used_);
+        lock.unlock();
+        const auto [first, end] = config_.subgroups[i];
+        const std::size_t n = end - first;
+        std::unique_ptr<float[]> copy(new (std::nothrow) float[3 * n]);
+        if (copy) {
+          std::memcpy(copy.get(), config_.param + first, n * sizeof(float));
+          std::memcpy(copy.get() + n, config_.exp_avg + first, n * sizeof(float));
+          std::memcpy(copy.get() + 2 * n, config_.exp_avg_sq + first, n * sizeof(float));
+        }
+        lock.lock();
+        if (copy) {
+          copies_[i] = std::move(copy);
+          stage_[i] = Stage::copied;
+          progress_.copied_bytes += bytes;
+          changed_.notify_all();
+          break;
+        }
+        stage_[i] = Stage::pending;  // no memory for the copy: wait for the writer instead
+        buffer_used_ -= bytes;
+      }
+      if (std::find(urgent_.begin(), urgent_.end(), i) == urgent_.end()) urgent_.push_back(i);
+      changed_.notify_all();
+    }
+    waited = true;
+    changed_.wait(lock);
+  }
+  if (waited) progress_.waited_s += seconds_since(t0);
+}
+
+void StateSnapshot::run() {
+  const std::size_t count = stage_.size();
+  std::string error;
+  try {
+    std::size_t logged_quarter = 0;
+    for (;;) {
+      std::unique_lock lock(mutex_);
+      if (stop_) throw IoError("cancelled");
+      std::size_t i = count;
+      bool from_copy = false;
+      while (!urgent_.empty() && i == count) {
+        if (stage_[urgent_.front()] == Stage::pending) i = urgent_.front();
+        urgent_.erase(urgent_.begin());
+      }
+      for (std::size_t j = 0; i == count && j < count; ++j) {  // copies first: they free the buffer
+        if (stage_[j] == Stage::copied) {
+          i = j;
+          from_copy = true;
+        }
+      }
+      while (i == count && cursor_ < count && stage_[cursor_] != Stage::pending) ++cursor_;
+      if (i == count && cursor_ < count) i = cursor_;
+      if (i == count) {
+        if (std::find(stage_.begin(), stage_.end(), Stage::copying) != stage_.end()) {
+          changed_.wait(lock);
+          continue;
+        }
+        break;  // every subgroup written
+      }
+      stage_[i] = from_copy ? Stage::writing_copy : Stage::writing;
+      lock.unlock();
+      const auto [first, end] = config_.subgroups[i];
+      const std::size_t n = end - first;
+      if (from_copy) {
+        const float* c = copies_[i].get();
+        write_subgroup(i, c, c + n, c + 2 * n);
+      } else {
+        write_subgroup(i, config_.param + first, config_.exp_avg + first, config_.exp_avg_sq + first);
+      }
+      lock.lock();
+      if (from_copy) {
+        copies_[i].reset();
+        buffer_used_ -= subgroup_bytes(i);
+      }
+      stage_[i] = Stage::written;
+      progress_.bytes_written += subgroup_bytes(i);
+      changed_.notify_all();
+      const std::size_t quarter = progress_.bytes_total ? 4 * progress_.bytes_written / progress_.bytes_total : 4;
+      if (quarter > logged_quarter && quarter < 4) {
+        logged_quarter = quarter;
+        const double s = seconds_since(started_);
+        MEMTIDE_LOG(info, "checkpoint: " + std::to_string(25 * quarter) + "% of " + config_.target.string() + " (" +
+                              format_bytes(progress_.bytes_written) + " in " + std::to_string(s) + " s); training waited " +
+                              std::to_string(progress_.waited_s) + " s so far");
+      }
+    }
+    commit();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!error.empty()) remove_partial();
+  std::lock_guard lock(mutex_);
+  progress_.elapsed_s = seconds_since(started_);
+  if (error.empty()) {
+    progress_.committed = true;
+    const double rate = progress_.write_s > 0 ? static_cast<double>(progress_.bytes_total) / progress_.write_s : 0;
+    MEMTIDE_LOG(info, "checkpoint: saved " + format_bytes(progress_.bytes_total) + " to " + config_.target.string() +
+                          " in " + std::to_string(progress_.elapsed_s) + " s (" + format_bytes(static_cast<std::uint64_t>(rate)) +
+                          "/s while writing); training waited " + std::to_string(progress_.waited_s) +
+                          " s; copy-on-write buffer peak " + format_bytes(progress_.peak_buffer_bytes));
+  } else if (stop_ && error == "cancelled") {
+    progress_.error = "cancelled";
+    MEMTIDE_LOG(info, "checkpoint: the save to " + config_.target.string() + " was cancelled; it is left as it was");
+  } else {
+    progress_.error = error;
+    MEMTIDE_LOG(error, "checkpoint: the save to " + config_.target.string() + " failed (" + error +
+                           "); the target is left as it was");
+  }
+  progress_.done = true;
+  // The copies of a failed save are not needed any more.
+  for (auto& c : copies_) c.reset();
+  buffer_used_ = 0;
+  changed_.notify_all();
+}
+
+void StateSnapshot::write_subgroup(std::size_t i, const float* p, const float* m, const float* v) {
+#if MEMTIDE_HAVE_NVME
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto [first, end] = config_.subgroups[i];
+  const std::size_t n = end - first;
+  const fs::path data = partial_ / kData;
+  XXH3_state_t* hash = XXH3_createState();
+  if (hash == nullptr) throw std::bad_alloc();
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> owner(hash, &XXH3_freeState);
+  XXH3_64bits_reset(hash);
+  const float* arrays[3] = {p, m, v};
+  for (std::size_t k = 0; k < 3; ++k) {
+    const auto* src = reinterpret_cast<const unsigned char*>(arrays[k]);
+    const std::size_t bytes = n * sizeof(float);
+    const off_t offset = static_cast<off_t>((k * config_.n + first) * sizeof(float));
+    for (std::size_t done = 0; done < bytes; done += kChunk) {
+      const std::size_t take = std::min(kChunk, bytes - done);
+      {
+        std::lock_guard lock(mutex_);
+        if (stop_) throw IoError("cancelled");
+        if (inject_errno_ != 0) {
+          const int err = std::exchange(inject_errno_, 0);
+          throw io_error("writing " + data.string() + " at byte " + std::to_string(offset + done), err);
+        }
+      }
+      write_all(fd_, src + done, take, offset + static_cast<off_t>(done), data);
+    }
+    XXH3_64bits_update(hash, src, bytes);
+    flush_range(fd_, offset, bytes, data);
+  }
+  const std::uint64_t sum = XXH3_64bits_digest(hash);
+  std::lock_guard lock(mutex_);
+  checksums_[i] = sum;
+  progress_.write_s += seconds_since(t0);
+#else
+  (void)i, (void)p, (void)m, (void)v;
+#endif
+}
+
+void StateSnapshot::commit() {
+  const fs::path data = partial_ / kData;
+  if (::fdatasync(fd_) != 0) throw io_error("syncing " + data.string(), errno);
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0) throw io_error("closing " + data.string(), errno);
+  put_file(partial_ / kMeta, config_.meta);
+  // The manifest last: a folder with one is whole.
+  std::ostringstream m;
+  m << kFormat << "\nparams " << config_.n << "\nsubgroups " << config_.subgroups.size() << "\n";
+  for (std::size_t i = 0; i < config_.subgroups.size(); ++i) {
+    m << config_.subgroups[i].first << " " << (config_.subgroups[i].second - config_.subgroups[i].first) << " "
+      << hex64(checksums_[i]) << "\n";
+  }
+  m << "end\n";
+  put_file(partial_ / kManifest, m.str());
+  sync_folder(partial_);
+  const fs::path& target = config_.target;
+  if (std::string why = refuse_target(target); !why.empty()) throw IoError("checkpoint: " + why);
+  struct stat st {};
+  if (::lstat(target.c_str(), &st) == 0) {
+    // Swap with the previous checkpoint in one step, then remove it (now at the partial name).
+    if (::renameat2(AT_FDCWD, partial_.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+      sync_folder(parent_of(target));
+      remove_partial();
+      return;
+    }
+    if (errno != EINVAL && errno != ENOSYS) throw io_error("replacing " + target.string(), errno);
+    // A file system without the exchange: the previous one moves aside first, so one complete
+    // checkpoint is always there under some name.
+    const fs::path aside = parent_of(target) / (partial_prefix(target) + std::to_string(::getpid()) + "-previous");
+    if (::rename(target.c_str(), aside.c_str()) != 0) throw io_error("moving " + target.string() + " aside", errno);
+    if (::rename(partial_.c_str(), target.c_str()) != 0) {
+      const int err = errno;
+      (void)::rename(aside.c_str(), target.c_str());
+      throw io_error("renaming " + partial_.string() + " to " + target.string(), err);
+    }
+    std::error_code ec;
+    fs::remove_all(aside, ec);
+  } else if (::rename(partial_.c_str(), target.c_str()) != 0) {
+    throw io_error("renaming " + partial_.string() + " to " + target.string(), errno);
+  }
+  sync_folder(parent_of(target));
+  partial_.clear();
+}
+
+void StateSnapshot::remove_partial() noexcept {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+  if (partial_.empty()) return;
+  std::error_code ec;
+  fs::remove_all(partial_, ec);
+  if (ec) MEMTIDE_LOG(warn, "checkpoint: could not remove " + partial_.string() + ": " + ec.message());
+  partial_.clear();
+}
+
+void StateSnapshot::wait() {
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] { return progress_.done; });
+  if (!progress_.committed) {
+    throw IoError("checkpoint: the save to " + config_.target.string() + " did not complete: " + progress_.error);
+  }
+}
+
+SnapshotProgress StateSnapshot::progress() const {
+  std::lock_guard lock(mutex_);
+  SnapshotProgress p = progress_;
+  if (!p.done) p.elapsed_s = seconds_since(started_);
+  return p;
+}
+
+// ---- reading -----------------------------------------------------------------------------------
+
+SnapshotManifest StateSnapshot::read_manifest(const fs::path& folder, bool verify) {
+  struct stat st {};
+  if (::stat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    std::string why = "checkpoint: no checkpoint at " + folder.string();
+    std::error_code ec;
+    const std::string prefix = partial_prefix(fs::absolute(folder).lexically_normal());
+    for (const fs::directory_entry& e : fs::directory_iterator(parent_of(fs::absolute(folder)), ec)) {
+      if (e.path().filename().string().rfind(prefix, 0) == 0) {
+        why += " (" + e.path().string() + " is a save that did not complete)";
+        break;
+      }
+    }
+    throw IoError(why);
+  }
+  const fs::path manifest = folder / kManifest, data = folder / kData, meta = folder / kMeta;
+  std::ifstream in(manifest);
+  if (!in) {
+    throw IoError("checkpoint: " + folder.string() + " is not a complete memtide checkpoint: it has no " + kManifest +
+                  " (a save that did not complete, or another folder)");
+  }
+  auto bad = [&](const std::string& what) {
+    return IoError("checkpoint: " + manifest.string() + " is not a memtide manifest: " + what);
+  };
+  std::string line;
+  if (!std::getline(in, line) || line != kFormat) throw bad("it does not start with '" + std::string(kFormat) + "'");
+  SnapshotManifest out;
+  std::string word;
+  std::size_t count = 0;
+  if (!(in >> word >> out.params) || word != "params") throw bad("no 'params' line");
+  if (!(in >> word >> count) || word != "subgroups") throw bad("no 'subgroups' line");
+  if (count > out.params + 1) throw bad("more subgroups than params");
+  std::size_t expect = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    std::size_t first = 0, n = 0;
+    std::string sum;
+    if (!(in >> first >> n >> sum) || sum.size() != 16) throw bad("subgroup line " + std::to_string(i) + " is malformed");
+    if (first != expect || n == 0 || n > out.params - first) throw bad("subgroup " + std::to_string(i) + " does not follow the one before");
+    out.subgroups.emplace_back(first, first + n);
+    out.checksums.push_back(std::stoull(sum, nullptr, 16));
+    expect = first + n;
+  }
+  if (expect != out.params) throw bad("the subgroups cover " + std::to_string(expect) + " of " + std::to_string(out.params) + " params");
+  if (!(in >> word) || word != "end") throw bad("no 'end' line (cut short?)");
+  if (::stat(meta.c_str(), &st) != 0) throw IoError("checkpoint: " + folder.string() + " has no " + kMeta);
+  if (::stat(data.c_str(), &st) != 0) throw IoError("checkpoint: " + folder.string() + " has no " + kData);
+  const std::uint64_t want = 3 * sizeof(float) * out.params;
+  if (static_cast<std::uint64_t>(st.st_size) != want) {
+    throw IoError("checkpoint: " + data.string() + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
+                  std::to_string(want) + " (truncated or replaced)");
+  }
+  if (!verify) return out;
+#if MEMTIDE_HAVE_NVME
+  const int fd = ::open(data.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw io_error("checkpoint: cannot open " + data.string(), errno);
+  std::unique_ptr<unsigned char[]> buf(new unsigned char[kChunk]);
+  XXH3_state_t* hash = XXH3_createState();
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> owner(hash, &XXH3_freeState);
+  try {
+    for (std::size_t i = 0; i < count; ++i) {
+      XXH3_64bits_reset(hash);
+      const auto [first, end] = out.subgroups[i];
+      for (std::size_t k = 0; k < 3; ++k) {
+        const std::size_t bytes = (end - first) * sizeof(float);
+        const off_t offset = static_cast<off_t>((k * out.params + first) * sizeof(float));
+        for (std::size_t done = 0; done < bytes;) {
+          const ssize_t r = ::pread(fd, buf.get(), std::min(kChunk, bytes - done), offset + static_cast<off_t>(done));
+          if (r < 0 && errno == EINTR) continue;
+          if (r <= 0) throw io_error("checkpoint: reading " + data.string(), r < 0 ? errno : EIO);
+          XXH3_64bits_update(hash, buf.get(), static_cast<std::size_t>(r));
+          done += static_cast<std::size_t>(r);
+        }
+      }
+      if (const std::uint64_t sum = XXH3_64bits_digest(hash); sum != out.checksums[i]) {
+        throw IoError("checkpoint: " + data.string() + " is corrupt: subgroup " + std::to_string(i) + " (params " +
+                      std::to_string(first) + " to " + std::to_string(end) + ") has checksum " + hex64(sum) +
+                      ", the manifest says " + hex64(out.checksums[i]));
+      }
+    }
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+#endif
+  return out;
+}
+
+}  // namespace memtide::tiering

@@ -1,0 +1,137 @@
+#pragma once
+/// @file
+/// StateSnapshot: saves the optimizer's host state (fp32 params, exp_avg, exp_avg_sq) while
+/// training goes on, with no second copy of it.
+///
+/// A save is asked for between two steps. From then on a writer thread streams the state, one
+/// subgroup at a time, into a new folder beside the target; the engine calls `protect(i)` before it
+/// changes the host state of subgroup i. If that subgroup is not written yet, protect() copies it
+/// into a small buffer of bounded size (copy-on-write at subgroup granularity) or, when the buffer
+/// is full, has the writer write it next and waits. So what is saved is exactly the state at the
+/// moment the save was asked for, and the extra host memory is the buffer's bound. The writer
+/// drops each written range from the page cache, so the file does not become a second copy
+/// either.
+///
+/// The folder is committed whole or not at all: `state.bin` (p, then m, then v, each n floats),
+/// `meta.pt` (the front end's bytes) and `state.manifest` (a text file: the params, each subgroup's
+/// range and the xxHash3 of its bytes), synced, then renamed onto the target (exchanged with a
+/// previous checkpoint there, which is then removed). A save interrupted at any point leaves the
+/// previous checkpoint as it was and a partial folder that `read_manifest` refuses and the next
+/// save into the same target removes.
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace memtide::tiering {
+
+/// What a committed checkpoint's manifest says.
+struct SnapshotManifest {
+  std::uint64_t params = 0;
+  std::vector<std::pair<std::size_t, std::size_t>> subgroups;  ///< [first, end) element ranges
+  std::vector<std::uint64_t> checksums;                        ///< xxHash3 of p, m, v of each subgroup
+};
+
+/// A save's progress, as the log and the timeline show it.
+struct SnapshotProgress {
+  std::uint64_t bytes_total = 0;
+  std::uint64_t bytes_written = 0;
+  double elapsed_s = 0;         ///< since the save was asked for
+  double write_s = 0;           ///< the writer's time in write and sync calls
+  double waited_s = 0;          ///< time protect() blocked the engine, waiting for the writer
+  std::uint64_t copied_bytes = 0;       ///< copied by protect() into the buffer, in all
+  std::uint64_t peak_buffer_bytes = 0;  ///< the buffer's largest size
+  std::uint64_t buffer_bound = 0;
+  bool done = false;       ///< committed, failed or cancelled
+  bool committed = false;  ///< the target holds this save
+  std::string error;       ///< why it failed ("" otherwise)
+};
+
+class StateSnapshot {
+ public:
+  using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
+
+  struct Config {
+    std::filesystem::path target;  ///< the checkpoint folder (made, or a previous checkpoint replaced)
+    const float* param = nullptr;  ///< the engine's host arrays, `n` floats each
+    const float* exp_avg = nullptr;
+    const float* exp_avg_sq = nullptr;
+    std::size_t n = 0;
+    Ranges subgroups;                ///< consecutive, covering [0, n)
+    std::uint64_t buffer_bytes = 0;  ///< copy-on-write bound (0: two of the largest subgroup)
+    std::string meta;                ///< the front end's bytes, saved as meta.pt
+  };
+
+  /// Checks the target (its folder exists; it is absent or a memtide checkpoint, never a link, a
+  /// file or another folder), removes partial folders dead saves left beside it, makes the new
+  /// folder, reserves the file's space (a full disk is found here) and starts the writer.
+  /// Throws InvalidArgument or IoError naming the path.
+  static std::shared_ptr<StateSnapshot> start(Config config);
+  /// Stops a running save (its partial folder is removed) and joins the writer.
+  ~StateSnapshot();
+  StateSnapshot(const StateSnapshot&) = delete;
+  StateSnapshot& operator=(const StateSnapshot&) = delete;
+
+  /// Before the host state of subgroup `i` changes. Returns at once when the subgroup is saved or
+  /// copied, or the save is over; else copies it (room in the buffer) or waits for the writer.
+  void protect(std::size_t i);
+  /// Blocks until the save is over; throws IoError with the writer's error.
+  void wait();
+  /// Stops the writer and removes the partial folder; the target is left as it was.
+  void cancel();
+  [[nodiscard]] SnapshotProgress progress() const;
+  [[nodiscard]] const std::filesystem::path& target() const noexcept { return config_.target; }
+  /// The partial folder being written (gone once committed or cancelled).
+  [[nodiscard]] const std::filesystem::path& partial() const noexcept { return partial_; }
+
+  /// Reads and checks `folder/state.manifest`; with `verify`, also reads state.bin and checks
+  /// every subgroup's checksum. Throws IoError naming the folder and what is missing or wrong.
+  static SnapshotManifest read_manifest(const std::filesystem::path& folder, bool verify);
+  /// The file names inside a checkpoint folder.
+  static constexpr const char* kData = "state.bin";
+  static constexpr const char* kMeta = "meta.pt";
+  static constexpr const char* kManifest = "state.manifest";
+
+  /// A fault the tests inject into the writer (fires once): errno for the next write.
+  void inject_write_error(int err);
+
+ private:
+  // pending -> (copying -> copied -> writing_copy) or writing -> written
+  enum class Stage : unsigned char { pending, copying, copied, writing_copy, writing, written };
+  explicit StateSnapshot(Config config);
+  void run();
+  void write_subgroup(std::size_t i, const float* p, const float* m, const float* v);
+  void commit();
+  void remove_partial() noexcept;
+  [[nodiscard]] std::uint64_t subgroup_bytes(std::size_t i) const;
+
+  Config config_;
+  std::filesystem::path partial_;
+  int fd_ = -1;
+  std::chrono::steady_clock::time_point started_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<Stage> stage_;
+  std::vector<std::unique_ptr<float[]>> copies_;  // a copied subgroup's p, m, v until written
+  std::vector<std::uint64_t> checksums_;
+  std::size_t cursor_ = 0;           // the next subgroup in order the writer takes
+  std::vector<std::size_t> urgent_;  // subgroups protect() waits for, first first
+  std::uint64_t buffer_used_ = 0;
+  bool stop_ = false;
+  int inject_errno_ = 0;
+  SnapshotProgress progress_;
+  std::thread writer_;
+};
+
+}  // namespace memtide::tiering
