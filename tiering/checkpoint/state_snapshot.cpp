@@ -31,6 +31,7 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr std::size_t kChunk = std::size_t{8} << 20;  // bytes per write call
+constexpr std::size_t kChunksInFlight = 8;            // written back but not yet waited for
 constexpr const char* kPartialTag = ".memtide-partial-";
 constexpr const char* kFormat = "memtide-state 1";
 
@@ -57,9 +58,18 @@ void write_all(int fd, const void* data, std::size_t bytes, off_t offset, const 
   }
 }
 
-// Written bytes go to the disk now and leave the page cache: a save of a state that fills host
-// memory must not fill it a second time with dirty pages.
-void flush_range(int fd, off_t offset, std::size_t bytes, const fs::path& file) {
+// Written bytes leave the page cache soon after they are written: a save of a state that fills
+// host memory must not fill it a second time with dirty pages. Write-back of each chunk starts at
+// once (start_writeback); it is waited for and dropped a few chunks later (finish_writeback), so
+// the disk always has the next ones queued.
+void start_writeback(int fd, off_t offset, std::size_t bytes, const fs::path& file) {
+  if (::sync_file_range(fd, offset, static_cast<off_t>(bytes), SYNC_FILE_RANGE_WRITE) != 0 && errno != ENOSYS &&
+      errno != EINVAL) {
+    throw io_error("writing back " + file.string(), errno);
+  }
+}
+
+void finish_writeback(int fd, off_t offset, std::size_t bytes, const fs::path& file) {
   if (::sync_file_range(fd, offset, static_cast<off_t>(bytes),
                         SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER) != 0 &&
       errno != ENOSYS && errno != EINVAL) {
@@ -291,8 +301,10 @@ void StateSnapshot::run() {
           from_copy = true;
         }
       }
-      while (i == count && cursor_ < count && stage_[cursor_] != Stage::pending) ++cursor_;
-      if (i == count && cursor_ < count) i = cursor_;
+      // From the last subgroup down: a step updates them from the first up, so the ones it
+      // reaches first are those it can copy aside, and it meets the writer late, if at all.
+      while (i == count && cursor_ < count && stage_[count - 1 - cursor_] != Stage::pending) ++cursor_;
+      if (i == count && cursor_ < count) i = count - 1 - cursor_;
       if (i == count) {
         if (std::find(stage_.begin(), stage_.end(), Stage::copying) != stage_.end()) {
           changed_.wait(lock);
@@ -381,10 +393,17 @@ void StateSnapshot::write_subgroup(std::size_t i, const float* p, const float* m
           throw io_error("writing " + data.string() + " at byte " + std::to_string(offset + done), err);
         }
       }
-      write_all(fd_, src + done, take, offset + static_cast<off_t>(done), data);
+      const off_t at = offset + static_cast<off_t>(done);
+      write_all(fd_, src + done, take, at, data);
+      XXH3_64bits_update(hash, src + done, take);
+      // The disk gets each chunk at once and has a few queued; dirty pages stay a few chunks.
+      start_writeback(fd_, at, take, data);
+      in_flight_.emplace_back(at, take);
+      while (in_flight_.size() > kChunksInFlight) {
+        finish_writeback(fd_, in_flight_.front().first, in_flight_.front().second, data);
+        in_flight_.erase(in_flight_.begin());
+      }
     }
-    XXH3_64bits_update(hash, src, bytes);
-    flush_range(fd_, offset, bytes, data);
   }
   const std::uint64_t sum = XXH3_64bits_digest(hash);
   std::lock_guard lock(mutex_);
@@ -398,6 +417,8 @@ void StateSnapshot::write_subgroup(std::size_t i, const float* p, const float* m
 void StateSnapshot::commit() {
   const fs::path data = partial_ / kData;
   if (::fdatasync(fd_) != 0) throw io_error("syncing " + data.string(), errno);
+  for (const auto& [offset, bytes] : in_flight_) (void)::posix_fadvise(fd_, offset, static_cast<off_t>(bytes), POSIX_FADV_DONTNEED);
+  in_flight_.clear();
   const int fd = std::exchange(fd_, -1);
   if (::close(fd) != 0) throw io_error("closing " + data.string(), errno);
   put_file(partial_ / kMeta, config_.meta);

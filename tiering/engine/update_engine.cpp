@@ -48,6 +48,32 @@ struct UpdateEngine::Entry {
   std::unique_ptr<UpdateScheduler> scheduler;
 };
 
+// While a checkpoint save runs, every cached scheduler tells it before writing a subgroup's host
+// state (UpdateScheduler::set_before_host_write), for as long as the guard lives.
+struct UpdateEngine::SaveGuard {
+  explicit SaveGuard(UpdateEngine& e) : engine(e), save(e.running_save()) {
+    for (Entry& entry : engine.cache_) arm(entry);
+  }
+  ~SaveGuard() {
+    if (!save) return;
+    for (Entry& entry : engine.cache_) entry.scheduler->set_before_host_write(nullptr);
+  }
+  SaveGuard(const SaveGuard&) = delete;
+  SaveGuard& operator=(const SaveGuard&) = delete;
+  void arm(Entry& entry) const {
+    if (!save) return;
+    std::vector<std::size_t> index;  // the engine's subgroup of each of the scheduler's ranges
+    for (const auto& r : entry.ranges) {
+      auto it = std::upper_bound(engine.subgroups_.begin(), engine.subgroups_.end(), r.first,
+                                 [](std::size_t at, const std::pair<std::size_t, std::size_t>& g) { return at < g.first; });
+      index.push_back(static_cast<std::size_t>(it - engine.subgroups_.begin()) - 1);
+    }
+    entry.scheduler->set_before_host_write([s = save, index = std::move(index)](std::size_t j) { s->protect(index.at(j)); });
+  }
+  UpdateEngine& engine;
+  std::shared_ptr<StateSnapshot> save;
+};
+
 // Every public call holds one: the allocator's lender gives back only when no call is running.
 struct UpdateEngine::Busy {
   explicit Busy(const UpdateEngine& e) : engine(e) {
@@ -430,13 +456,9 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
                             ") is empty or not inside subgroup " + std::to_string(s.subgroup));
     }
   }
-  // A running save keeps its view of every subgroup whose host state this step changes: all but
-  // static residents that stay on the device (unless they are synced back after the step).
-  if (std::shared_ptr<StateSnapshot> save = running_save()) {
-    for (const Segment& s : segments) {
-      if (placement[s.subgroup] != Placement::gpu_static || sync_after_step_) save->protect(s.subgroup);
-    }
-  }
+  // A running save keeps its view of each subgroup just before a scheduler writes its host state
+  // (not all at the start): the step's work on the subgroups already saved overlaps the writer's.
+  SaveGuard guard(*this);  // another scheduler's residents may be retired below
   EngineStep out;
   out.predicted_ns = predicted_ns;
   out.placement = placement;
@@ -518,6 +540,9 @@ EngineStep UpdateEngine::step(const std::vector<Placement>& placement, std::size
       plan.placement.push_back(where);
     }
     UpdateScheduler& scheduler = scheduler_for(ranges);
+    for (Entry& e : cache_) {
+      if (e.scheduler.get() == &scheduler) guard.arm(e);  // new, or moved to the front
+    }
     // A gradient kept on the device is read there when its segment is the whole subgroup; a
     // part of a subgroup reads the host array, so such a subgroup's gradient goes there first.
     if (any_kept) {
@@ -781,9 +806,7 @@ void UpdateEngine::host_changed() {
 
 void UpdateEngine::sync_host() {
   Busy busy(*this);
-  if (save_) {
-    for (std::size_t i = 0; i < subgroups_.size(); ++i) save_->protect(i);  // residents come back over the host ranges
-  }
+  SaveGuard guard(*this);  // residents come back over their host ranges
   for (Entry& e : cache_) {
     if (e.scheduler->resident_count() == 0) continue;
     e.scheduler->sync_to_host();

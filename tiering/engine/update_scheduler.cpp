@@ -231,6 +231,7 @@ void UpdateScheduler::place_residents(const std::vector<Placement>& placement) {
 void UpdateScheduler::copy_back_async(std::size_t i) {
   const Arrays& r = residents_.at(i);
   if (r.block == nullptr) return;
+  if (before_host_write_) before_host_write_(i);
   const Subgroup& g = state_[i];
   const std::size_t bytes = g.n * sizeof(float);
   device_.copy_async(g.param, r.p, bytes, CopyKind::device_to_host, config_.main_stream);
@@ -473,6 +474,7 @@ void UpdateScheduler::gpu_update(std::size_t j, const StepParams& params) {
                                 n, [&] { adamw_step_async(device_, compute_, a); });
   const std::size_t bytes = g.n * sizeof(float);
   const NvmeStaging::Staged h = staged_[j];
+  if (before_host_write_) before_host_write_(i);  // the flush may land any time once queued
   slot_free_[slot] = enqueue(OpKind::d2h, "flush", i, flush_, stepped, static_cast<double>(3 * bytes), 0, [&] {
     device_.copy_async(h.p, s.p, bytes, CopyKind::device_to_host, flush_);
     device_.copy_async(h.m, s.m, bytes, CopyKind::device_to_host, flush_);
@@ -535,6 +537,7 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
   if (in_place) a.out_stores = resolve_out_stores(OutStores::automatic, state_.total_params());
 
   const double n = static_cast<double>(g.n);
+  if (before_host_write_) before_host_write_(i);
   const double cpu_start = host_now_ns() - phase_start_ns_;
   cpu_busy_ns_ += device_.run_host_work(HostWork{n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype), n},
                                         [&] { cpu_nonfinite_ = cpu_step(i, a) || cpu_nonfinite_; });

@@ -189,11 +189,11 @@ def save_async(opt: Any, path: Any, buffer_bytes: int = 0) -> AsyncSave:
         raise ValueError(f"{who}: buffer_bytes must be an int >= 0 (0: two of the largest subgroup), got {buffer_bytes!r}")
     if opt.engine is None:
         raise ValueError(f"{who}: the optimizer has no params with state to save")
-    if opt.distribution.kind != "none":
+    if opt.distribution.kind not in ("none", "ddp"):  # under DDP every rank holds the whole state
         raise NotImplementedError(
-            f"{who}: saves while training goes on are built for one process; the params here are "
-            f"{opt.distribution.kind} ({opt.distribution.kind.upper()} ranks each hold part of the state): use "
-            "torch.distributed.checkpoint.save(optimizer.state_dict())")
+            f"{who}: the params here are {opt.distribution.kind} shards (each rank holds part of the state), "
+            "which saves while training goes on do not cover yet: use "
+            "torch.distributed.checkpoint.save({'optim': get_optimizer_state_dict(model, optimizer)})")
     if opt.spilled_subgroups:
         raise NotImplementedError(
             f"{who}: {opt.spilled_subgroups} subgroup(s) live on NVMe, which saves while training goes on do not "

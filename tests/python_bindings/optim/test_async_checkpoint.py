@@ -202,3 +202,27 @@ def test_a_killed_save_leaves_the_previous_checkpoint_and_the_next_save_cleans_u
     opt.load_checkpoint(target)
     opt.save_checkpoint(target, blocking=True)
     assert [f for f in os.listdir(tmp_path) if ".memtide-partial-" in f] == []
+
+
+def test_under_ddp_a_rank_saves_its_whole_state_and_fsdp2_shards_are_refused(tmp_path, one_rank_mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    opt = _optimizer(model, "cpu")
+    opt.register_ddp(model)
+    _train(model, opt, 2, 0)
+    assert opt.distribution.kind == "ddp"
+    asked = _frozen(opt)
+    save = opt.save_checkpoint(tmp_path / "ckpt", buffer_bytes=12 << 16)
+    _train(model, opt, 2, 2)
+    save.wait()
+    saved = read_checkpoint(tmp_path / "ckpt")["state"]
+    for idx, entry in asked.items():
+        assert torch.equal(saved[idx]["exp_avg_sq"], entry["exp_avg_sq"])
+
+    sharded = _model()
+    fully_shard(sharded, mesh=one_rank_mesh)
+    opt = _optimizer(sharded, "cpu")
+    _train(sharded, opt, 1, 0)
+    with pytest.raises(NotImplementedError, match="fsdp2 shards"):
+        opt.save_checkpoint(tmp_path / "sharded")

@@ -118,6 +118,7 @@ class StateSnapshot {
   Config config_;
   std::filesystem::path partial_;
   int fd_ = -1;
+  std::vector<std::pair<off_t, std::size_t>> in_flight_;  // the writer's: chunks written back, not yet waited for
   std::chrono::steady_clock::time_point started_;
 
   mutable std::mutex mutex_;
@@ -125,7 +126,7 @@ class StateSnapshot {
   std::vector<Stage> stage_;
   std::vector<std::unique_ptr<float[]>> copies_;  // a copied subgroup's p, m, v until written
   std::vector<std::uint64_t> checksums_;
-  std::size_t cursor_ = 0;           // the next subgroup in order the writer takes
+  std::size_t cursor_ = 0;           // subgroups from the last down the writer has passed
   std::vector<std::size_t> urgent_;  // subgroups protect() waits for, first first
   std::uint64_t buffer_used_ = 0;
   bool stop_ = false;

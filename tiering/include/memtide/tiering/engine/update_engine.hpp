@@ -191,6 +191,7 @@ class UpdateEngine {
 
   // Public calls hold api_mutex_ and count busy_ (a Busy): the lender (lend()) gives back only between calls.
   struct Busy;
+  struct SaveGuard;
   void lend();
   [[nodiscard]] std::vector<bool> per_subgroup(const char* what, std::vector<bool> flags) const;
   EnginePlan plan_subset(Policy policy, double static_fraction, std::optional<double> k,

@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Checkpoints that do not stop training: TieredAdamW.save_checkpoint against torch.save and
+torch.distributed.checkpoint.async_save of the same optimizer, on CPU tensors.
+
+  python bench/python/bench_async_checkpoint.py [--params 300e6] [--layers 18] [--batch 8]
+      [--rounds 3] [--dir FOLDER] [--out FILE.md]
+
+The model: `layers` Linear(width, width) without bias, width chosen so that the model has about
+`params` params, trained with TieredAdamW(policy="cpu"); the optimizer's state is 16 B/param (fp32
+params, moments, gradients), of which a checkpoint holds 12 B/param.
+
+A round trains `iters` iterations (zero_grad, forward, backward, step) without a save, then asks
+for a save and trains until it is committed and two iterations more. The iterations that began
+while the save ran are "during the save"; the ratio of their median to the median without a save
+is the round's cost; the medians of the rounds are reported. The extra host memory is the process's
+resident size, sampled every 2 ms, above its level just before the save. The disk's own rate is
+measured in the same folder the same way the save writes (pwrite in 8 MiB calls, each range
+written back and dropped from the page cache before the next).
+
+torch.save(optimizer.state_dict()) stops training for its whole length; DCP's async_save first
+stages a copy of the whole state dict in host memory. Both are timed once, in the same run, into
+the same folder, and their peak extra memory sampled the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+import memtide  # noqa: F401 - after torch, as users import it
+from memtide.optim import TieredAdamW
+
+GiB = float(1 << 30)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The largest resident size while inside the `with` block, sampled every 2 ms."""
+
+    def __init__(self) -> None:
+        self.base = rss_bytes()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def disk_rate(folder: str, nbytes: int) -> float:
+    """Bytes/s of writing `nbytes` into a new file in `folder` as the save writes."""
+    buf = b"\x01" * (8 << 20)
+    path = os.path.join(folder, ".bench-disk-rate")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        t0 = time.perf_counter()
+        off = 0
+        while off < nbytes:
+            n = os.pwrite(fd, buf[: min(len(buf), nbytes - off)], off)
+            off += n
+            if off % (64 << 20) == 0 or off == nbytes:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, off, os.POSIX_FADV_DONTNEED)
+        os.fdatasync(fd)
+        return nbytes / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def build(params: float, layers: int, subgroup_size: int):
+    width = int((params / layers) ** 0.5) // 64 * 64
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    opt = TieredAdamW(model.parameters(), lr=1e-4, weight_decay=0.01, policy="cpu", subgroup_size=subgroup_size)
+    return model, opt, width
+
+
+def iteration(model, opt, x) -> float:
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=300e6)
+    ap.add_argument("--layers", type=int, default=18)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=4, help="iterations without a save in each round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--buffer-bytes", type=float, default=0,
+                    help="the copy-on-write bound (0: TieredAdamW's default, two of the largest subgroup)")
+    ap.add_argument("--subgroup-size", type=int, default=100_000_000)
+    ap.add_argument("--dir", help="folder the checkpoints go to (default: a new one under the temp folder)")
+    ap.add_argument("--no-peers", action="store_true", help="skip torch.save and DCP async_save")
+    ap.add_argument("--out", help="Markdown file to write")
+    args = ap.parse_args()
+
+    parent = args.dir or tempfile.mkdtemp(prefix="memtide-bench-ckpt-")
+    model, opt, width = build(args.params, args.layers, args.subgroup_size)
+    n = opt.layout.numel
+    x = torch.randn(args.batch, width)
+    for _ in range(2):
+        iteration(model, opt, x)
+    state_bytes = 16 * n
+    save_bytes = 12 * n
+    print(f"model {n / 1e6:.1f}M params ({args.layers} x {width}^2), optimizer state {state_bytes / GiB:.2f} GiB, "
+          f"a checkpoint {save_bytes / GiB:.2f} GiB, into {parent}", file=sys.stderr, flush=True)
+    rate = disk_rate(parent, min(save_bytes, 4 << 30))
+    print(f"disk: {rate / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+
+    rounds = []
+    target = os.path.join(parent, "ckpt")
+    for r in range(args.rounds):
+        plain = [iteration(model, opt, x) for _ in range(args.iters)]
+        with PeakRss() as mem:
+            t0 = time.perf_counter()
+            save = opt.save_checkpoint(target, buffer_bytes=int(args.buffer_bytes))
+            asked_s = time.perf_counter() - t0
+            during, after = [], 0
+            while after < 2:
+                running = not save.done()
+                dt = iteration(model, opt, x)
+                if running:
+                    during.append(dt)
+                else:
+                    after += 1
+            save.wait()
+        p = save.progress()
+        rounds.append({"plain": statistics.median(plain), "during": statistics.median(during), "n_during": len(during),
+                       "lost_s": sum(during) - len(during) * statistics.median(plain),
+                       "asked_s": asked_s, "save_s": p["elapsed_s"], "write_s": p["write_s"], "waited_s": p["waited_s"],
+                       "extra": mem.extra, "buffer_peak": p["peak_buffer_bytes"], "bytes": p["bytes_total"]})
+        rr = rounds[-1]
+        print(f"round {r + 1}: iteration {rr['plain'] * 1e3:.0f} ms, during the save {rr['during'] * 1e3:.0f} ms "
+              f"({rr['n_during']} iterations, {rr['during'] / rr['plain']:.2f}x); save {rr['save_s']:.2f} s "
+              f"({rr['bytes'] / rr['save_s'] / 1e9:.2f} GB/s), training waited {rr['waited_s']:.2f} s; "
+              f"extra memory {rr['extra'] / GiB:.3f} GiB", file=sys.stderr, flush=True)
+
+    peers = {}
+    if not args.no_peers:
+        # torch.save: training stops while it runs.
+        path = os.path.join(parent, "torch-save.pt")
+        with PeakRss() as mem:
+            t0 = time.perf_counter()
+            torch.save(opt.state_dict(), path)
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+            peers["torch.save (blocking)"] = {"blocked_s": time.perf_counter() - t0, "extra": mem.extra}
+        os.unlink(path)
+        try:
+            import torch.distributed.checkpoint as dcp
+
+            with PeakRss() as mem:
+                t0 = time.perf_counter()
+                fut = dcp.async_save({"optim": opt.state_dict()}, checkpoint_id=os.path.join(parent, "dcp"))
+                returned = time.perf_counter() - t0
+                fut.result()
+                peers["DCP async_save (default stager)"] = {"blocked_s": returned, "extra": mem.extra,
+                                                          "total_s": time.perf_counter() - t0}
+        except Exception as e:  # DCP's one-process path differs between torch versions: say why
+            peers["DCP async_save (default stager)"] = {"error": f"{type(e).__name__}: {e}"}
+    if not args.dir:
+        shutil.rmtree(parent, ignore_errors=True)
+    else:
+        shutil.rmtree(target, ignore_errors=True)
+
+    ratio = statistics.median(r["during"] / r["plain"] for r in rounds)
+    lost = statistics.median(r["lost_s"] for r in rounds)
+    save_s = statistics.median(r["save_s"] for r in rounds)
+    tput = statistics.median(r["bytes"] / r["save_s"] for r in rounds)
+    lines = [
+        f"# Checkpoints while training goes on, {datetime.date.today().isoformat()}",
+        "",
+        f"Command: `python bench/python/bench_async_checkpoint.py --params {args.params:g} --layers {args.layers} "
+        f"--batch {args.batch} --rounds {args.rounds} --subgroup-size {args.subgroup_size} --buffer-bytes "
+        f"{args.buffer_bytes:g}` ({platform.machine()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}). Model: {n / 1e6:.1f}M params ({args.layers} x Linear({width}, {width})), "
+        f"TieredAdamW(policy=\"cpu\", subgroup_size={args.subgroup_size}); optimizer state {state_bytes / GiB:.2f} GiB, a checkpoint "
+        f"{save_bytes / GiB:.2f} GiB. Disk, written as the save writes: {rate / 1e9:.2f} GB/s.",
+        "",
+        "| round | iteration, no save | iteration during the save (median) | ratio | iterations during | training "
+        "time lost | save | save rate | of the disk | steps waited | extra host memory | copy-on-write peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(rounds):
+        lines.append(
+            f"| {i + 1} | {r['plain'] * 1e3:.0f} ms | {r['during'] * 1e3:.0f} ms | {r['during'] / r['plain']:.2f}x | "
+            f"{r['n_during']} | {r['lost_s']:.2f} s | {r['save_s']:.2f} s | {r['bytes'] / r['save_s'] / 1e9:.2f} GB/s | "
+            f"{r['bytes'] / r['save_s'] / rate * 100:.0f}% | {r['waited_s']:.2f} s | {r['extra'] / GiB:.3f} GiB | "
+            f"{r['buffer_peak'] / GiB:.3f} GiB |")
+    lines += ["", f"Median ratio of an iteration during the save to one without: **{ratio:.2f}x** (target <= 1.10x). "
+              f"Median save rate {tput / 1e9:.2f} GB/s, **{tput / rate * 100:.0f}%** of the disk's "
+              f"{rate / 1e9:.2f} GB/s (target >= 80%). Training time lost to the save: {lost:.2f} s of the save's "
+              f"{save_s:.2f} s (median): a step waits where it reaches a subgroup the writer has not saved and the "
+              "copy-on-write buffer is full.", ""]
+    if peers:
+        lines += ["The same optimizer saved by torch's own ways, once, into the same folder:", "",
+                  "| how | training blocked | extra host memory |", "|---|---|---|"]
+        for name, v in peers.items():
+            if "error" in v:
+                lines.append(f"| {name} | - | did not run: {v['error']} |")
+            else:
+                lines.append(f"| {name} | {v['blocked_s']:.2f} s | {v['extra'] / GiB:.3f} GiB |")
+        lines.append("")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
