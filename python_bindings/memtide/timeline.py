@@ -107,6 +107,7 @@ class Recorder:
         self._seen: Dict[int, Any] = {}
         self._staging: Dict[int, int] = {}  # per optimizer: its NVMe tier's pinned staging (bytes)
         self._step_began: Dict[int, float] = {}  # per optimizer: when its step began (steady clock)
+        self._saves: Dict[int, Any] = {}  # per optimizer: its running checkpoint save, as the main thread last saw it
         self._events: List[Dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -150,10 +151,26 @@ class Recorder:
         stats = _memtide.host_stats(self._device(), None)
         ev = dict(type="host", t=time.monotonic(), reserved=int(stats["reserved_bytes"]),
                   allocated=int(stats["allocated_bytes"]), staging=sum(self._staging.values()), rss=_rss_bytes())
+        saves = []
+        for key, save in list(self._saves.items()):
+            p = save.progress()  # the save's own lock, never the engine's
+            saves.append(dict(type="checkpoint", t=time.monotonic(), written=int(p["bytes_written"]),
+                              total=int(p["bytes_total"]), waited=float(p["waited_s"]), target=save.target))
+            if p["done"]:
+                self._saves.pop(key, None)
         with self._lock:
             self._events.append(ev)
+            self._events += saves
+
+    def _follow_save(self, opt: Any) -> None:
+        """From the main thread, between steps: a checkpoint save the optimizer runs is sampled
+        with the host tier until it is over (saves are asked for between steps)."""
+        running = opt.engine.running_save() if opt.engine is not None else None
+        if running is not None:
+            self._saves[id(opt)] = running
 
     def _before_step(self, opt: Any) -> None:
+        self._follow_save(opt)
         self._step_began[id(opt)] = time.monotonic()
 
     def _after_step(self, opt: Any) -> None:
@@ -222,6 +239,8 @@ class Recorder:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for opt in self._optimizers:
+            self._follow_save(opt)  # one asked for after the last step
         self._sample()
         import torch
 

@@ -207,7 +207,8 @@ def test_bad_tier_events_are_named(tmp_path):
     for event, words in ((dict(type="host", t=1.0, reserved=-4), "'reserved'"),
                          (dict(type="nvme", what="read", start=2.0, end=1.0), "before 'start'"),
                          (dict(type="nvme", what="read", start=1.0, end=2.0, bytes="many"), "'bytes'"),
-                         (dict(type="spill", t=1.0), "'bytes'")):
+                         (dict(type="spill", t=1.0), "'bytes'"),
+                         (dict(type="checkpoint", t=1.0, written=5), "'total'")):
         path = tmp_path / "t.jsonl"
         path.write_text(json.dumps({"memtide_trace": 1}) + "\n" + json.dumps(event) + "\n")
         with pytest.raises(timeline.TraceError, match=re.escape(str(path)) + ".*line 2.*" + re.escape(words)):
@@ -426,3 +427,34 @@ def test_a_cpu_run_draws_its_cpu_updates_on_the_wall_clock(tmp_path):
 
 def json_ops(events):
     return [e for e in events if e["type"] == "op"]
+
+
+def test_a_checkpoint_save_beside_training_has_a_chart_of_its_own(tmp_path):
+    torch = pytest.importorskip("torch")
+    import memtide.timeline
+    from memtide.optim import TieredAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512))
+    opt = TieredAdamW(model.parameters(), policy="cpu", subgroup_size=1 << 14)
+
+    def step():
+        model(torch.randn(4, 512)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    report = tmp_path / "r.html"
+    with memtide.timeline.record(str(report), opt, interval=0.001):
+        save = opt.save_checkpoint(tmp_path / "ckpt")
+        for _ in range(3):
+            step()
+        save.wait()
+    _, events = timeline.read_trace(timeline.companions(str(report))["trace"])
+    saves = [e for e in events if e["type"] == "checkpoint"]
+    assert saves, "the save was not sampled"
+    written = [e["written"] for e in saves]
+    assert written == sorted(written) and written[-1] == saves[-1]["total"] == 12 * opt.layout.numel
+    assert saves[-1]["target"].endswith("ckpt")
+    doc = report.read_text()
+    assert 'id="checkpoint"' in doc and "Checkpoint saves beside training" in doc

@@ -183,13 +183,21 @@ def write_html(tl: Timeline, path: str, title: str = "memtide timeline", extra: 
         nvme += ["<h2>State on NVMe (dashed: the space reserved on the drive)</h2>",
                  *_memory_chart(tl, x, "nvme-memory", spill_samples(tl), [(1, "nvme")],
                                 tl.header.get("nvme_capacity_bytes") or 0, "reserved", H=120)]
+    saves: List[str] = []
+    if tl.saves:
+        last = tl.saves[-1]
+        targets = sorted({t[4] for t in tl.saves if t[4]})
+        saves = [f"<h2>Checkpoint saves beside training ({html.escape(', '.join(targets)) or 'saves'}): bytes written "
+                 f"(dashed: the save's size); steps waited {last[3]:.3g} s for the writer</h2>",
+                 *_memory_chart(tl, x, "checkpoint", [(t, w) for t, w, *_ in tl.saves] + [(tl.t1, last[1])],
+                                [(1, "written")], last[2], "size", H=120)]
     meta = _meta(tl.header)
     legend = " ".join(f'<span style="background:{COLORS[p]};padding:0 6px">{p}</span>' for p in PHASES[:3])
     body = [
         f"<p style='font-size:12px'>{meta}; {tl.ops:,} operations, {tl.samples:,} memory samples, "
         f"{tl.t1 - tl.t0:.4g} s. Phases: {legend}</p>",
         "<h2>Device memory (allocated, reserved; dashed: capacity)</h2>", *mem,
-        *host, "<h2>PCIe lanes</h2>", *lanes("pcie", ("h2d", "d2h")), *nvme,
+        *host, "<h2>PCIe lanes</h2>", *lanes("pcie", ("h2d", "d2h")), *nvme, *saves,
         "<h2>Engines</h2>", *_clock_note(tl.header), *(lanes("gantt", active) if (active := tuple(e for e in ENGINES if any(tl.busy[e])))
                               else [f"<p style='font-size:12px'>No device activity in this trace (CUPTI: "
                                     f"{html.escape(str(tl.header.get('cupti', 'not traced')))}).</p>"]), *schedule,

@@ -17,7 +17,8 @@ HOST_SERIES = ("reserved", "allocated", "staging", "rss")
 COLORS = {"forward": "#dbe7f6", "backward": "#fbe3d2", "update": "#dcefdc", "other": "#eeeeee",
           "compute": "#4c72b0", "link": "#8172b3", "h2d": "#dd8452", "d2h": "#c44e52", "host": "#55a868",
           "nvme": "#937860", "read": "#937860", "write": "#c44e52", "wait": "#e5ae38",
-          "reserved": "#999999", "allocated": "#1f4e8c", "staging": "#dd8452", "rss": "#55a868"}
+          "reserved": "#999999", "allocated": "#1f4e8c", "staging": "#dd8452", "rss": "#55a868",
+          "written": "#8c613c"}
 
 
 def _bin_busy(intervals, t0: float, width: float, bins: int) -> List[float]:
@@ -109,6 +110,7 @@ class Timeline:
         host: List[Tuple[float, int, int, int, int]] = []  # t and HOST_SERIES (-1: not recorded)
         nvme: List[Tuple[str, int, float, float, float, float]] = []  # what, subgroup, queued, start, end, bytes
         spill: List[Tuple[float, int]] = []
+        saves: List[Tuple[float, int, int, float, str]] = []  # t, written, total, waited s, target
         self.counts: Dict[str, int] = defaultdict(int)
         # Two passes over memory would double the reading time: keep the ops compactly, bin later.
         for ev in events:
@@ -131,12 +133,19 @@ class Timeline:
                              float(ev["end"]), float(ev.get("bytes", 0))))
             elif kind == "spill":
                 spill.append((float(ev["t"]), int(ev["bytes"])))
+            elif kind == "checkpoint":
+                saves.append((float(ev["t"]), int(ev["written"]), int(ev["total"]), float(ev.get("waited", 0.0)),
+                              str(ev.get("target", ""))))
         phases.sort()
         memory.sort()
         host.sort()
         spill.sort()
+        saves.sort()
+        #: Checkpoint saves running beside training: (t, bytes written, the save's bytes, seconds
+        #: steps waited for the writer so far, the target folder), sampled.
+        self.saves = saves
         # The span: the ends of the sorted lists, and each interval's start (queued) and end.
-        times = [v for lst in (phases, memory, host, spill) if lst for v in (lst[0][0], lst[-1][0])]
+        times = [v for lst in (phases, memory, host, spill, saves) if lst for v in (lst[0][0], lst[-1][0])]
         if ops:
             times += [min(o[1] for o in ops), max(o[2] for o in ops)]
         if nvme:

@@ -77,6 +77,8 @@ _SPEC = {
     "nvme": (("what", "text", True), ("subgroup", "index", False), ("queued", "time", False), ("start", "time", True),
              ("end", "time", True), ("bytes", "amount", False)),
     "spill": (("t", "time", True), ("bytes", "size", True)),
+    "checkpoint": (("t", "time", True), ("written", "size", True), ("total", "size", True),
+                   ("waited", "amount", False), ("target", "text", False)),
 }
 # type -> ((field, test, required), ...), and how many fields an event has when it has no others.
 _FIELDS = {kind: tuple((field, _KINDS[k][1], required) for field, k, required in spec) for kind, spec in _SPEC.items()}
