@@ -4,8 +4,10 @@ saved while training goes on (save_async, read, load: a folder the engine's Stat
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
+import threading
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -170,6 +172,28 @@ class AsyncSave:
         return f"AsyncSave({self.path!r}, {p['bytes_written']}/{p['bytes_total']} bytes, {state})"
 
 
+# Saves not yet over, whoever still holds their AsyncSave: the interpreter's exit waits for them.
+# Without it a script that ends without save.wait() would lose its last checkpoint (the writer
+# thread dies with the process, leaving the previous one and a partial folder).
+_unfinished: set = set()
+_unfinished_lock = threading.Lock()
+
+
+@atexit.register
+def _finish_saves_at_exit() -> None:
+    with _unfinished_lock:
+        saves = list(_unfinished)
+        _unfinished.clear()
+    for snapshot in saves:
+        if snapshot.progress()["done"]:
+            continue
+        _memtide.log("info", f"checkpoint: waiting for the save to {snapshot.target} to finish before exiting")
+        try:
+            snapshot.wait()
+        except OSError:
+            pass  # logged by the save; the target is as it was
+
+
 def finish_running_save(opt: Any) -> None:
     """Waits for a save still reading the buffers (before they are written outside a step). Its
     failure was logged and left the target as it was; it is not this caller's error."""
@@ -213,7 +237,12 @@ def save_async(opt: Any, path: Any, buffer_bytes: int = 0) -> AsyncSave:
     torch.save({"format": FORMAT, "numel": layout.numel, "ranges": ranges,
                 "state_dict": {"state": skeleton, "param_groups": packed["param_groups"],
                                "memtide": packed["memtide"]}}, meta)
-    return AsyncSave(opt.engine.save_async(os.fspath(path), buffer_bytes, meta.getvalue()))
+    snapshot = opt.engine.save_async(os.fspath(path), buffer_bytes, meta.getvalue())
+    with _unfinished_lock:
+        for s in [s for s in _unfinished if s.progress()["done"]]:
+            _unfinished.discard(s)
+        _unfinished.add(snapshot)
+    return AsyncSave(snapshot)
 
 
 def read(path: Any) -> Dict[str, Any]:

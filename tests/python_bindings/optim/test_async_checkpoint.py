@@ -226,3 +226,35 @@ def test_under_ddp_a_rank_saves_its_whole_state_and_fsdp2_shards_are_refused(tmp
     _train(sharded, opt, 1, 0)
     with pytest.raises(NotImplementedError, match="fsdp2 shards"):
         opt.save_checkpoint(tmp_path / "sharded")
+
+
+UNWAITED = textwrap.dedent("""
+    import sys, torch
+    from memtide.optim import TieredAdamW
+    # 134M params: a 1.6 GB save, still running when the script ends.
+    model = torch.nn.Sequential(torch.nn.Linear(8192, 8192, bias=False), torch.nn.Linear(8192, 8192, bias=False))
+    opt = TieredAdamW(model.parameters(), policy="cpu", subgroup_size=1 << 22)
+    model(torch.randn(2, 8192)).square().mean().backward()
+    opt.step()
+    save = opt.save_checkpoint(sys.argv[1])  # the script ends without save.wait()
+    assert not save.done()
+    # And the optimizer outlives the interpreter (as objects still referenced at exit may): its
+    # destructor, which would wait too, never runs.
+    import ctypes
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(opt))
+    # And the optimizer outlives the interpreter (as objects still referenced at exit may): its
+    # destructor, which would wait, never runs.
+    import ctypes
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(opt))
+""")
+
+
+def test_a_script_that_ends_without_waiting_still_gets_its_checkpoint(tmp_path):
+    target = tmp_path / "ckpt"
+    r = subprocess.run([sys.executable, "-c", UNWAITED, str(target)],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, MEMTIDE_LOG_LEVEL="info"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "waiting for the save" in r.stderr
+    state = read_checkpoint(target)["state"]
+    assert all(int(e["step"]) == 1 for e in state.values())
+    assert [f for f in os.listdir(tmp_path) if ".memtide-partial-" in f] == []
