@@ -258,3 +258,19 @@ def test_a_script_that_ends_without_waiting_still_gets_its_checkpoint(tmp_path):
     state = read_checkpoint(target)["state"]
     assert all(int(e["step"]) == 1 for e in state.values())
     assert [f for f in os.listdir(tmp_path) if ".memtide-partial-" in f] == []
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path):
+    model = _model()
+    opt = _optimizer(model, "cpu")
+    _train(model, opt, 1, 0)
+    opt.save_checkpoint(tmp_path / "ckpt", blocking=True)
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 512), torch.nn.Tanh(), torch.nn.Linear(512, HIDDEN))
+    other_opt = _optimizer(other, "cpu")
+    _train(other, other_opt, 1, 0)
+    before = _frozen(other_opt)
+    with pytest.raises(ValueError, match="TieredAdamW.load_state_dict"):
+        other_opt.load_checkpoint(tmp_path / "ckpt")
+    after = _frozen(other_opt)
+    assert all(torch.equal(before[i]["exp_avg"], after[i]["exp_avg"]) for i in before)
