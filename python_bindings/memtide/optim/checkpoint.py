@@ -259,13 +259,7 @@ def read(path: Any) -> Dict[str, Any]:
     n = manifest["params"]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("numel") != n:
         raise OSError(f"checkpoint: {meta_path} does not describe the {n} params of {folder}")
-    import numpy as np
-
-    flat = np.memmap(os.path.join(folder, manifest["data"]), dtype=np.float32, mode="r", shape=(3 * n,))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only by design: load_state_dict copies
-        t = torch.from_numpy(flat)
-    params, exp_avg, exp_avg_sq = t[:n], t[n:2 * n], t[2 * n:]
+    params, exp_avg, exp_avg_sq = _mapped(folder, manifest)
     sd = meta["state_dict"]
     state = {}
     for idx, entry in sd["state"].items():
@@ -275,15 +269,41 @@ def read(path: Any) -> Dict[str, Any]:
     return {"state": state, "param_groups": sd["param_groups"], "memtide": sd["memtide"]}
 
 
+def _mapped(folder: str, manifest: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The checkpoint's params, exp_avg and exp_avg_sq: read-only tensors over the mapped file."""
+    import numpy as np
+
+    n = manifest["params"]
+    flat = np.memmap(os.path.join(folder, manifest["data"]), dtype=np.float32, mode="r", shape=(3 * n,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only by design: loading copies
+        t = torch.from_numpy(flat)
+    return t[:n], t[n:2 * n], t[2 * n:]
+
+
 @torch.no_grad()
 def load(opt: Any, path: Any) -> None:
-    load_state_dict(opt, read(path))
-    # The fp32 params the model holds apart from the buffers take the saved values too (fp16/bf16
-    # ones were written from their masters by load_state_dict).
-    layout, b = opt.layout, opt.buffers
+    folder = os.fspath(path)
+    state = read(folder)  # every checksum checked first
+    manifest = _memtide.read_checkpoint_manifest(folder, False)
+    numel = opt.layout.numel if opt.engine is not None else 0
+    if manifest["params"] != numel:
+        raise ValueError(f"TieredAdamW.load_checkpoint: {folder} holds {manifest['params']} params, the optimizer "
+                         f"has {numel}; nothing was loaded")
+    load_state_dict(opt, state)
     if opt.engine is None:
         return
+    # Every param takes its saved value, a param without optimizer state yet (saved before its
+    # first step) too: the masters from the file, then the model's copies from them.
+    layout, b = opt.layout, opt.buffers
+    saved, _, _ = _mapped(folder, manifest)
+    opt.host_changed()
+    b.params.copy_(saved)
     for i, p in enumerate(layout.params):
-        if not layout.lowp_of[i] and not layout.aliased[i]:
-            lo, hi = layout.ranges[i]
+        lo, hi = layout.ranges[i]
+        if layout.lowp_of[i]:
+            b.lowp[lo:hi].copy_(b.params[lo:hi])
+            if not layout.aliased[i]:
+                local(p).data.copy_(b.lowp[lo:hi].view(local(p).shape))
+        elif not layout.aliased[i]:
             opt.distribution.write_back(p, b.params[lo:hi])

@@ -270,7 +270,20 @@ def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path):
     other_opt = _optimizer(other, "cpu")
     _train(other, other_opt, 1, 0)
     before = _frozen(other_opt)
-    with pytest.raises(ValueError, match="TieredAdamW.load_state_dict"):
+    with pytest.raises(ValueError, match="TieredAdamW.load_checkpoint: .* holds 3148800 params, the optimizer has"):
         other_opt.load_checkpoint(tmp_path / "ckpt")
     after = _frozen(other_opt)
     assert all(torch.equal(before[i]["exp_avg"], after[i]["exp_avg"]) for i in before)
+
+
+def test_a_checkpoint_saved_before_the_first_step_restores_the_params(tmp_path):
+    model = _model()
+    opt = _optimizer(model, "cpu")
+    opt.save_checkpoint(tmp_path / "ckpt", blocking=True)
+    torch.manual_seed(7)
+    other = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
+                                torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1024))
+    other_opt = _optimizer(other, "cpu")
+    other_opt.load_checkpoint(tmp_path / "ckpt")
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
