@@ -263,7 +263,16 @@ def read(path: Any) -> Dict[str, Any]:
     sd = meta["state_dict"]
     state = {}
     for idx, entry in sd["state"].items():
-        lo, hi, shape = meta["ranges"][idx]
+        try:
+            lo, hi, shape = meta["ranges"][idx]
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            ok = 0 <= lo <= hi <= n and numel == hi - lo
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise OSError(f"checkpoint: {meta_path} places param {idx} outside the {n} saved params")
         state[idx] = dict(entry, exp_avg=exp_avg[lo:hi].view(shape), exp_avg_sq=exp_avg_sq[lo:hi].view(shape),
                           master_param=params[lo:hi].view(shape))
     return {"state": state, "param_groups": sd["param_groups"], "memtide": sd["memtide"]}

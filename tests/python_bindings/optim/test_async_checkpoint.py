@@ -287,3 +287,19 @@ def test_a_checkpoint_saved_before_the_first_step_restores_the_params(tmp_path):
     other_opt.load_checkpoint(tmp_path / "ckpt")
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_meta_file_that_lies_about_the_layout_is_refused(tmp_path):
+    model = _model()
+    opt = _optimizer(model, "cpu")
+    _train(model, opt, 1, 0)
+    opt.save_checkpoint(tmp_path / "ckpt", blocking=True)
+    meta_path = tmp_path / "ckpt" / "meta.pt"
+    meta = torch.load(meta_path, weights_only=True)
+    meta["ranges"][0] = (0, 10 ** 9, (10 ** 9,))
+    torch.save(meta, meta_path)
+    with pytest.raises(OSError, match="places param 0 outside"):
+        read_checkpoint(tmp_path / "ckpt")
+    meta_path.write_bytes(b"not a pickle")
+    with pytest.raises(OSError, match="meta.pt cannot be read"):
+        opt.load_checkpoint(tmp_path / "ckpt")
