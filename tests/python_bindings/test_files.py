@@ -64,9 +64,14 @@ def _writes_by_mode(mode) -> bool:
 
 
 def _one_writer_files(tree: ast.AST):
-    """Names bound by ``with open_output(...) as NAME`` (or ``Output(...)``): the writer's files."""
+    """Names bound by ``with open_output(...) as NAME`` (or ``Output(...)``): the writer's files;
+    and names bound by ``NAME = io.BytesIO()``: memory, not a file (a checkpoint's meta bytes are
+    serialized there and written by the engine's own writer)."""
     names = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                _dotted(node.value.func) in ("io.BytesIO", "BytesIO", "io.StringIO", "StringIO"):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
         if isinstance(node, (ast.With, ast.AsyncWith)):
             for item in node.items:
                 if isinstance(item.context_expr, ast.Call) and _dotted(item.context_expr.func).split(".")[-1] in (
@@ -131,6 +136,8 @@ os.open(os.devnull, os.O_WRONLY); json.dump(x, sys.stdout); f.write("x")
 with open_output(path, binary=True) as f:
     pickle.dump(obj, f)
     fig.savefig(f, format="png")
+buf = io.BytesIO()
+torch.save(obj, buf)
 """
     assert file_writes(good) == []
 
