@@ -246,11 +246,14 @@ class PyUpdateEngine {
     engine_->sync_host();
   }
 
-  std::shared_ptr<tiering::StateSnapshot> save_async(const std::string& target, std::uint64_t buffer_bytes,
-                                                     const nb::bytes& meta) {
+  std::shared_ptr<tiering::StateSnapshot> save_async(
+      const std::string& target, std::uint64_t buffer_bytes, const nb::bytes& meta,
+      const std::optional<std::tuple<std::string, std::vector<std::string>, std::size_t>>& part) {
     std::string bytes(meta.c_str(), meta.size());
+    std::optional<tiering::StateSnapshot::Config::Part> p;
+    if (part) p = tiering::StateSnapshot::Config::Part{std::get<0>(*part), std::get<1>(*part), std::get<2>(*part)};
     nb::gil_scoped_release nogil;  // a running save is waited for first
-    return engine_->save_async(target, buffer_bytes, std::move(bytes));
+    return engine_->save_async(target, buffer_bytes, std::move(bytes), std::move(p));
   }
 
   std::shared_ptr<tiering::StateSnapshot> running_save() { return engine_->running_save(); }
@@ -502,6 +505,12 @@ void bind_engine(nb::module_& m) {
       }, "folder"_a, "verify"_a = true,
       "A checkpoint folder's manifest ({params, subgroups, data, meta}); with verify every subgroup's\n"
       "checksum is checked. OSError naming what is missing, cut short or corrupt.");
+  m.def("read_checkpoint_parts", [](const std::string& folder) {
+        nb::gil_scoped_release nogil;
+        return tiering::StateSnapshot::read_parts(folder);
+      }, "folder"_a,
+      "The part folders of a checkpoint saved in parts ([] for a whole one), each checked to be there.\n"
+      "OSError naming what is missing.");
 
   bind_results(m);
 
@@ -581,9 +590,10 @@ void bind_engine(nb::module_& m) {
            "again from the host on the next step.")
       .def("sync_host", &PyUpdateEngine::sync_host,
            "Copies the newest state of GPU-static residents into the host arrays (before reading them).")
-      .def("save_async", &PyUpdateEngine::save_async, "target"_a, "buffer_bytes"_a, "meta"_a,
+      .def("save_async", &PyUpdateEngine::save_async, "target"_a, "buffer_bytes"_a, "meta"_a, "part"_a = nb::none(),
            "Starts saving params, exp_avg and exp_avg_sq to the folder `target` while steps go on (a\n"
-           "StateSnapshot); `meta` is saved beside them as meta.pt. A running save is waited for first.")
+           "StateSnapshot); `meta` is saved beside them as meta.pt. A running save is waited for first.\n"
+           "`part` (id, names, index): this process's part of a checkpoint saved in parts.")
       .def("running_save", &PyUpdateEngine::running_save, "The running save, or None.")
       .def("model_params", [](nb::handle self, const std::string& dtype) {
              return nb::cast<PyUpdateEngine&>(self).model_params(self, dtype);

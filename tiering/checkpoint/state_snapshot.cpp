@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -33,7 +34,11 @@ namespace {
 constexpr std::size_t kChunk = std::size_t{8} << 20;  // bytes per write call
 constexpr std::size_t kChunksInFlight = 8;            // written back but not yet waited for
 constexpr const char* kPartialTag = ".memtide-partial-";
+constexpr const char* kStagingTag = ".memtide-parts-";
 constexpr const char* kFormat = "memtide-state 1";
+constexpr const char* kPartsFormat = "memtide-parts 1";
+constexpr const char* kExpected = ".parts-expected";  // in a staging folder: every part's name
+constexpr const char* kClaim = ".commit";              // in a staging folder: made by the committer
 
 std::string err_text(int err) { return files::errno_text(err); }
 
@@ -91,9 +96,13 @@ void put_file(const fs::path& path, const std::string& bytes) {
   if (std::string why = files::write_atomically(path.string(), bytes); !why.empty()) throw IoError(why);
 }
 
-bool is_checkpoint(const fs::path& folder) {
+bool is_regular(const fs::path& file) {
   struct stat st {};
-  return ::lstat((folder / StateSnapshot::kManifest).c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  return ::lstat(file.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+bool is_checkpoint(const fs::path& folder) {
+  return is_regular(folder / StateSnapshot::kManifest) || is_regular(folder / StateSnapshot::kParts);
 }
 
 // What memtide will not replace: a link, a file, a folder that is not one of its checkpoints.
@@ -116,11 +125,97 @@ fs::path parent_of(const fs::path& target) {
   return parent.empty() ? fs::path(".") : parent;
 }
 
-std::string partial_prefix(const fs::path& target) {
+std::string hidden_prefix(const fs::path& target, const char* tag) {
   std::string s = ".";  // appended, not `"." + name`: GCC 12's -Wrestrict misfires on that at -O3
   s.append(target.filename().string());
-  s.append(kPartialTag);
+  s.append(tag);
   return s;
+}
+
+std::string partial_prefix(const fs::path& target) { return hidden_prefix(target, kPartialTag); }
+std::string staging_prefix(const fs::path& target) { return hidden_prefix(target, kStagingTag); }
+
+// Staging folders of earlier saves in parts beside `target`, other than `keep`. Part 0 removes
+// them when a new save starts: every process has finished its previous save by then (the front
+// end agrees on the new id among them after each waited for its own), so what is left is dead.
+void remove_other_staging(const fs::path& target, const std::string& keep) {
+  const std::string prefix = staging_prefix(target);
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(parent_of(target), ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) != 0 || name == prefix + keep) continue;
+    std::error_code rm;
+    fs::remove_all(e.path(), rm);
+    MEMTIDE_LOG(warn, "checkpoint: removed " + e.path().string() + ", left by a save in parts that did not complete" +
+                          (rm ? "; could not remove all of it: " + rm.message() : ""));
+  }
+}
+
+// Moves the folder `from` onto `target`: exchanged with a previous checkpoint there in one step
+// (which is then removed), or renamed when there is none.
+void put_in_place(const fs::path& from, const fs::path& target) {
+  if (std::string why = refuse_target(target); !why.empty()) throw IoError("checkpoint: " + why);
+  struct stat st {};
+  if (::lstat(target.c_str(), &st) == 0) {
+    if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+      sync_folder(parent_of(target));
+      std::error_code ec;
+      fs::remove_all(from, ec);  // the previous checkpoint, now at `from`
+      if (ec) MEMTIDE_LOG(warn, "checkpoint: could not remove the previous checkpoint at " + from.string() + ": " + ec.message());
+      return;
+    }
+    if (errno != EINVAL && errno != ENOSYS) throw io_error("replacing " + target.string(), errno);
+    // A file system without the exchange: the previous one moves aside first, so one complete
+    // checkpoint is always there under some name.
+    const fs::path aside = parent_of(target) / (partial_prefix(target) + std::to_string(::getpid()) + "-previous");
+    if (::rename(target.c_str(), aside.c_str()) != 0) throw io_error("moving " + target.string() + " aside", errno);
+    if (::rename(from.c_str(), target.c_str()) != 0) {
+      const int err = errno;
+      (void)::rename(aside.c_str(), target.c_str());
+      throw io_error("renaming " + from.string() + " to " + target.string(), err);
+    }
+    std::error_code ec;
+    fs::remove_all(aside, ec);
+  } else if (::rename(from.c_str(), target.c_str()) != 0) {
+    throw io_error("renaming " + from.string() + " to " + target.string(), errno);
+  }
+  sync_folder(parent_of(target));
+}
+
+std::vector<std::string> read_lines(const fs::path& file) {
+  std::ifstream in(file);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Why there is no checkpoint at `folder`, with what a save that did not complete left beside it.
+IoError no_checkpoint(const fs::path& folder) {
+  std::string why = "checkpoint: no checkpoint at " + folder.string();
+  const fs::path target = fs::absolute(folder).lexically_normal();
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(parent_of(target), ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(partial_prefix(target), 0) == 0) {
+      why += " (" + e.path().string() + " is a save that did not complete)";
+      break;
+    }
+    if (name.rfind(staging_prefix(target), 0) == 0) {
+      std::string missing;
+      for (const std::string& part : read_lines(e.path() / kExpected)) {
+        if (!part.empty() && !is_regular(e.path() / part / StateSnapshot::kManifest)) missing += (missing.empty() ? "" : ", ") + part;
+      }
+      why += " (" + e.path().string() + " is a save in parts that did not complete" +
+             (missing.empty() ? std::string(")") : "; missing: " + missing + ")");
+      break;
+    }
+  }
+  return IoError(why);
+}
+
+bool is_plain_name(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.front() != '.' && name.find('/') == std::string::npos &&
+         name.find('\n') == std::string::npos;
 }
 
 // Partial folders beside `target` whose save died with its process: removed, and said so.
@@ -184,13 +279,45 @@ std::shared_ptr<StateSnapshot> StateSnapshot::start(Config config) {
   std::error_code ec;
   if (!fs::is_directory(parent, ec)) throw IoError("checkpoint: cannot save to " + config.target.string() + ": folder " + parent.string() + " does not exist");
   if (std::string why = refuse_target(config.target); !why.empty()) throw InvalidArgument("checkpoint: " + why);
-  remove_dead_partials(config.target);
+  fs::path destination = config.target, staging;
+  if (config.part) {
+    const Config::Part& part = *config.part;
+    const bool id_ok = !part.id.empty() && part.id.size() <= 64 &&
+                       std::all_of(part.id.begin(), part.id.end(), [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) != 0; });
+    if (!id_ok) throw InvalidArgument("checkpoint: a part's id must be 1 to 64 letters or digits, got '" + part.id + "'");
+    if (part.index >= part.names.size()) {
+      throw InvalidArgument("checkpoint: part " + std::to_string(part.index) + " of " + std::to_string(part.names.size()) + " parts");
+    }
+    for (std::size_t i = 0; i < part.names.size(); ++i) {
+      if (!is_plain_name(part.names[i])) throw InvalidArgument("checkpoint: part name '" + part.names[i] + "' is not a plain folder name");
+      if (std::find(part.names.begin(), part.names.begin() + static_cast<std::ptrdiff_t>(i), part.names[i]) !=
+          part.names.begin() + static_cast<std::ptrdiff_t>(i)) {
+        throw InvalidArgument("checkpoint: part name '" + part.names[i] + "' is given twice");
+      }
+    }
+    staging = parent / (staging_prefix(config.target) + part.id);
+    if (part.index == 0) remove_other_staging(config.target, part.id);
+    if (::mkdir(staging.c_str(), 0700) != 0) {
+      struct stat st {};
+      if (errno != EEXIST || ::lstat(staging.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+        throw io_error("checkpoint: cannot make " + staging.string(), errno);
+      }
+    }
+    std::string expected;
+    for (const std::string& name : part.names) expected += name + "\n";
+    put_file(staging / kExpected, expected);  // every part writes the same: what a reader says is missing
+    destination = staging / part.names[part.index];
+    if (std::string why = refuse_target(destination); !why.empty()) throw InvalidArgument("checkpoint: " + why);
+  }
+  remove_dead_partials(destination);
 
   std::shared_ptr<StateSnapshot> s(new StateSnapshot(std::move(config)));
   const Config& c = s->config_;
+  s->destination_ = destination;
+  s->staging_ = staging;
   std::random_device rd;
-  s->partial_ = parent / (partial_prefix(c.target) + std::to_string(::getpid()) + "-" +
-                          hex64((std::uint64_t{rd()} << 32) ^ rd()).substr(8));
+  s->partial_ = parent_of(destination) / (partial_prefix(destination) + std::to_string(::getpid()) + "-" +
+                                          hex64((std::uint64_t{rd()} << 32) ^ rd()).substr(8));
   if (::mkdir(s->partial_.c_str(), 0700) != 0) throw io_error("checkpoint: cannot make " + s->partial_.string(), errno);
   try {
     const fs::path data = s->partial_ / kData;
@@ -208,7 +335,8 @@ std::shared_ptr<StateSnapshot> StateSnapshot::start(Config config) {
     s->progress_.bytes_total = total;
     s->progress_.buffer_bound = c.buffer_bytes;
     s->started_ = std::chrono::steady_clock::now();
-    MEMTIDE_LOG(info, "checkpoint: saving " + format_bytes(total) + " of optimizer state to " + c.target.string() +
+    const std::string part = c.part ? " (part " + std::to_string(c.part->index + 1) + " of " + std::to_string(c.part->names.size()) + ")" : "";
+    MEMTIDE_LOG(info, "checkpoint: saving " + format_bytes(total) + " of optimizer state to " + c.target.string() + part +
                           " while training goes on (copy-on-write buffer up to " + format_bytes(c.buffer_bytes) + ")");
     s->writer_ = std::thread([raw = s.get()] { raw->run(); });
   } catch (...) {
@@ -432,33 +560,34 @@ void StateSnapshot::commit() {
   m << "end\n";
   put_file(partial_ / kManifest, m.str());
   sync_folder(partial_);
-  const fs::path& target = config_.target;
-  if (std::string why = refuse_target(target); !why.empty()) throw IoError("checkpoint: " + why);
-  struct stat st {};
-  if (::lstat(target.c_str(), &st) == 0) {
-    // Swap with the previous checkpoint in one step, then remove it (now at the partial name).
-    if (::renameat2(AT_FDCWD, partial_.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
-      sync_folder(parent_of(target));
-      remove_partial();
-      return;
-    }
-    if (errno != EINVAL && errno != ENOSYS) throw io_error("replacing " + target.string(), errno);
-    // A file system without the exchange: the previous one moves aside first, so one complete
-    // checkpoint is always there under some name.
-    const fs::path aside = parent_of(target) / (partial_prefix(target) + std::to_string(::getpid()) + "-previous");
-    if (::rename(target.c_str(), aside.c_str()) != 0) throw io_error("moving " + target.string() + " aside", errno);
-    if (::rename(partial_.c_str(), target.c_str()) != 0) {
-      const int err = errno;
-      (void)::rename(aside.c_str(), target.c_str());
-      throw io_error("renaming " + partial_.string() + " to " + target.string(), err);
-    }
-    std::error_code ec;
-    fs::remove_all(aside, ec);
-  } else if (::rename(partial_.c_str(), target.c_str()) != 0) {
-    throw io_error("renaming " + partial_.string() + " to " + target.string(), errno);
-  }
-  sync_folder(parent_of(target));
+  put_in_place(partial_, destination_);
   partial_.clear();
+  if (config_.part) commit_parts();
+}
+
+// Every part is in the staging folder once the last one is: whichever process sees that claims
+// the commit (an exclusive create, so one does when two finish together), writes the list of
+// parts last, and moves the staging folder onto the target.
+void StateSnapshot::commit_parts() {
+  const Config::Part& part = *config_.part;
+  for (const std::string& name : part.names) {
+    if (!is_regular(staging_ / name / kManifest)) return;  // the process of that part commits
+  }
+  const fs::path claim = staging_ / kClaim;
+  const int fd = ::open(claim.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    if (errno == EEXIST) return;  // another part's process is committing
+    throw io_error("checkpoint: cannot claim the commit of " + staging_.string(), errno);
+  }
+  ::close(fd);
+  std::ostringstream m;
+  m << kPartsFormat << "\nid " << part.id << "\nparts " << part.names.size() << "\n";
+  for (const std::string& name : part.names) m << name << "\n";
+  m << "end\n";
+  put_file(staging_ / kParts, m.str());
+  sync_folder(staging_);
+  put_in_place(staging_, config_.target);
+  MEMTIDE_LOG(info, "checkpoint: " + config_.target.string() + " holds all " + std::to_string(part.names.size()) + " parts");
 }
 
 void StateSnapshot::remove_partial() noexcept {
@@ -492,20 +621,12 @@ SnapshotProgress StateSnapshot::progress() const {
 
 SnapshotManifest StateSnapshot::read_manifest(const fs::path& folder, bool verify) {
   struct stat st {};
-  if (::stat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    std::string why = "checkpoint: no checkpoint at " + folder.string();
-    std::error_code ec;
-    const std::string prefix = partial_prefix(fs::absolute(folder).lexically_normal());
-    for (const fs::directory_entry& e : fs::directory_iterator(parent_of(fs::absolute(folder)), ec)) {
-      if (e.path().filename().string().rfind(prefix, 0) == 0) {
-        why += " (" + e.path().string() + " is a save that did not complete)";
-        break;
-      }
-    }
-    throw IoError(why);
-  }
+  if (::stat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw no_checkpoint(folder);
   const fs::path manifest = folder / kManifest, data = folder / kData, meta = folder / kMeta;
   std::ifstream in(manifest);
+  if (!in && is_regular(folder / kParts)) {
+    throw IoError("checkpoint: " + folder.string() + " is a checkpoint saved in parts (" + kParts + "); each part is a folder in it");
+  }
   if (!in) {
     throw IoError("checkpoint: " + folder.string() + " is not a complete memtide checkpoint: it has no " + kManifest +
                   " (a save that did not complete, or another folder)");
@@ -575,6 +696,36 @@ SnapshotManifest StateSnapshot::read_manifest(const fs::path& folder, bool verif
   ::close(fd);
 #endif
   return out;
+}
+
+std::vector<std::string> StateSnapshot::read_parts(const fs::path& folder) {
+  struct stat st {};
+  if (::stat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) throw no_checkpoint(folder);
+  if (is_regular(folder / kManifest)) return {};
+  const fs::path file = folder / kParts;
+  if (!is_regular(file)) {
+    throw IoError("checkpoint: " + folder.string() + " is not a complete memtide checkpoint: it has neither " + kManifest +
+                  " nor " + kParts + " (a save that did not complete, or another folder)");
+  }
+  const std::vector<std::string> lines = read_lines(file);
+  auto bad = [&](const std::string& what) {
+    return IoError("checkpoint: " + file.string() + " is not a memtide parts list: " + what);
+  };
+  if (lines.size() < 4 || lines[0] != kPartsFormat) throw bad("it does not start with '" + std::string(kPartsFormat) + "'");
+  if (lines[1].rfind("id ", 0) != 0) throw bad("no 'id' line");
+  std::size_t count = 0;
+  if (std::sscanf(lines[2].c_str(), "parts %zu", &count) != 1 || count == 0 || count != lines.size() - 4) {
+    throw bad("its 'parts' line does not count the names that follow");
+  }
+  if (lines.back() != "end") throw bad("no 'end' line (cut short?)");
+  std::vector<std::string> parts(lines.begin() + 3, lines.end() - 1);
+  for (const std::string& part : parts) {
+    if (!is_plain_name(part)) throw bad("'" + part + "' is not a plain folder name");
+    if (!is_regular(folder / part / kManifest)) {
+      throw IoError("checkpoint: " + folder.string() + " is missing its part " + part + " (no " + (folder / part / kManifest).string() + ")");
+    }
+  }
+  return parts;
 }
 
 }  // namespace memtide::tiering

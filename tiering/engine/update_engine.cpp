@@ -816,7 +816,7 @@ void UpdateEngine::sync_host() {
 }
 
 std::shared_ptr<StateSnapshot> UpdateEngine::save_async(const std::filesystem::path& target, std::uint64_t buffer_bytes,
-                                                        std::string meta) {
+                                                        std::string meta, std::optional<StateSnapshot::Config::Part> part) {
   Busy busy(*this);
   if (nvme_) {
     throw InvalidArgument("UpdateEngine::save_async: the state has subgroups spilled to NVMe, which a save while "
@@ -833,6 +833,7 @@ std::shared_ptr<StateSnapshot> UpdateEngine::save_async(const std::filesystem::p
   c.subgroups = subgroups_;
   c.buffer_bytes = buffer_bytes;
   c.meta = std::move(meta);
+  c.part = std::move(part);
   save_ = StateSnapshot::start(std::move(c));
   return save_;
 }

@@ -1,6 +1,7 @@
 """TieredAdamW's checkpoints: torch.optim.AdamW's state_dict layout over the engine's buffers,
 checked whole before anything is loaded, and the masters re-read from the model; and checkpoints
-saved while training goes on (save_async, read, load: a folder the engine's StateSnapshot writes)."""
+saved while training goes on (save_async, read, load: a folder the engine's StateSnapshot writes,
+or, for sharded params, a folder of parts, one per shard, loadable on any number of ranks)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from .. import _memtide
 from .arguments import check_state_dict
-from .distributed import local
+from .distributed import is_dtensor, local
 from .loss_scale import LossScaler
 
 
@@ -129,7 +130,9 @@ def sync_master_from_model(opt: Any) -> None:
 
 # ---- saves while training goes on -----------------------------------------------------------------
 
-FORMAT = 1
+# 2: every param's place (its range in the buffers, its shape, its global shape and offset), so
+# that a checkpoint saved on some ranks loads on any others.
+FORMAT = 2
 
 
 class AsyncSave:
@@ -138,32 +141,39 @@ class AsyncSave:
     The folder holds the state as it was when the save was asked for, whatever the steps since do:
     the engine keeps each subgroup's old state (a bounded copy, or a wait for the writer) until it
     is written. The folder appears whole when the save commits; until then a previous checkpoint
-    at the same path stays as it was.
+    at the same path stays as it was. For sharded params each rank's save writes its part, and
+    the folder appears once every part is in: wait() on every rank.
     """
 
-    def __init__(self, snapshot: Any) -> None:
-        self._snapshot = snapshot
+    def __init__(self, snapshot: Any, path: str) -> None:
+        self._snapshot = snapshot  # None: an HSDP replica whose shard another replica writes
+        self._path = path
 
     @property
     def path(self) -> str:
-        return self._snapshot.target
+        return self._snapshot.target if self._snapshot is not None else self._path
 
     def wait(self) -> None:
-        """Blocks until the checkpoint is committed. OSError when the save failed (a full disk,
+        """Blocks until this process's save is committed. OSError when it failed (a full disk,
         an I/O error, cancel()): the path then holds what it held before."""
-        self._snapshot.wait()
+        if self._snapshot is not None:
+            self._snapshot.wait()
 
     def done(self) -> bool:
-        return bool(self._snapshot.progress()["done"])
+        return bool(self.progress()["done"])
 
     def cancel(self) -> None:
         """Stops the save and removes what it wrote; the path is left as it was."""
-        self._snapshot.cancel()
+        if self._snapshot is not None:
+            self._snapshot.cancel()
 
     def progress(self) -> Dict[str, Any]:
         """bytes_total, bytes_written, elapsed_s, write_s (the writer's time in write calls),
         waited_s (time steps waited for the writer), copied_bytes, peak_buffer_bytes, buffer_bound
         (the copy-on-write buffer), done, committed, error."""
+        if self._snapshot is None:
+            return dict(bytes_total=0, bytes_written=0, elapsed_s=0.0, write_s=0.0, waited_s=0.0, copied_bytes=0,
+                        peak_buffer_bytes=0, buffer_bound=0, done=True, committed=True, error="")
         return dict(self._snapshot.progress())
 
     def __repr__(self) -> str:
@@ -205,6 +215,16 @@ def finish_running_save(opt: Any) -> None:
             pass
 
 
+def _place(p: torch.Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Param `p`'s global shape, and where this rank's part of it starts (zeros for a whole one)."""
+    if is_dtensor(p):
+        chunks = p.__create_chunk_list__()  # DCP's view of a DTensor's local part: one box
+        if len(chunks) == 1:
+            return tuple(p.shape), tuple(int(o) for o in chunks[0].offsets)
+        raise NotImplementedError(f"checkpoint: a DTensor param whose local part is {len(chunks)} boxes")
+    return tuple(p.shape), (0,) * p.dim()
+
+
 def save_async(opt: Any, path: Any, buffer_bytes: int = 0) -> AsyncSave:
     who = "TieredAdamW.save_checkpoint"
     if not isinstance(path, (str, bytes, os.PathLike)) or not os.fspath(path):
@@ -213,44 +233,116 @@ def save_async(opt: Any, path: Any, buffer_bytes: int = 0) -> AsyncSave:
         raise ValueError(f"{who}: buffer_bytes must be an int >= 0 (0: two of the largest subgroup), got {buffer_bytes!r}")
     if opt.engine is None:
         raise ValueError(f"{who}: the optimizer has no params with state to save")
-    if opt.distribution.kind not in ("none", "ddp"):  # under DDP every rank holds the whole state
-        raise NotImplementedError(
-            f"{who}: the params here are {opt.distribution.kind} shards (each rank holds part of the state), "
-            "which saves while training goes on do not cover yet: use "
-            "torch.distributed.checkpoint.save({'optim': get_optimizer_state_dict(model, optimizer)})")
     if opt.spilled_subgroups:
         raise NotImplementedError(
             f"{who}: {opt.spilled_subgroups} subgroup(s) live on NVMe, which saves while training goes on do not "
             "cover yet: use torch.save(optimizer.state_dict())")
+    path = os.path.abspath(os.fspath(path))
+    part = None
+    if opt.distribution.kind in ("fsdp2", "hsdp"):
+        # Every rank writes its shard as one part; a previous save must be over on every rank
+        # before the ranks agree on the next (its commit may be the last part's).
+        finish_running_save(opt)
+        save_id, names, index = opt.distribution.save_parts(path, who)
+        if index is None:
+            return AsyncSave(None, path)
+        part = (save_id, names, index)
     packed = state_dict(opt)  # syncs the state (updates during backward rolled back, residents copied home)
     layout = opt.layout
-    index = {id(p): i for i, p in enumerate(layout.params)}
+    index_of = {id(p): i for i, p in enumerate(layout.params)}
     order = [p for g in opt.param_groups for p in g["params"]]
-    ranges = {}
-    skeleton = {}
-    for idx, entry in packed["state"].items():
-        i = index[id(order[idx])]
-        lo, hi = layout.ranges[i]
-        ranges[idx] = (lo, hi, tuple(local(layout.params[i]).shape))
-        skeleton[idx] = {k: v for k, v in entry.items() if k not in ("exp_avg", "exp_avg_sq", "master_param")}
+    places = []
+    for p in order:
+        lo, hi = layout.ranges[index_of[id(p)]]
+        shape, offsets = _place(p)
+        places.append((lo, hi, tuple(local(p).shape), shape, offsets))
+    skeleton = {idx: {k: v for k, v in entry.items() if k not in ("exp_avg", "exp_avg_sq", "master_param")}
+                for idx, entry in packed["state"].items()}
     meta = io.BytesIO()
-    torch.save({"format": FORMAT, "numel": layout.numel, "ranges": ranges,
+    torch.save({"format": FORMAT, "numel": layout.numel, "places": places,
                 "state_dict": {"state": skeleton, "param_groups": packed["param_groups"],
                                "memtide": packed["memtide"]}}, meta)
-    snapshot = opt.engine.save_async(os.fspath(path), buffer_bytes, meta.getvalue())
+    snapshot = opt.engine.save_async(path, buffer_bytes, meta.getvalue(), part)
     with _unfinished_lock:
         for s in [s for s in _unfinished if s.progress()["done"]]:
             _unfinished.discard(s)
         _unfinished.add(snapshot)
-    return AsyncSave(snapshot)
+    return AsyncSave(snapshot, path)
 
 
-def read(path: Any) -> Dict[str, Any]:
-    """The checkpoint at `path` as a state dict of TieredAdamW's layout (torch.optim.AdamW's, with
-    the fp32 params as "master_param"), every checksum checked first. Its tensors map the file
-    (read-only, no copy in memory); load_state_dict copies them."""
-    folder = os.fspath(path)
-    manifest = _memtide.read_checkpoint_manifest(folder, True)
+class _Saved:
+    """A committed checkpoint, whole or in parts: each part's manifest (every checksum checked
+    first, with `verify`), meta and mapped arrays, and the params' saved values copied out by box,
+    so that a state saved on some ranks fills the shards of any others."""
+
+    def __init__(self, path: Any, verify: bool = True) -> None:
+        self.folder = os.fspath(path)
+        names = _memtide.read_checkpoint_parts(self.folder)
+        self.parts = []
+        for folder in [os.path.join(self.folder, n) for n in names] or [self.folder]:
+            manifest = _memtide.read_checkpoint_manifest(folder, verify)
+            self.parts.append((_read_meta(folder, manifest), _mapped(folder, manifest)))
+        first = self.parts[0][0]
+        self.count = len(first["places"])
+        for meta, _ in self.parts[1:]:
+            if [pl[3] for pl in meta["places"]] != [pl[3] for pl in first["places"]]:
+                raise OSError(f"checkpoint: the parts of {self.folder} describe different params")
+        self.shapes = [tuple(pl[3]) for pl in first["places"]]
+        sd = first["state_dict"]
+        self.state, self.param_groups, self.memtide = sd["state"], sd["param_groups"], sd["memtide"]
+
+    def exact(self, idx: int, which: int, offsets: Tuple[int, ...], shape: Tuple[int, ...]) -> Optional[torch.Tensor]:
+        """The saved values of param `idx`'s box (offsets, shape) when one part holds exactly that
+        box: a read-only view of the mapped file, no copy."""
+        for meta, arrays in self.parts:
+            lo, hi, lshape, _, loff = meta["places"][idx]
+            if tuple(loff) == tuple(offsets) and tuple(lshape) == tuple(shape):
+                return arrays[which][lo:hi].view(shape)
+        return None
+
+    def fill(self, idx: int, which: int, dst: torch.Tensor, offsets: Tuple[int, ...]) -> None:
+        """Copies into `dst` (the box of param `idx` at `offsets`) the saved values of array
+        `which` (0: params, 1: exp_avg, 2: exp_avg_sq) from every part that holds some of it."""
+        view = self.exact(idx, which, offsets, tuple(dst.shape))
+        if view is not None:
+            dst.copy_(view)
+            return
+        covered, seen = 0, set()
+        for meta, arrays in self.parts:
+            lo, hi, lshape, _, loff = meta["places"][idx]
+            box = (tuple(loff), tuple(lshape))
+            if box in seen:  # a replicated param: every part holds all of it
+                continue
+            seen.add(box)
+            starts = [max(a, b) for a, b in zip(offsets, loff)]
+            ends = [min(a + n, b + m) for a, n, b, m in zip(offsets, dst.shape, loff, lshape)]
+            if any(e <= s for s, e in zip(starts, ends)) and dst.dim() > 0:
+                continue
+            src = arrays[which][lo:hi].view(tuple(lshape))
+            dst[tuple(slice(s - o, e - o) for s, e, o in zip(starts, ends, offsets))].copy_(
+                src[tuple(slice(s - o, e - o) for s, e, o in zip(starts, ends, loff))])
+            n = 1
+            for s, e in zip(starts, ends):
+                n *= e - s
+            covered += n
+        if covered != dst.numel():
+            raise OSError(f"checkpoint: the parts of {self.folder} hold {covered} of the {dst.numel()} values of "
+                          f"param {idx}'s part at {tuple(offsets)} (a part missing, or parts that overlap)")
+
+    def value(self, idx: int, which: int, p: Optional[torch.Tensor]) -> torch.Tensor:
+        """This rank's part of param `idx`'s saved array `which`, for param `p` (None: the whole
+        param): a mapped view when one part holds exactly it, else a copy put together."""
+        shape, offsets = (self.shapes[idx], (0,) * len(self.shapes[idx])) if p is None else \
+            (tuple(local(p).shape), _place(p)[1])
+        view = self.exact(idx, which, offsets, shape)
+        if view is not None:
+            return view
+        out = torch.empty(shape, dtype=torch.float32)
+        self.fill(idx, which, out, offsets)
+        return out
+
+
+def _read_meta(folder: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
     meta_path = os.path.join(folder, manifest["meta"])
     try:
         meta = torch.load(meta_path, weights_only=True)
@@ -258,24 +350,39 @@ def read(path: Any) -> Dict[str, Any]:
         raise OSError(f"checkpoint: {meta_path} cannot be read: {e}") from e
     n = manifest["params"]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("numel") != n:
-        raise OSError(f"checkpoint: {meta_path} does not describe the {n} params of {folder}")
-    params, exp_avg, exp_avg_sq = _mapped(folder, manifest)
-    sd = meta["state_dict"]
-    state = {}
-    for idx, entry in sd["state"].items():
-        try:
-            lo, hi, shape = meta["ranges"][idx]
+        raise OSError(f"checkpoint: {meta_path} does not describe the {n} params of {folder} "
+                      f"(format {meta.get('format') if isinstance(meta, dict) else '?'}; this memtide reads {FORMAT})")
+    what = "a param"
+    try:
+        for idx, (lo, hi, lshape, shape, offsets) in enumerate(meta["places"]):
+            what = f"param {idx}"
             numel = 1
-            for d in shape:
+            for d in lshape:
                 numel *= int(d)
-            ok = 0 <= lo <= hi <= n and numel == hi - lo
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise OSError(f"checkpoint: {meta_path} places param {idx} outside the {n} saved params")
-        state[idx] = dict(entry, exp_avg=exp_avg[lo:hi].view(shape), exp_avg_sq=exp_avg_sq[lo:hi].view(shape),
-                          master_param=params[lo:hi].view(shape))
-    return {"state": state, "param_groups": sd["param_groups"], "memtide": sd["memtide"]}
+            ok = 0 <= lo <= hi <= n and numel == hi - lo and len(lshape) == len(shape) == len(offsets) and all(
+                0 <= o and o + d <= g for o, d, g in zip(offsets, lshape, shape))
+            if not ok:
+                raise ValueError
+        what = "a param's state"
+        count = len(meta["places"])
+        ok = all(0 <= int(idx) < count for idx in meta["state_dict"]["state"])
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise OSError(f"checkpoint: {meta_path} places {what} outside the {n} saved params")
+    return meta
+
+
+def read(path: Any) -> Dict[str, Any]:
+    """The checkpoint at `path` as a state dict of TieredAdamW's layout (torch.optim.AdamW's, with
+    the fp32 params as "master_param") over whole params, every checksum checked first. A whole
+    checkpoint's tensors map the file (read-only, no copy in memory); a checkpoint in parts (saved
+    by sharded ranks) is put together in memory. load_state_dict copies them."""
+    saved = _Saved(path)
+    state = {idx: dict(entry, exp_avg=saved.value(idx, 1, None), exp_avg_sq=saved.value(idx, 2, None),
+                       master_param=saved.value(idx, 0, None))
+             for idx, entry in saved.state.items()}
+    return {"state": state, "param_groups": saved.param_groups, "memtide": saved.memtide}
 
 
 def _mapped(folder: str, manifest: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -283,6 +390,9 @@ def _mapped(folder: str, manifest: Dict[str, Any]) -> Tuple[torch.Tensor, torch.
     import numpy as np
 
     n = manifest["params"]
+    if n == 0:
+        empty = torch.empty(0)
+        return empty, empty, empty
     flat = np.memmap(os.path.join(folder, manifest["data"]), dtype=np.float32, mode="r", shape=(3 * n,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only by design: loading copies
@@ -292,27 +402,36 @@ def _mapped(folder: str, manifest: Dict[str, Any]) -> Tuple[torch.Tensor, torch.
 
 @torch.no_grad()
 def load(opt: Any, path: Any) -> None:
-    folder = os.fspath(path)
-    state = read(folder)  # every checksum checked first
-    manifest = _memtide.read_checkpoint_manifest(folder, False)
-    numel = opt.layout.numel if opt.engine is not None else 0
-    if manifest["params"] != numel:
-        raise ValueError(f"TieredAdamW.load_checkpoint: {folder} holds {manifest['params']} params, the optimizer "
-                         f"has {numel}; nothing was loaded")
-    load_state_dict(opt, state)
+    who = "TieredAdamW.load_checkpoint"
+    saved = _Saved(path)  # every checksum checked first
+    order = [p for g in opt.param_groups for p in g["params"]]
+    if len(order) != saved.count:
+        raise ValueError(f"{who}: {saved.folder} holds {saved.count} param tensors, the optimizer has {len(order)}; "
+                         "nothing was loaded")
+    for idx, p in enumerate(order):
+        if tuple(p.shape) != saved.shapes[idx]:
+            raise ValueError(f"{who}: {saved.folder} holds param {idx} of shape {saved.shapes[idx]}, the optimizer's "
+                             f"is {tuple(p.shape)}; nothing was loaded")
+    state = {}
+    for idx, entry in saved.state.items():
+        p = order[idx]
+        wrap = opt.distribution.wrap
+        state[idx] = dict(entry, exp_avg=wrap(p, saved.value(idx, 1, p)), exp_avg_sq=wrap(p, saved.value(idx, 2, p)),
+                          master_param=wrap(p, saved.value(idx, 0, p)))
+    load_state_dict(opt, {"state": state, "param_groups": saved.param_groups, "memtide": saved.memtide})
     if opt.engine is None:
         return
     # Every param takes its saved value, a param without optimizer state yet (saved before its
     # first step) too: the masters from the file, then the model's copies from them.
     layout, b = opt.layout, opt.buffers
-    saved, _, _ = _mapped(folder, manifest)
+    position = {id(p): idx for idx, p in enumerate(order)}
     opt.host_changed()
-    b.params.copy_(saved)
     for i, p in enumerate(layout.params):
         lo, hi = layout.ranges[i]
+        saved.fill(position[id(p)], 0, b.params[lo:hi].view(local(p).shape), _place(p)[1])
         if layout.lowp_of[i]:
             b.lowp[lo:hi].copy_(b.params[lo:hi])
             if not layout.aliased[i]:
                 local(p).data.copy_(b.lowp[lo:hi].view(local(p).shape))
         elif not layout.aliased[i]:
-            opt.distribution.write_back(p, b.params[lo:hi])
+            opt.distribution.write_back(p, b.params[lo:hi], False)

@@ -126,7 +126,7 @@ class ShardGroup:
 _agreements = 0  # check_agreement calls so far: every rank makes them in the same order
 
 
-def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
+def check_agreement(settings: Dict[str, Any], group: Any, who: str, doing: str = "build the optimizer") -> str:
     """Raises ValueError on every rank of `group` (a process group, or a list of ranks; None: the
     whole job) when the ranks' `settings` differ: ranks that disagree on the optimizer (a policy,
     a subgroup size, NVMe on one rank only, a hyper-parameter, a param left out) would otherwise
@@ -135,7 +135,8 @@ def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
     setting whose name starts with "params" is a list of param descriptions (describe_param),
     compared item by item: the error names the counts and the first param that differs, not the
     whole list. Every rank must call it: it waits for the others at most the process group's
-    timeout, then raises TimeoutError naming the ranks that did not come.
+    timeout, then raises TimeoutError naming the ranks that did not come (`doing` says at what).
+    Returns the store key prefix of this agreement: unique in the job, the same on every rank.
 
     The settings travel through the process group's key-value store, not a collective: gloo
     frees a collective's tensors on its own thread after the collective ends, and a program that
@@ -168,12 +169,12 @@ def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
         absent = [r for r, k in zip(ranks, keys) if not store.check([k])]
         if not absent:
             raise
-        raise TimeoutError(f"{who}: rank(s) {', '.join(map(str, absent))} did not build the optimizer within the "
-                           f"process group's timeout ({store.timeout.total_seconds():g} s): a rank died, or builds "
-                           "its optimizer at another point of the program than the others") from e
+        raise TimeoutError(f"{who}: rank(s) {', '.join(map(str, absent))} did not {doing} within the "
+                           f"process group's timeout ({store.timeout.total_seconds():g} s): a rank died, or does "
+                           "it at another point of the program than the others") from e
     digests = [store.get(k).decode() for k in keys]
     if len(set(digests)) == 1:
-        return
+        return prefix
     # One rank's settings per digest (the lowest rank's): every rank builds the same message.
     first: Dict[str, int] = {}
     for r, d in zip(ranks, digests):
@@ -187,7 +188,7 @@ def check_agreement(settings: Dict[str, Any], group: Any, who: str) -> None:
         names += [k for k in g if k not in names]
     differ = [k for k in names if len({_canonical(g.get(k)) for g in gathered}) > 1]
     if not differ:
-        return  # the same settings, their keys in another order
+        return prefix  # the same settings, their keys in another order
     what = _disagreement(differ[0], ranks, [g.get(differ[0]) for g in gathered])
     also = differ[1:]
     more = "" if not also else (f"; they also disagree on {', '.join(also[:3])}" +
@@ -325,6 +326,7 @@ class Distribution:
         #: The DDP model's communication hook, once found (register_ddp, or DdpWatch).
         self.ddp = ddp
         self._mesh = mesh_ranks(params)
+        self._params = params
 
     @property
     def kind(self) -> str:
@@ -353,6 +355,28 @@ class Distribution:
         if not shards:
             return dict(sharded=[], sum_sharded=None, any=None)
         return dict(sharded=list(shards.sharded), sum_sharded=shards.sum, any=shards.any)
+
+    def save_parts(self, path: str, who: str) -> Tuple[str, List[str], Optional[int]]:
+        """For a save of sharded params, every rank of the mesh calling it: the save's id (random,
+        the same on every rank: stale parts of another save never join it), the parts' names (one
+        per shard of the mesh's shard dimension) and this rank's part (None for an HSDP replica
+        other than the first: the first replica's ranks write the shards). Raises ValueError on
+        every rank when the ranks name different paths."""
+        import secrets
+
+        import torch.distributed as dist
+
+        prefix = check_agreement({"checkpoint path": path}, self._mesh, who, doing="ask for the checkpoint")
+        store = dist.distributed_c10d._get_default_store()
+        if dist.get_rank() == self._mesh[0]:
+            store.set(prefix + "save-id", secrets.token_hex(8))
+        save_id = store.get(prefix + "save-id").decode()  # waits at most the store's timeout
+        mesh = next(p.device_mesh for p in self._params if is_dtensor(p))
+        coordinate = mesh.get_coordinate()
+        count = mesh.size(mesh.ndim - 1)
+        names = [f"shard-{i:05d}-of-{count:05d}" for i in range(count)]
+        writes = mesh.ndim == 1 or coordinate[0] == 0
+        return save_id, names, (coordinate[-1] if writes else None)
 
     def agree(self, settings: Dict[str, Any], who: str) -> bool:
         """Checks that every rank of the params' device mesh built its optimizer alike

@@ -4,6 +4,7 @@ torch.optim.AdamW under the same wrapper from the same start (distributed_worker
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,41 @@ def test_a_sharded_checkpoint_resumes_on_other_world_sizes_even_after_a_rank_die
     straight = params(2, "-", "-", "straight.pt")
     # (Loaded without its moments, the same resume ends 0.026 away.)
     assert max(float((a - b).abs().max()) for a, b in zip(straight, resumed)) <= 1e-6
+
+
+def test_a_checkpoint_saved_by_sharded_ranks_while_training_resumes_on_other_world_sizes(tmp_path):
+    # TieredAdamW.save_checkpoint under FSDP2 and HSDP: each rank writes its shard as one part
+    # while the steps go on. Saved on 2 FSDP2 ranks after step 0, resumed on 4 HSDP ranks (2
+    # replicas of 2 shards: the first replica writes) which save after step 1, resumed on 1 rank:
+    # the same end as the 2 ranks that never stopped. Read in one process, the parts put together
+    # are the state as it was asked for.
+    worker = WORKER.with_name("distributed_async_checkpoint_worker.py")
+
+    def params(ranks: int, wrap: str, load: str, save: str, out: str) -> list:
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                            str(worker), wrap, load, save, str(tmp_path / out)], env=clean_env(OMP_NUM_THREADS="1"),
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-4000:]
+        return torch.load(tmp_path / out)
+
+    from memtide.optim import read_checkpoint
+
+    at1, at2 = str(tmp_path / "at1"), str(tmp_path / "at2")
+    straight = params(2, "fsdp2", "-", at1, "straight.pt")
+    assert sorted(os.listdir(at1)) == [".commit", ".parts-expected", "parts.manifest", "shard-00000-of-00002",
+                                       "shard-00001-of-00002"]
+    four = params(4, "hsdp", at1, at2, "four.pt")
+    assert sorted(n for n in os.listdir(at2) if n.startswith("shard-")) == ["shard-00000-of-00002",
+                                                                            "shard-00001-of-00002"]
+    one = params(1, "fsdp2", at2, "-", "one.pt")
+    for resumed in (four, one):
+        assert max(float((a - b).abs().max()) for a, b in zip(straight, resumed)) <= 1e-6
+    # One process reads the parts whole: after one step, the moments of the first weight have
+    # its full shape and the step count is 1.
+    state = read_checkpoint(at1)["state"]
+    assert tuple(state[0]["exp_avg"].shape) == (61, 7) and int(state[0]["step"]) == 1
+    assert all(v.abs().sum() > 0 for v in (state[0]["exp_avg"], state[0]["exp_avg_sq"]))
+    assert [f for f in os.listdir(tmp_path) if "memtide-part" in f] == []
 
 
 @pytest.mark.parametrize("when, words", [("train", ["Connection", "peer"]),

@@ -214,4 +214,94 @@ TEST_F(StateSnapshotTest, BadConfigsAreRefused) {
   EXPECT_THROW(StateSnapshot::start(c), memtide::InvalidArgument);
 }
 
+// ---- a checkpoint saved in parts (one per process of a sharded state) -----------------------------
+
+StateSnapshot::Config part_of(StateSnapshot::Config c, const std::string& id, std::size_t index, std::size_t parts) {
+  StateSnapshot::Config::Part part;
+  part.id = id;
+  for (std::size_t i = 0; i < parts; ++i) part.names.push_back("shard-" + std::to_string(i));
+  part.index = index;
+  c.part = part;
+  return c;
+}
+
+TEST_F(StateSnapshotTest, PartsAppearAtTheTargetOnlyOnceEveryPartIsIn) {
+  State a(3000, 1.0F), b(2000, 7.0F), c(1000, 9.0F);
+  // Whichever part finishes last commits: here part 1 first, then part 0.
+  StateSnapshot::start(part_of(config(dir_ / "ckpt", b, 700), "s1", 1, 2))->wait();
+  EXPECT_FALSE(fs::exists(dir_ / "ckpt")) << "one part of two is not a checkpoint";
+  StateSnapshot::start(part_of(config(dir_ / "ckpt", a, 700), "s1", 0, 2))->wait();
+  EXPECT_EQ(StateSnapshot::read_parts(dir_ / "ckpt"), (std::vector<std::string>{"shard-0", "shard-1"}));
+  EXPECT_EQ(read(dir_ / "ckpt" / "shard-0").p, a.p);
+  EXPECT_EQ(read(dir_ / "ckpt" / "shard-1").v, b.v);
+  EXPECT_THROW((void)StateSnapshot::read_manifest(dir_ / "ckpt", false), memtide::IoError) << "a parts checkpoint has no state of its own";
+
+  // The next save in parts, with both parts running at once: exactly one commit replaces the first.
+  auto p0 = StateSnapshot::start(part_of(config(dir_ / "ckpt", c, 300), "s2", 0, 2));
+  auto p1 = StateSnapshot::start(part_of(config(dir_ / "ckpt", a, 300), "s2", 1, 2));
+  p0->wait();
+  p1->wait();
+  EXPECT_EQ(read(dir_ / "ckpt" / "shard-0").m, c.m);
+  EXPECT_EQ(read(dir_ / "ckpt" / "shard-1").m, a.m);
+  for (const auto& e : fs::directory_iterator(dir_)) {
+    EXPECT_EQ(e.path().filename(), "ckpt") << "left beside the checkpoint: " << e.path();
+  }
+  // A whole save may replace a checkpoint in parts, and read_parts says it is whole.
+  StateSnapshot::start(config(dir_ / "ckpt", b, 500))->wait();
+  EXPECT_TRUE(StateSnapshot::read_parts(dir_ / "ckpt").empty());
+  EXPECT_EQ(read(dir_ / "ckpt").p, b.p);
+}
+
+TEST_F(StateSnapshotTest, APartThatNeverCommitsLeavesThePreviousCheckpointAndIsNamed) {
+  State a(2000, 1.0F), b(2000, 3.0F);
+  StateSnapshot::start(part_of(config(dir_ / "ckpt", a, 500), "old", 0, 2))->wait();
+  StateSnapshot::start(part_of(config(dir_ / "ckpt", a, 500), "old", 1, 2))->wait();
+  // The next save: part 0 completes, part 1's process fails (or is killed) before its part is in.
+  StateSnapshot::start(part_of(config(dir_ / "ckpt", b, 500), "new", 0, 2))->wait();
+  auto p1 = StateSnapshot::start(part_of(config(dir_ / "ckpt", b, 500), "new", 1, 2));
+  p1->cancel();
+  EXPECT_THROW(p1->wait(), memtide::IoError);
+  EXPECT_EQ(read(dir_ / "ckpt" / "shard-1").p, a.p) << "the previous checkpoint is whole";
+  // Without the target, the reader names the part the staging folder lacks.
+  fs::rename(dir_ / "ckpt", dir_ / "kept");
+  try {
+    (void)StateSnapshot::read_parts(dir_ / "ckpt");
+    ADD_FAILURE() << "accepted";
+  } catch (const memtide::IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("did not complete; missing: shard-1"), std::string::npos) << e.what();
+  }
+  // A part folder removed from a committed checkpoint is named too.
+  fs::remove_all(dir_ / "kept" / "shard-0");
+  try {
+    (void)StateSnapshot::read_parts(dir_ / "kept");
+    ADD_FAILURE() << "accepted";
+  } catch (const memtide::IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("missing its part shard-0"), std::string::npos) << e.what();
+  }
+  fs::rename(dir_ / "kept", dir_ / "ckpt");
+  fs::create_directory(dir_ / "ckpt" / "shard-0");  // so that it is a checkpoint folder again below
+  std::ofstream(dir_ / "ckpt" / "shard-0" / StateSnapshot::kManifest) << "x";
+  // The next save's part 0 clears the dead staging folder.
+  StateSnapshot::start(part_of(config(dir_ / "ckpt", b, 500), "next", 0, 1))->wait();
+  for (const auto& e : fs::directory_iterator(dir_)) {
+    EXPECT_EQ(e.path().filename(), "ckpt") << "left beside the checkpoint: " << e.path();
+  }
+  EXPECT_EQ(read(dir_ / "ckpt" / "shard-0").p, b.p);
+}
+
+TEST_F(StateSnapshotTest, BadPartsAreRefused) {
+  State s(100, 1.0F);
+  for (const std::string& id : std::vector<std::string>{"", "a/b", "has space", std::string(65, 'x')}) {
+    EXPECT_THROW(StateSnapshot::start(part_of(config(dir_ / "ckpt", s, 30), id, 0, 2)), memtide::InvalidArgument) << id;
+  }
+  EXPECT_THROW(StateSnapshot::start(part_of(config(dir_ / "ckpt", s, 30), "id", 2, 2)), memtide::InvalidArgument);
+  StateSnapshot::Config c = part_of(config(dir_ / "ckpt", s, 30), "id", 0, 2);
+  for (const char* name : {"..", ".hidden", "a/b", ""}) {
+    c.part->names[1] = name;
+    EXPECT_THROW(StateSnapshot::start(c), memtide::InvalidArgument) << name;
+  }
+  c.part->names[1] = c.part->names[0];
+  EXPECT_THROW(StateSnapshot::start(c), memtide::InvalidArgument) << "a name given twice";
+}
+
 }  // namespace

@@ -18,6 +18,14 @@
 /// previous checkpoint there, which is then removed). A save interrupted at any point leaves the
 /// previous checkpoint as it was and a partial folder that `read_manifest` refuses and the next
 /// save into the same target removes.
+///
+/// A sharded state (FSDP2, HSDP) is saved by several processes, each writing its part: one save
+/// per process, each with the same `Config::Part::id`. Each part is committed as above into a
+/// staging folder beside the target (`.<name>.memtide-parts-<id>/<part>`); the process whose part
+/// completes the set claims the commit (an exclusive create, so exactly one does), writes
+/// `parts.manifest` listing the parts, and renames the staging folder onto the target. A process
+/// killed before its part is in leaves the target as it was; `read_parts` then names the parts
+/// missing from the staging folder.
 
 #include <sys/types.h>
 
@@ -28,6 +36,7 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -70,6 +79,14 @@ class StateSnapshot {
     Ranges subgroups;                ///< consecutive, covering [0, n)
     std::uint64_t buffer_bytes = 0;  ///< copy-on-write bound (0: two of the largest subgroup)
     std::string meta;                ///< the front end's bytes, saved as meta.pt
+
+    /// One part of a checkpoint saved by several processes (absent: the whole checkpoint).
+    struct Part {
+      std::string id;                  ///< the same in every process's save of this checkpoint
+      std::vector<std::string> names;  ///< every part's folder name, in one order on every process
+      std::size_t index = 0;           ///< this process's part; part 0 also clears dead staging folders
+    };
+    std::optional<Part> part;
   };
 
   /// Checks the target (its folder exists; it is absent or a memtide checkpoint, never a link, a
@@ -91,16 +108,22 @@ class StateSnapshot {
   void cancel();
   [[nodiscard]] SnapshotProgress progress() const;
   [[nodiscard]] const std::filesystem::path& target() const noexcept { return config_.target; }
+  /// Where this save's folder goes: the target, or its part's folder in the staging folder.
+  [[nodiscard]] const std::filesystem::path& destination() const noexcept { return destination_; }
   /// The partial folder being written (gone once committed or cancelled).
   [[nodiscard]] const std::filesystem::path& partial() const noexcept { return partial_; }
 
   /// Reads and checks `folder/state.manifest`; with `verify`, also reads state.bin and checks
   /// every subgroup's checksum. Throws IoError naming the folder and what is missing or wrong.
   static SnapshotManifest read_manifest(const std::filesystem::path& folder, bool verify);
+  /// The part folders of a checkpoint saved in parts (empty for a whole one), each checked to be
+  /// there with its manifest. Throws IoError naming the folder and what is missing.
+  static std::vector<std::string> read_parts(const std::filesystem::path& folder);
   /// The file names inside a checkpoint folder.
   static constexpr const char* kData = "state.bin";
   static constexpr const char* kMeta = "meta.pt";
   static constexpr const char* kManifest = "state.manifest";
+  static constexpr const char* kParts = "parts.manifest";
 
   /// A fault the tests inject into the writer (fires once): errno for the next write.
   void inject_write_error(int err);
@@ -112,10 +135,13 @@ class StateSnapshot {
   void run();
   void write_subgroup(std::size_t i, const float* p, const float* m, const float* v);
   void commit();
+  void commit_parts();
   void remove_partial() noexcept;
   [[nodiscard]] std::uint64_t subgroup_bytes(std::size_t i) const;
 
   Config config_;
+  std::filesystem::path destination_;  // the target, or staging_ / this part's name
+  std::filesystem::path staging_;      // a part's: the folder all parts go into before the target
   std::filesystem::path partial_;
   int fd_ = -1;
   std::vector<std::pair<off_t, std::size_t>> in_flight_;  // the writer's: chunks written back, not yet waited for

@@ -116,10 +116,12 @@ class UpdateEngine {
   /// (StateSnapshot): brings residents' state to the host first, then every step protects the
   /// subgroups whose host state it changes. One save at a time: a running one is waited for.
   /// `buffer_bytes` bounds the copy-on-write buffer (0: two of the largest subgroup); `meta` is
-  /// saved beside the state. Throws InvalidArgument with the NVMe tier (its spilled subgroups are
-  /// not saved this way yet) and for a bad target.
+  /// saved beside the state; `part` makes it one process's part of a sharded checkpoint. Throws
+  /// InvalidArgument with the NVMe tier (its spilled subgroups are not saved this way yet) and
+  /// for a bad target.
   std::shared_ptr<StateSnapshot> save_async(const std::filesystem::path& target, std::uint64_t buffer_bytes,
-                                            std::string meta);
+                                            std::string meta,
+                                            std::optional<StateSnapshot::Config::Part> part = std::nullopt);
   /// The running save (null when none, or once it is over).
   [[nodiscard]] std::shared_ptr<StateSnapshot> running_save();
   /// Before the host state of `subgroup` changes outside step() (updates during backward): keeps
