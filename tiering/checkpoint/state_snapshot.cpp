@@ -10,6 +10,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -272,6 +273,9 @@ std::shared_ptr<StateSnapshot> StateSnapshot::start(Config config) {
     throw InvalidArgument("checkpoint: the subgroups cover " + std::to_string(expect) + " params, the state has " +
                           std::to_string(config.n));
   }
+  if (!config.elsewhere.empty() && (config.elsewhere.size() != config.subgroups.size() || !config.read_elsewhere)) {
+    throw InvalidArgument("checkpoint: subgroups kept elsewhere need one flag per subgroup and a reader");
+  }
   if (config.buffer_bytes == 0) config.buffer_bytes = 2 * 3 * sizeof(float) * static_cast<std::uint64_t>(largest);
   config.target = fs::absolute(config.target).lexically_normal();
   if (config.target.filename().empty()) config.target = config.target.parent_path();
@@ -365,7 +369,9 @@ void StateSnapshot::inject_write_error(int err) {
   inject_errno_ = err;
 }
 
-void StateSnapshot::protect(std::size_t i) {
+void StateSnapshot::FreeAligned::operator()(void* p) const noexcept { std::free(p); }
+
+void StateSnapshot::protect(std::size_t i, const float* p, const float* m, const float* v) {
   std::unique_lock lock(mutex_);
   if (i >= stage_.size()) return;
   const auto t0 = std::chrono::steady_clock::now();
@@ -376,18 +382,25 @@ void StateSnapshot::protect(std::size_t i) {
     if (s == Stage::copied || s == Stage::writing_copy || s == Stage::written) break;
     if (s == Stage::pending) {
       const std::uint64_t bytes = subgroup_bytes(i);
-      if (buffer_used_ + bytes <= config_.buffer_bytes) {
+      const auto [first, end] = config_.subgroups[i];
+      // A subgroup kept elsewhere (on NVMe) and not at hand is the writer's to read.
+      const bool at_hand = p != nullptr || config_.elsewhere.empty() || !config_.elsewhere[i];
+      if (at_hand && buffer_used_ + bytes <= config_.buffer_bytes) {
+        if (p == nullptr) {
+          p = config_.param + first;
+          m = config_.exp_avg + first;
+          v = config_.exp_avg_sq + first;
+        }
         stage_[i] = Stage::copying;
         buffer_used_ += bytes;
         progress_.peak_buffer_bytes = std::max(progress_.peak_buffer_bytes, buffer_used_);
         lock.unlock();
-        const auto [first, end] = config_.subgroups[i];
         const std::size_t n = end - first;
         std::unique_ptr<float[]> copy(new (std::nothrow) float[3 * n]);
         if (copy) {
-          std::memcpy(copy.get(), config_.param + first, n * sizeof(float));
-          std::memcpy(copy.get() + n, config_.exp_avg + first, n * sizeof(float));
-          std::memcpy(copy.get() + 2 * n, config_.exp_avg_sq + first, n * sizeof(float));
+          std::memcpy(copy.get(), p, n * sizeof(float));
+          std::memcpy(copy.get() + n, m, n * sizeof(float));
+          std::memcpy(copy.get() + 2 * n, v, n * sizeof(float));
         }
         lock.lock();
         if (copy) {
@@ -447,6 +460,24 @@ void StateSnapshot::run() {
       if (from_copy) {
         const float* c = copies_[i].get();
         write_subgroup(i, c, c + n, c + 2 * n);
+      } else if (!config_.elsewhere.empty() && config_.elsewhere[i]) {
+        // From the spill file: read whole and checked, then written as any other subgroup.
+        if (!read_buffer_) {
+          std::size_t largest = 0;
+          for (std::size_t j = 0; j < count; ++j) {
+            if (config_.elsewhere[j]) largest = std::max(largest, config_.subgroups[j].second - config_.subgroups[j].first);
+          }
+          const std::size_t bytes = (3 * sizeof(float) * largest + 4095) / 4096 * 4096;
+          read_buffer_.reset(static_cast<float*>(std::aligned_alloc(4096, bytes)));
+          if (!read_buffer_) throw std::bad_alloc();
+        }
+        float* c = read_buffer_.get();
+        const std::uint64_t expect = config_.read_elsewhere(i, c);
+        write_subgroup(i, c, c + n, c + 2 * n);
+        std::lock_guard check(mutex_);
+        if (checksums_[i] != expect) {
+          throw IoError("checkpoint: subgroup " + std::to_string(i) + " changed while it was read from where it is kept");
+        }
       } else {
         write_subgroup(i, config_.param + first, config_.exp_avg + first, config_.exp_avg_sq + first);
       }

@@ -68,7 +68,10 @@ struct UpdateEngine::SaveGuard {
                                  [](std::size_t at, const std::pair<std::size_t, std::size_t>& g) { return at < g.first; });
       index.push_back(static_cast<std::size_t>(it - engine.subgroups_.begin()) - 1);
     }
-    entry.scheduler->set_before_host_write([s = save, index = std::move(index)](std::size_t j) { s->protect(index.at(j)); });
+    entry.scheduler->set_before_host_write(
+        [s = save, index = std::move(index)](std::size_t j, const float* p, const float* m, const float* v) {
+          s->protect(index.at(j), p, m, v);
+        });
   }
   UpdateEngine& engine;
   std::shared_ptr<StateSnapshot> save;
@@ -818,12 +821,13 @@ void UpdateEngine::sync_host() {
 std::shared_ptr<StateSnapshot> UpdateEngine::save_async(const std::filesystem::path& target, std::uint64_t buffer_bytes,
                                                         std::string meta, std::optional<StateSnapshot::Config::Part> part) {
   Busy busy(*this);
-  if (nvme_) {
-    throw InvalidArgument("UpdateEngine::save_async: the state has subgroups spilled to NVMe, which a save while "
-                          "training goes on does not cover yet; use state_dict() and torch.save");
+  if (nvme_ && !nvme_->readable_beside()) {
+    throw InvalidArgument("UpdateEngine::save_async: the NVMe tier is simulated (a phantom device): there is no "
+                          "state to save");
   }
   if (std::shared_ptr<StateSnapshot> previous = running_save()) previous->wait();  // one at a time, never interleaved
   sync_host();  // the residents' newest state, in the host ranges the save reads
+  if (nvme_) nvme_->spill(n_);  // every spilled subgroup's state on NVMe, where the writer reads it
   StateSnapshot::Config c;
   c.target = target;
   c.param = arrays_[0];
@@ -834,6 +838,10 @@ std::shared_ptr<StateSnapshot> UpdateEngine::save_async(const std::filesystem::p
   c.buffer_bytes = buffer_bytes;
   c.meta = std::move(meta);
   c.part = std::move(part);
+  if (nvme_) {
+    c.elsewhere = nvme_->on_nvme();
+    c.read_elsewhere = [tier = nvme_.get()](std::size_t i, void* dst) { return tier->read_beside(i, dst); };
+  }
   save_ = StateSnapshot::start(std::move(c));
   return save_;
 }

@@ -231,7 +231,7 @@ void UpdateScheduler::place_residents(const std::vector<Placement>& placement) {
 void UpdateScheduler::copy_back_async(std::size_t i) {
   const Arrays& r = residents_.at(i);
   if (r.block == nullptr) return;
-  if (before_host_write_) before_host_write_(i);
+  before_host_write(i, NvmeStaging::Staged{});  // a spilled one's old state is on NVMe only
   const Subgroup& g = state_[i];
   const std::size_t bytes = g.n * sizeof(float);
   device_.copy_async(g.param, r.p, bytes, CopyKind::device_to_host, config_.main_stream);
@@ -314,6 +314,17 @@ std::vector<bool> UpdateScheduler::spilled() const {
   std::vector<bool> out(state_.size());
   for (std::size_t i = 0; i < state_.size(); ++i) out[i] = state_[i].on_nvme();
   return out;
+}
+
+void UpdateScheduler::before_host_write(std::size_t i, const NvmeStaging::Staged& now) const {
+  if (!before_host_write_) return;
+  const Subgroup& g = state_[i];
+  if (!g.on_nvme() || now.p == nullptr) {
+    before_host_write_(i, nullptr, nullptr, nullptr);
+    return;
+  }
+  // `now` is this entry's piece; the staging buffer holds the whole spilled subgroup.
+  before_host_write_(i, now.p - g.nvme_offset, now.m - g.nvme_offset, now.v - g.nvme_offset);
 }
 
 NvmeStaging::Staged UpdateScheduler::host_state(std::size_t i) {
@@ -474,7 +485,7 @@ void UpdateScheduler::gpu_update(std::size_t j, const StepParams& params) {
                                 n, [&] { adamw_step_async(device_, compute_, a); });
   const std::size_t bytes = g.n * sizeof(float);
   const NvmeStaging::Staged h = staged_[j];
-  if (before_host_write_) before_host_write_(i);  // the flush may land any time once queued
+  before_host_write(i, h);  // the flush may land any time once queued
   slot_free_[slot] = enqueue(OpKind::d2h, "flush", i, flush_, stepped, static_cast<double>(3 * bytes), 0, [&] {
     device_.copy_async(h.p, s.p, bytes, CopyKind::device_to_host, flush_);
     device_.copy_async(h.m, s.m, bytes, CopyKind::device_to_host, flush_);
@@ -537,7 +548,7 @@ void UpdateScheduler::cpu_update(std::size_t i, const StepParams& params) {
   if (in_place) a.out_stores = resolve_out_stores(OutStores::automatic, state_.total_params());
 
   const double n = static_cast<double>(g.n);
-  if (before_host_write_) before_host_write_(i);
+  before_host_write(i, h);
   const double cpu_start = host_now_ns() - phase_start_ns_;
   cpu_busy_ns_ += device_.run_host_work(HostWork{n * adamw_bytes_per_param(DType::fp32, a.param_out_dtype), n},
                                         [&] { cpu_nonfinite_ = cpu_step(i, a) || cpu_nonfinite_; });

@@ -351,4 +351,29 @@ void NvmeStore::read(std::size_t i, void* dst) {
   counters_.bytes_read += e.bytes;
 }
 
+std::uint64_t NvmeStore::read_beside(std::size_t i, void* dst) const {
+  if (i >= extents_.size()) throw InvalidArgument("NvmeStore::read_beside: no subgroup " + std::to_string(i));
+  const Extent& e = extents_[i];
+  if (!e.written) {
+    throw InvalidArgument("NvmeStore::read_beside: subgroup " + std::to_string(names_.empty() ? i : names_[i]) + " in " +
+                          file_.string() + " holds no verified write");
+  }
+  if (reinterpret_cast<std::uintptr_t>(dst) % kAlign != 0) {
+    throw InvalidArgument("NvmeStore::read_beside: the buffer is not aligned to 4 KiB (direct I/O)");
+  }
+  auto* out = static_cast<unsigned char*>(dst);
+  const std::uint64_t total = round_up(e.bytes, kAlign);
+  for (std::uint64_t done = 0; done < total;) {
+    const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(config_.block_bytes, total - done));
+    const ssize_t r = ::pread(fd_, out + done, take, static_cast<off_t>(e.offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) fail("read", i, r < 0 ? std::system_category().message(errno) : "short read (the file was truncated)");
+    done += static_cast<std::uint64_t>(r);
+  }
+  if (const std::uint64_t sum = XXH3_64bits(dst, e.bytes); sum != e.checksum) {
+    fail("read", i, "checksum mismatch: the extent is corrupt");
+  }
+  return e.checksum;
+}
+
 }  // namespace memtide::tiering

@@ -367,4 +367,13 @@ void SpillTier::inject_faults(const NvmeFaults& faults) {
   if (store_) store_->inject(faults);
 }
 
+std::uint64_t SpillTier::read_beside(std::size_t subgroup, void* dst) const {
+  if (store_ == nullptr || subgroup >= on_nvme_.size() || !on_nvme_[subgroup]) {
+    throw InvalidArgument("SpillTier::read_beside: subgroup " + std::to_string(subgroup) + " is not readable from NVMe");
+  }
+  // The store's extents are the spilled subgroups in order.
+  const std::size_t extent = static_cast<std::size_t>(std::count(on_nvme_.begin(), on_nvme_.begin() + static_cast<std::ptrdiff_t>(subgroup), true));
+  return store_->read_beside(extent, dst);
+}
+
 }  // namespace memtide::tiering

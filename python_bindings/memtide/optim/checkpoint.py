@@ -233,10 +233,6 @@ def save_async(opt: Any, path: Any, buffer_bytes: int = 0) -> AsyncSave:
         raise ValueError(f"{who}: buffer_bytes must be an int >= 0 (0: two of the largest subgroup), got {buffer_bytes!r}")
     if opt.engine is None:
         raise ValueError(f"{who}: the optimizer has no params with state to save")
-    if opt.spilled_subgroups:
-        raise NotImplementedError(
-            f"{who}: {opt.spilled_subgroups} subgroup(s) live on NVMe, which saves while training goes on do not "
-            "cover yet: use torch.save(optimizer.state_dict())")
     path = os.path.abspath(os.fspath(path))
     part = None
     if opt.distribution.kind in ("fsdp2", "hsdp"):
@@ -425,6 +421,8 @@ def load(opt: Any, path: Any) -> None:
     # first step) too: the masters from the file, then the model's copies from them.
     layout, b = opt.layout, opt.buffers
     position = {id(p): idx for idx, p in enumerate(order)}
+    if opt.spilled_subgroups:
+        opt.sync_state()  # spilled ranges in host memory, so that what is written here counts
     opt.host_changed()
     for i, p in enumerate(layout.params):
         lo, hi = layout.ranges[i]
@@ -435,3 +433,5 @@ def load(opt: Any, path: Any) -> None:
                 local(p).data.copy_(b.lowp[lo:hi].view(local(p).shape))
         elif not layout.aliased[i]:
             opt.distribution.write_back(p, b.params[lo:hi], False)
+    if opt.spilled_subgroups:
+        opt.engine.spill_host(layout.numel)  # back within the host budget

@@ -34,6 +34,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -79,6 +80,11 @@ class StateSnapshot {
     Ranges subgroups;                ///< consecutive, covering [0, n)
     std::uint64_t buffer_bytes = 0;  ///< copy-on-write bound (0: two of the largest subgroup)
     std::string meta;                ///< the front end's bytes, saved as meta.pt
+    /// Subgroups whose state is not in the arrays above but elsewhere (spilled to NVMe; empty:
+    /// none), and how the writer reads one: into a 4 KiB-aligned buffer as [params | exp_avg |
+    /// exp_avg_sq], returning the xxHash3 of those bytes, checked.
+    std::vector<bool> elsewhere;
+    std::function<std::uint64_t(std::size_t, void*)> read_elsewhere;
 
     /// One part of a checkpoint saved by several processes (absent: the whole checkpoint).
     struct Part {
@@ -99,9 +105,11 @@ class StateSnapshot {
   StateSnapshot(const StateSnapshot&) = delete;
   StateSnapshot& operator=(const StateSnapshot&) = delete;
 
-  /// Before the host state of subgroup `i` changes. Returns at once when the subgroup is saved or
+  /// Before the state of subgroup `i` changes. Returns at once when the subgroup is saved or
   /// copied, or the save is over; else copies it (room in the buffer) or waits for the writer.
-  void protect(std::size_t i);
+  /// `p`, `m`, `v`: where the subgroup's state is now, when not in the arrays (a spilled
+  /// subgroup's staging buffer); without them a subgroup kept elsewhere is waited for.
+  void protect(std::size_t i, const float* p = nullptr, const float* m = nullptr, const float* v = nullptr);
   /// Blocks until the save is over; throws IoError with the writer's error.
   void wait();
   /// Stops the writer and removes the partial folder; the target is left as it was.
@@ -151,6 +159,10 @@ class StateSnapshot {
   std::condition_variable changed_;
   std::vector<Stage> stage_;
   std::vector<std::unique_ptr<float[]>> copies_;  // a copied subgroup's p, m, v until written
+  struct FreeAligned {
+    void operator()(void* p) const noexcept;
+  };
+  std::unique_ptr<float[], FreeAligned> read_buffer_;  // the writer's: a subgroup read from elsewhere
   std::vector<std::uint64_t> checksums_;
   std::size_t cursor_ = 0;           // subgroups from the last down the writer has passed
   std::vector<std::size_t> urgent_;  // subgroups protect() waits for, first first

@@ -81,10 +81,13 @@ class UpdateScheduler final : public SpillResidents {
   /// staging buffers beyond those GPU slots hold (>= 1).
   void set_nvme(NvmeStaging* staging, std::size_t read_ahead) override;
 
-  /// Called with a subgroup's index before the scheduler writes its host state (a CPU update, a
-  /// GPU flush, a resident copied home): a running checkpoint save keeps its view of it there
-  /// (StateSnapshot::protect), so the writer and the step overlap. Null: nobody is told.
-  void set_before_host_write(std::function<void(std::size_t)> hook) { before_host_write_ = std::move(hook); }
+  /// Called with a subgroup's index before the scheduler writes its state (a CPU update, a GPU
+  /// flush, a resident copied home): a running checkpoint save keeps its view of it there
+  /// (StateSnapshot::protect), so the writer and the step overlap. For a subgroup on NVMe the
+  /// hook also gets where its whole state is now (the staging buffer it was read into), else
+  /// nulls. Null hook: nobody is told.
+  using BeforeHostWrite = std::function<void(std::size_t, const float*, const float*, const float*)>;
+  void set_before_host_write(BeforeHostWrite hook) { before_host_write_ = std::move(hook); }
 
   /// Copies the state of static residents back into the host arrays (checkpoints, tests).
   void sync_to_host();
@@ -172,7 +175,8 @@ class UpdateScheduler final : public SpillResidents {
   unsigned int* device_counter_ = nullptr;
 
   std::vector<std::vector<GradPiece>> grad_pieces_;  ///< per subgroup, for the next run (set_grad_pieces)
-  std::function<void(std::size_t)> before_host_write_;
+  BeforeHostWrite before_host_write_;
+  void before_host_write(std::size_t i, const NvmeStaging::Staged& now) const;
   std::vector<Arrays> residents_;  ///< per subgroup; block (its pack's) != null when GPU-resident
   ResidentPacks packs_;            ///< how residents share device blocks
   std::vector<void*> pack_blocks_;  ///< per pack, counted from the last subgroup; null when empty

@@ -118,6 +118,15 @@ class SpillTier {
   void synced(const Ranges& ranges, const SpillResidents& scheduler);
   /// Reads every spilled subgroup whose host range holds no state back into it (a reader).
   void load_all();
+  /// Whether spilled subgroups can be read beside the steps (read_beside): a device that stores
+  /// data (a phantom device only times transfers).
+  [[nodiscard]] bool readable_beside() const noexcept { return store_ != nullptr; }
+  /// Reads spilled subgroup `subgroup` as NVMe holds it ([params | exp_avg | exp_avg_sq], its
+  /// checksum checked) into `dst` (4 KiB-aligned, room for 12 B/param rounded up to 4 KiB), on
+  /// the caller's thread, beside the staging's transfers of other subgroups: for a checkpoint's
+  /// writer, which the engine keeps off a subgroup until it has read it. Returns the checksum
+  /// (xxHash3 of those bytes). Call spill() first: NVMe then holds every spilled subgroup's state.
+  std::uint64_t read_beside(std::size_t subgroup, void* dst) const;
 
   // ---- hooks for benchmarks and tests ---------------------------------------------------------
   /// Reads every spilled subgroup through the staging pipeline and writes it back unchanged, in
