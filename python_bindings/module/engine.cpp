@@ -256,7 +256,9 @@ class PyUpdateEngine {
     return engine_->save_async(target, buffer_bytes, std::move(bytes), std::move(p));
   }
 
-  std::shared_ptr<tiering::StateSnapshot> running_save() { return engine_->running_save(); }
+  std::shared_ptr<tiering::StateSnapshot> running_save() {
+    return std::dynamic_pointer_cast<tiering::StateSnapshot>(engine_->running_save());
+  }
 
   // The model's 16-bit params in the engine's device memory: a CUDA array on a GPU, a CPU array
   // over the simulated device's memory (which is host memory) on a SimDevice.

@@ -74,7 +74,7 @@ struct UpdateEngine::SaveGuard {
         });
   }
   UpdateEngine& engine;
-  std::shared_ptr<StateSnapshot> save;
+  std::shared_ptr<SaveTarget> save;
 };
 
 // Every public call holds one: the allocator's lender gives back only when no call is running.
@@ -825,9 +825,7 @@ std::shared_ptr<StateSnapshot> UpdateEngine::save_async(const std::filesystem::p
     throw InvalidArgument("UpdateEngine::save_async: the NVMe tier is simulated (a phantom device): there is no "
                           "state to save");
   }
-  if (std::shared_ptr<StateSnapshot> previous = running_save()) previous->wait();  // one at a time, never interleaved
-  sync_host();  // the residents' newest state, in the host ranges the save reads
-  if (nvme_) nvme_->spill(n_);  // every spilled subgroup's state on NVMe, where the writer reads it
+  prepare_save();
   StateSnapshot::Config c;
   c.target = target;
   c.param = arrays_[0];
@@ -842,18 +840,31 @@ std::shared_ptr<StateSnapshot> UpdateEngine::save_async(const std::filesystem::p
     c.elsewhere = nvme_->on_nvme();
     c.read_elsewhere = [tier = nvme_.get()](std::size_t i, void* dst) { return tier->read_beside(i, dst); };
   }
-  save_ = StateSnapshot::start(std::move(c));
-  return save_;
+  std::shared_ptr<StateSnapshot> snapshot = StateSnapshot::start(std::move(c));
+  save_ = snapshot;
+  return snapshot;
 }
 
-std::shared_ptr<StateSnapshot> UpdateEngine::running_save() {
+void UpdateEngine::prepare_save() {
+  if (std::shared_ptr<SaveTarget> previous = running_save()) previous->wait();  // one at a time, never interleaved
+  sync_host();  // the residents' newest state, in the host ranges the save reads
+  if (nvme_ && nvme_->readable_beside()) nvme_->spill(n_);  // every spilled subgroup's state on NVMe, where the writer reads it
+}
+
+void UpdateEngine::start_save(const std::function<std::shared_ptr<SaveTarget>()>& start) {
   Busy busy(*this);
-  if (save_ && save_->progress().done) save_.reset();
+  prepare_save();
+  save_ = start();
+}
+
+std::shared_ptr<SaveTarget> UpdateEngine::running_save() {
+  Busy busy(*this);
+  if (save_ && save_->done()) save_.reset();
   return save_;
 }
 
 void UpdateEngine::protect_host(std::size_t subgroup) {
-  if (std::shared_ptr<StateSnapshot> s = running_save()) s->protect(subgroup);
+  if (std::shared_ptr<SaveTarget> s = running_save()) s->protect(subgroup, nullptr, nullptr, nullptr);
 }
 
 Subgroup& UpdateEngine::scheduler_state(UpdateScheduler& scheduler, std::size_t j) {

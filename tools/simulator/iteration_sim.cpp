@@ -15,6 +15,7 @@
 #include "memtide/tiering/kernels/device_ops.hpp"
 #include "memtide/tiering/engine/backward_choice.hpp"
 #include "memtide/tiering/engine/optimizer_state.hpp"
+#include "memtide/simulator/save_sim.hpp"
 #include "memtide/tiering/engine/update_engine.hpp"
 #include "sim_checks.hpp"
 
@@ -88,6 +89,33 @@ class Rank {
       tear_down();  // out of memory for the window's buffers, say: nothing stays allocated
       throw;
     }
+  }
+
+  /// Asks for a checkpoint save (SimulatedSave) and runs iterations from `first` on beside it
+  /// until it is written.
+  IterationResult::SaveRun save_beside(int first, double rate, std::uint64_t buffer) {
+    std::vector<std::size_t> sizes;
+    for (std::size_t s = 0; s < n_; s += node_.subgroup_params) sizes.push_back(std::min(n_, s + node_.subgroup_params) - s);
+    std::shared_ptr<SimulatedSave> save;
+    engine_->start_save([&] {
+      save = std::make_shared<SimulatedSave>(device_, sizes, rate, buffer);
+      return save;
+    });
+    IterationResult::SaveRun out;
+    out.ran = true;
+    out.state_bytes = static_cast<double>(save->total_bytes());
+    out.write_bytes_per_s = rate;
+    out.buffer_bound_bytes = static_cast<double>(save->buffer_bound());
+    for (int i = first; !save->done(); ++i) {
+      require(i - first < 1000, "simulate_iteration: the checkpoint save is not written after 1000 iterations");
+      const double waited = save->waited_ns();
+      out.iteration_s.push_back(iterate(i, false).simulated.iteration_s);
+      out.waited_s.push_back((save->waited_ns() - waited) / 1e9);
+    }
+    out.save_s = (save->end_ns() - save->start_ns()) / 1e9;
+    out.copied_bytes = static_cast<double>(save->copied_bytes());
+    out.peak_buffer_bytes = static_cast<double>(save->peak_buffer_bytes());
+    return out;
   }
 
   /// The most device memory forward and backward held so far, less the engine's loans.
@@ -831,6 +859,10 @@ IterationResult simulate_iteration(const ModelShape& model, const NodeSpec& node
   IterationResult out;
   for (int i = 0; i < options.iterations; ++i) {
     out = rank.iterate(i, options.record_ops && i + 1 == options.iterations);
+  }
+  if (options.save) {
+    const double rate = options.save_write_bytes_per_s > 0 ? options.save_write_bytes_per_s : node.nvme_write_bytes_per_s;
+    out.save = rank.save_beside(options.iterations, rate, options.save_buffer_bytes);
   }
   if (window >= model.layers) {
     why = (why.empty() ? std::string() : why + "; ") + std::to_string(window) + " >= the model's " +

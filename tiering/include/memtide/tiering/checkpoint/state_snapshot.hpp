@@ -43,6 +43,8 @@
 #include <utility>
 #include <vector>
 
+#include "memtide/tiering/checkpoint/save_target.hpp"
+
 namespace memtide::tiering {
 
 /// What a committed checkpoint's manifest says.
@@ -67,7 +69,7 @@ struct SnapshotProgress {
   std::string error;       ///< why it failed ("" otherwise)
 };
 
-class StateSnapshot {
+class StateSnapshot final : public SaveTarget {
  public:
   using Ranges = std::vector<std::pair<std::size_t, std::size_t>>;
 
@@ -101,17 +103,17 @@ class StateSnapshot {
   /// Throws InvalidArgument or IoError naming the path.
   static std::shared_ptr<StateSnapshot> start(Config config);
   /// Stops a running save (its partial folder is removed) and joins the writer.
-  ~StateSnapshot();
-  StateSnapshot(const StateSnapshot&) = delete;
-  StateSnapshot& operator=(const StateSnapshot&) = delete;
+  ~StateSnapshot() override;
 
   /// Before the state of subgroup `i` changes. Returns at once when the subgroup is saved or
   /// copied, or the save is over; else copies it (room in the buffer) or waits for the writer.
   /// `p`, `m`, `v`: where the subgroup's state is now, when not in the arrays (a spilled
   /// subgroup's staging buffer); without them a subgroup kept elsewhere is waited for.
-  void protect(std::size_t i, const float* p = nullptr, const float* m = nullptr, const float* v = nullptr);
+  void protect(std::size_t i, const float* p, const float* m, const float* v) override;
+  void protect(std::size_t i) { protect(i, nullptr, nullptr, nullptr); }
   /// Blocks until the save is over; throws IoError with the writer's error.
-  void wait();
+  void wait() override;
+  [[nodiscard]] bool done() const override { return progress().done; }
   /// Stops the writer and removes the partial folder; the target is left as it was.
   void cancel();
   [[nodiscard]] SnapshotProgress progress() const;

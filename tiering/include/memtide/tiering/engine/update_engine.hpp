@@ -122,8 +122,12 @@ class UpdateEngine {
   std::shared_ptr<StateSnapshot> save_async(const std::filesystem::path& target, std::uint64_t buffer_bytes,
                                             std::string meta,
                                             std::optional<StateSnapshot::Config::Part> part = std::nullopt);
+  /// Starts a save that is not a StateSnapshot (the simulator's, on its device's clock), as
+  /// save_async does: a running save is waited for and the residents' state brought home first,
+  /// then `start()` makes the save the steps protect from then on.
+  void start_save(const std::function<std::shared_ptr<SaveTarget>()>& start);
   /// The running save (null when none, or once it is over).
-  [[nodiscard]] std::shared_ptr<StateSnapshot> running_save();
+  [[nodiscard]] std::shared_ptr<SaveTarget> running_save();
   /// Before the host state of `subgroup` changes outside step() (updates during backward): keeps
   /// a running save's view of it.
   void protect_host(std::size_t subgroup);
@@ -206,7 +210,8 @@ class UpdateEngine {
   std::vector<bool> done_before_phase_;
   std::vector<bool> host_gradients_;
   std::unique_ptr<SpillTier> nvme_;  // the NVMe tier (null: none)
-  std::shared_ptr<StateSnapshot> save_;  // the running checkpoint save (null: none)
+  std::shared_ptr<SaveTarget> save_;  // the running checkpoint save (null: none)
+  void prepare_save();
 
   // The optimizer's step (step(const StepRequest&)).
   ParamLayout layout_;

@@ -187,6 +187,21 @@ struct IterationResult {
   double host_state_bytes = 0;
   double nvme_staging_bytes = 0;
   double nvme_file_bytes = 0;
+
+  /// A checkpoint save beside training (SimulationOptions::save; SimulatedSave): asked for after
+  /// the last reported iteration, then iterations run until it is written.
+  struct SaveRun {
+    bool ran = false;
+    double state_bytes = 0;          ///< 12 B/param of the rank's shard
+    double write_bytes_per_s = 0;    ///< the rate it was written at
+    double save_s = 0;               ///< from the ask to the last byte
+    std::vector<double> iteration_s;  ///< each iteration that ran beside it
+    std::vector<double> waited_s;     ///< how long that iteration's steps waited for the writer
+    double copied_bytes = 0;          ///< copied aside by the steps (copy-on-write)
+    double peak_buffer_bytes = 0;
+    double buffer_bound_bytes = 0;
+  };
+  SaveRun save;
 };
 
 struct SimulationOptions {
@@ -194,6 +209,12 @@ struct SimulationOptions {
   /// the calibration, as on a GPU.
   int iterations = 3;
   bool record_ops = false;
+  /// After the reported iteration, ask for a checkpoint save of the rank's optimizer state and
+  /// run iterations beside it until it is written (at most 1000): IterationResult::save.
+  bool save = false;
+  /// The save's disk rate (0: the rank's NVMe write rate, NodeSpec::nvme_write_bytes_per_s).
+  double save_write_bytes_per_s = 0;
+  std::uint64_t save_buffer_bytes = 0;  ///< its copy-on-write buffer (0: two of the largest subgroup)
 };
 
 /// The layer window's inputs for `model` on `node` (one rank): per block its modelled forward
