@@ -107,7 +107,10 @@ class Rank {
     out.write_bytes_per_s = rate;
     out.buffer_bound_bytes = static_cast<double>(save->buffer_bound());
     for (int i = first; !save->done(); ++i) {
-      require(i - first < 1000, "simulate_iteration: the checkpoint save is not written after 1000 iterations");
+      require(i - first < 1000, "simulate_iteration: the checkpoint save (" + format_bytes(save->total_bytes()) + " at " +
+                                    format_bytes(static_cast<std::uint64_t>(rate)) +
+                                    "/s) is not written after 1000 iterations: its write rate "
+                                    "(save_write_bytes_per_s, --save-write) is too low");
       const double waited = save->waited_ns();
       out.iteration_s.push_back(iterate(i, false).simulated.iteration_s);
       out.waited_s.push_back((save->waited_ns() - waited) / 1e9);

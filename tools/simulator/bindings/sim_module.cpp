@@ -190,17 +190,36 @@ nb::dict result_dict(const tiering::IterationResult& r, const ModelShape& m, con
 
 nb::dict simulate(const std::optional<std::string>& model, const std::optional<nb::dict>& shape,
                   const std::string& contender, const std::optional<nb::dict>& node, bool checkpointing,
-                  int iterations, bool record_ops, const nb::object& window) {
+                  int iterations, bool record_ops, const nb::object& window, bool save,
+                  double save_write_bytes_per_s, std::uint64_t save_buffer_bytes) {
   const ModelShape m = model_arg(model, shape);
   NodeSpec n = node_arg(node, checkpointing);
   window_arg(n, window);
   const Contender c = contender_arg(contender);
+  if (save_write_bytes_per_s < 0) value_error("save_write_bytes_per_s must be >= 0 (0: the NVMe write rate)");
+  tiering::SimulationOptions options{iterations, record_ops};
+  options.save = save;
+  options.save_write_bytes_per_s = save_write_bytes_per_s;
+  options.save_buffer_bytes = save_buffer_bytes;
   tiering::IterationResult r;
   {
     nb::gil_scoped_release nogil;
-    r = tiering::simulate_iteration(m, n, c, tiering::SimulationOptions{iterations, record_ops});
+    r = tiering::simulate_iteration(m, n, c, options);
   }
-  return result_dict(r, m, contender, record_ops);
+  nb::dict d = result_dict(r, m, contender, record_ops);
+  if (r.save.ran) {
+    nb::dict s;
+    s["state_bytes"] = r.save.state_bytes;
+    s["write_bytes_per_s"] = r.save.write_bytes_per_s;
+    s["save_s"] = r.save.save_s;
+    s["iteration_s"] = r.save.iteration_s;
+    s["waited_s"] = r.save.waited_s;
+    s["copied_bytes"] = r.save.copied_bytes;
+    s["peak_buffer_bytes"] = r.save.peak_buffer_bytes;
+    s["buffer_bound_bytes"] = r.save.buffer_bound_bytes;
+    d["save"] = s;
+  }
+  return d;
 }
 
 // A node of ranks (tiering::simulate_node): per placement, per contender, the node's iteration
@@ -377,7 +396,7 @@ NB_MODULE(_sim, m) {
 
   m.def("simulate_iteration", &simulate, "model"_a = nb::none(), "shape"_a = nb::none(), "contender"_a = "memtide",
         "node"_a = nb::none(), "checkpointing"_a = true, "iterations"_a = 3, "record_ops"_a = false,
-        "window"_a = nb::none(),
+        "window"_a = nb::none(), "save"_a = false, "save_write_bytes_per_s"_a = 0.0, "save_buffer_bytes"_a = 0,
         "Whole ZeRO-3 training iterations of one rank on a phantom SimDevice, with memtide's real allocator,\n"
         "phase tracker, gradient path, planner and scheduler (see iteration_sim.hpp).\n\n"
         "`model`: a Table 2 name (7B, 8.3B, 10B, 13B, 20B); `shape` overrides or gives its fields (layers,\n"
@@ -385,7 +404,11 @@ NB_MODULE(_sim, m) {
         "memtide. `node` overrides simulation_defaults(). Returns the last iteration: simulated and\n"
         "predicted phase times, peak bytes per phase, capacity, the update plan and its bound.\n\n"
         "`window` (memtide only): the layer window in blocks, or \"auto\" (NodeSpec::window_blocks); the\n"
-        "result's `window` is the size it ran with (0: none) and `window_why` how auto chose it.");
+        "result's `window` is the size it ran with (0: none) and `window_why` how auto chose it.\n\n"
+        "`save`: then ask for a checkpoint save of the rank's optimizer state (a SimulatedSave at\n"
+        "`save_write_bytes_per_s`, 0: the node's NVMe write rate; copy-on-write buffer `save_buffer_bytes`,\n"
+        "0: two subgroups) and run iterations beside it until it is written: the result's `save` has\n"
+        "their times, the steps' waits and the save's own time.");
   m.def("simulate_update_sweep", &update_sweep, "host_dram_bytes_per_s"_a = 220e9, "gpus"_a = 4, "gpu_slots"_a = 4,
         "models"_a = std::vector<std::string>{},
         "The update phase alone (tiering::simulate_update_sweep): all-CPU, static 20% and interleaved over a\n"

@@ -24,6 +24,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     for flag in ("csv", "slots"):
         if getattr(args, flag) is not None:
             raise UsageError(f"--{flag} belongs to --update-sweep")
+    for flag in ("save_write", "save_buffer"):
+        if getattr(args, flag) is not None and not args.save_checkpoint:
+            raise UsageError(f"--{flag.replace('_', '-')} belongs to --save-checkpoint")
+    if args.save_checkpoint and any(getattr(args, f) is not None for f in ("nodes", "host", "topology", "placement")):
+        raise UsageError("--save-checkpoint simulates one rank; leave out the node flags")
     if any(getattr(args, f) is not None for f in ("nodes", "host", "topology", "placement")):
         from . import node
 
@@ -80,6 +85,13 @@ def add_parser(sub) -> None:
                      "home, while backward goes on (STRONGHOLD; speculative, with a saved copy, as clipping and loss "
                      "scaling need)")
     sim.add_argument("--no-checkpointing", action="store_true", help="keep every activation (the paper: checkpointing)")
+    sim.add_argument("--save-checkpoint", action="store_true",
+                     help="memtide then saves each rank's optimizer state while training goes on "
+                          "(TieredAdamW.save_checkpoint): iterations run beside the save until it is written")
+    sim.add_argument("--save-write", type=rate, default=None, metavar="GB/s",
+                     help="the save's disk rate per GPU (default: --nvme-write's, 2)")
+    sim.add_argument("--save-buffer", type=positive_size, default=None, metavar="SIZE",
+                     help="the save's copy-on-write buffer (default: two subgroups)")
     sim.add_argument("--iterations", type=positive_int, default=3, metavar="N",
                      help="iterations simulated; the last is reported (default: 3)")
     sim.add_argument("--timeline", metavar="REPORT.html",

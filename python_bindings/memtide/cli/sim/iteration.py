@@ -29,13 +29,16 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         if not args.json:
             print(f"simulating {name}...", file=sys.stderr, flush=True)
         record = bool(args.timeline) and name == "memtide"  # its operations go into the trace
+        # Only memtide saves while training goes on (DeepSpeed and torch.save stop training).
+        save = dict(save=True, save_write_bytes_per_s=(args.save_write or 0.0) * 1e9, save_buffer_bytes=args.save_buffer or 0) \
+            if args.save_checkpoint and name == "memtide" else {}
         try:
             # On a worker thread: one call simulates every iteration (minutes at the largest flags),
             # and Ctrl-C must not wait for it (cli/_interrupt.py).
             r = native(memtide.simulate_iteration, what=f"simulating {name}", quiet=args.json,
                        model=model, shape=shape or None, contender=name, node=node,
                        checkpointing=not args.no_checkpointing, iterations=args.iterations,
-                       record_ops=record, window=args.window if name == "memtide" else None)
+                       record_ops=record, window=args.window if name == "memtide" else None, **save)
         except ValueError as e:
             # A node figure the simulator refuses came from one flag: name it, not the key.
             named = usage_error_for(e)
@@ -72,6 +75,8 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
             "fits": True,
             "window": r["window"],
         }
+        if "save" in r:
+            results[name]["save"] = r["save"]
         if r["backward_update_params"]:
             results[name]["backward_update_params"] = r["backward_update_params"]
             results[name]["backward_update_busy_s"] = r["backward_update_busy_s"]
@@ -123,6 +128,18 @@ def _simulation_trace(args: argparse.Namespace, r: Dict[str, Any]) -> Dict[str, 
     files = timeline.companions(html_path)
     write_simulation_trace(args, r, files["trace"])
     return timeline.render(files["trace"], html_path, chrome=files["chrome"], png=files["png"])
+
+
+def _print_save(s: Dict[str, Any], alone_s: float) -> None:
+    """The save beside training, against the iterations without it and a save that stops training."""
+    its = s["iteration_s"]
+    beside = ", ".join(f"{t:.2f} s" for t in its[:6]) + (f", ... ({len(its)} in all)" if len(its) > 6 else "")
+    print(f"save      memtide saved each rank's optimizer state ({format_bytes(int(s['state_bytes']))} at "
+          f"{s['write_bytes_per_s'] / 1e9:.1f} GB/s) in {s['save_s']:.1f} s while training went on: iterations "
+          f"beside it {beside}, against {alone_s:.2f} s without (steps waited {sum(s['waited_s']):.2f} s; copied "
+          f"aside {format_bytes(int(s['copied_bytes']))}, buffer peak {format_bytes(int(s['peak_buffer_bytes']))} of "
+          f"{format_bytes(int(s['buffer_bound_bytes']))}); a save that stops training (torch.save, DeepSpeed) "
+          f"stops it {s['state_bytes'] / s['write_bytes_per_s']:.1f} s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
     if mt.get("backward_update_params"):
         print(f"backward  memtide updated {format_count(mt['backward_update_params'])} params on the CPU during "
               f"backward ({mt['backward_update_busy_s']:.2f} s of host time there)")
+    if mt.get("save"):
+        _print_save(mt["save"], mt["iteration_s"])
     sp = result["speedup"]
     if sp is None:
         return 0

@@ -525,3 +525,34 @@ def test_sigterm_stops_a_long_simulation_with_143():
     code, took, err = _interrupted(_LONG, "simulating zero3_offload...", sig=signal.SIGTERM)
     assert code == 143 and took < 2, (code, took, err)
     assert "memtide simulate: interrupted (SIGTERM)" in err, err
+
+
+TINY = ["--model", "custom", "--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "64", "--vocab", "512"]
+
+
+def test_a_checkpoint_save_beside_training_reports_its_iterations_and_time():
+    p = cli(*TINY, "--save-checkpoint", "--save-write", "2", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    s = r["contenders"]["memtide"]["save"]
+    assert "save" not in r["contenders"]["zero3_offload"]  # only memtide saves beside training
+    assert s["write_bytes_per_s"] == 2e9 and len(s["iteration_s"]) == len(s["waited_s"]) >= 1
+    # Written at the rate, beside the iterations it took.
+    assert s["save_s"] >= s["state_bytes"] / 2e9 * (1 - 1e-9)
+    assert sum(s["iteration_s"]) >= s["save_s"] - max(s["iteration_s"])
+    text = cli(*TINY, "--save-checkpoint").stdout
+    assert "while training went on" in text and "stops it" in text
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--save-write", "2"], ["--save-write belongs to --save-checkpoint"]),
+    (["--save-buffer", "1GiB"], ["--save-buffer belongs to --save-checkpoint"]),
+    (["--save-checkpoint", "--host", "4xh100-2s"], ["--save-checkpoint simulates one rank"]),
+    (TINY + ["--save-checkpoint", "--save-write", "1e-9"], ["not written after 1000 iterations", "--save-write"]),
+])
+def test_bad_save_flags_are_named(args, words):
+    p = cli(*args)
+    assert p.returncode in (1, 2) and "Traceback" not in p.stderr, p.stderr[-2000:]
+    for w in words:
+        assert w in p.stderr, (w, p.stderr)
+
