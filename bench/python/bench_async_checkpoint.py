@@ -97,11 +97,20 @@ def disk_rate(folder: str, nbytes: int) -> float:
         os.unlink(path)
 
 
-def build(params: float, layers: int, subgroup_size: int):
+def build(params: float, layers: int, subgroup_size: int, spill_dir: str = ""):
     width = int((params / layers) ** 0.5) // 64 * 64
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    opt = TieredAdamW(model.parameters(), lr=1e-4, weight_decay=0.01, policy="cpu", subgroup_size=subgroup_size)
+    kw = {}
+    if spill_dir:
+        # A spilled state needs a 16-bit model: an fp32 one would be a host copy of the very state
+        # that spilled (TieredAdamW refuses it).
+        model = model.to(torch.bfloat16)
+        # Host memory for about half the state: 16 B/param of the half kept, the gradients (4 B)
+        # of the half spilled, and the read-ahead's staging (two subgroups of 12 B/param).
+        n = layers * width * width
+        kw = dict(nvme_dir=spill_dir, host_budget=10 * n + 2 * 12 * subgroup_size)
+    opt = TieredAdamW(model.parameters(), lr=1e-4, weight_decay=0.01, policy="cpu", subgroup_size=subgroup_size, **kw)
     return model, opt, width
 
 
@@ -125,13 +134,20 @@ def main() -> int:
     ap.add_argument("--subgroup-size", type=int, default=100_000_000)
     ap.add_argument("--dir", help="folder the checkpoints go to (default: a new one under the temp folder)")
     ap.add_argument("--no-peers", action="store_true", help="skip torch.save and DCP async_save")
+    ap.add_argument("--spill", action="store_true",
+                    help="about half the state on NVMe (host_budget, nvme_dir: a folder beside the checkpoints)")
     ap.add_argument("--out", help="Markdown file to write")
     args = ap.parse_args()
 
     parent = args.dir or tempfile.mkdtemp(prefix="memtide-bench-ckpt-")
-    model, opt, width = build(args.params, args.layers, args.subgroup_size)
+    spill_dir = ""
+    if args.spill:
+        spill_dir = os.path.join(parent, "spill")
+        os.makedirs(spill_dir, exist_ok=True)
+    model, opt, width = build(args.params, args.layers, args.subgroup_size, spill_dir)
     n = opt.layout.numel
-    x = torch.randn(args.batch, width)
+    spilled = opt.spilled_subgroups
+    x = torch.randn(args.batch, width).to(next(model.parameters()).dtype)
     for _ in range(2):
         iteration(model, opt, x)
     state_bytes = 16 * n
@@ -206,10 +222,13 @@ def main() -> int:
         "",
         f"Command: `python bench/python/bench_async_checkpoint.py --params {args.params:g} --layers {args.layers} "
         f"--batch {args.batch} --rounds {args.rounds} --subgroup-size {args.subgroup_size} --buffer-bytes "
-        f"{args.buffer_bytes:g}` ({platform.machine()}, {os.cpu_count()} cores, torch "
+        f"{args.buffer_bytes:g}{' --spill' if args.spill else ''}` ({platform.machine()}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}). Model: {n / 1e6:.1f}M params ({args.layers} x Linear({width}, {width})), "
-        f"TieredAdamW(policy=\"cpu\", subgroup_size={args.subgroup_size}); optimizer state {state_bytes / GiB:.2f} GiB, a checkpoint "
-        f"{save_bytes / GiB:.2f} GiB. Disk, written as the save writes: {rate / 1e9:.2f} GB/s.",
+        f"{'a bf16 model (fp32 masters), ' if args.spill else ''}TieredAdamW(policy=\"cpu\", subgroup_size={args.subgroup_size}); optimizer state {state_bytes / GiB:.2f} GiB, a checkpoint "
+        f"{save_bytes / GiB:.2f} GiB. Disk, written as the save writes: {rate / 1e9:.2f} GB/s."
+        + (f" {spilled} of {len(opt.nvme_info()['on_nvme'])} subgroups spilled "
+           "to NVMe in the same file system: the save reads them from the spill file while the steps stream "
+           "them through it." if args.spill else ""),
         "",
         "| round | iteration, no save | iteration during the save (median) | ratio | iterations during | training "
         "time lost | save | save rate | of the disk | steps waited | extra host memory | copy-on-write peak |",

@@ -809,13 +809,17 @@ void UpdateEngine::host_changed() {
 
 void UpdateEngine::sync_host() {
   Busy busy(*this);
+  sync_residents();
+  if (nvme_) nvme_->load_all();
+}
+
+void UpdateEngine::sync_residents() {
   SaveGuard guard(*this);  // residents come back over their host ranges
   for (Entry& e : cache_) {
     if (e.scheduler->resident_count() == 0) continue;
     e.scheduler->sync_to_host();
     if (nvme_) nvme_->synced(e.ranges, *e.scheduler);
   }
-  if (nvme_) nvme_->load_all();
 }
 
 std::shared_ptr<StateSnapshot> UpdateEngine::save_async(const std::filesystem::path& target, std::uint64_t buffer_bytes,
@@ -847,8 +851,9 @@ std::shared_ptr<StateSnapshot> UpdateEngine::save_async(const std::filesystem::p
 
 void UpdateEngine::prepare_save() {
   if (std::shared_ptr<SaveTarget> previous = running_save()) previous->wait();  // one at a time, never interleaved
-  sync_host();  // the residents' newest state, in the host ranges the save reads
-  if (nvme_ && nvme_->readable_beside()) nvme_->spill(n_);  // every spilled subgroup's state on NVMe, where the writer reads it
+  sync_residents();  // their newest state, in the host ranges the save reads
+  // Every spilled subgroup's state on NVMe, where the writer reads it: not loaded into host memory.
+  if (nvme_ && nvme_->readable_beside()) nvme_->spill(n_);
 }
 
 void UpdateEngine::start_save(const std::function<std::shared_ptr<SaveTarget>()>& start) {

@@ -36,8 +36,12 @@ def state_dict(opt: Any) -> Dict[str, Any]:
             entry["master_param"] = opt.distribution.wrap(p, opt.buffers.params[lo:hi].view(local(p).shape))
         state[idx] = entry
     packed["state"] = state
-    packed["memtide"] = {"format": 1, "loss_scaler": None if opt.scaler is None else opt.scaler.state_dict()}
+    packed["memtide"] = _memtide_entry(opt)
     return packed
+
+
+def _memtide_entry(opt: Any) -> Dict[str, Any]:
+    return {"format": 1, "loss_scaler": None if opt.scaler is None else opt.scaler.state_dict()}
 
 
 def load_state_dict(opt: Any, state_dict: Dict[str, Any]) -> None:
@@ -243,7 +247,13 @@ def save_async(opt: Any, path: Any, buffer_bytes: int = 0) -> AsyncSave:
         if index is None:
             return AsyncSave(None, path)
         part = (save_id, names, index)
-    packed = state_dict(opt)  # syncs the state (updates during backward rolled back, residents copied home)
+    # The groups and the steps; the tensors are not read here (state_dict() would load what spilled
+    # to NVMe into host memory). The engine brings its residents home when the save starts.
+    if opt.backward_updates is not None:
+        opt.backward_updates.rollback()  # a checkpoint holds no update the next step may still take back
+    opt.wait_for_copies()
+    packed = torch.optim.Optimizer.state_dict(opt)
+    packed["memtide"] = _memtide_entry(opt)
     layout = opt.layout
     index_of = {id(p): i for i, p in enumerate(layout.params)}
     order = [p for g in opt.param_groups for p in g["params"]]

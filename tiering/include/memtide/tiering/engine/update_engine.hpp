@@ -212,6 +212,7 @@ class UpdateEngine {
   std::unique_ptr<SpillTier> nvme_;  // the NVMe tier (null: none)
   std::shared_ptr<SaveTarget> save_;  // the running checkpoint save (null: none)
   void prepare_save();
+  void sync_residents();
 
   // The optimizer's step (step(const StepRequest&)).
   ParamLayout layout_;
