@@ -158,6 +158,22 @@ def test_a_checkpoint_saved_by_sharded_ranks_while_training_resumes_on_other_wor
     assert tuple(state[0]["exp_avg"].shape) == (61, 7) and int(state[0]["step"]) == 1
     assert all(v.abs().sum() > 0 for v in (state[0]["exp_avg"], state[0]["exp_avg_sq"]))
     assert [f for f in os.listdir(tmp_path) if "memtide-part" in f] == []
+    # torch.distributed.checkpoint.load reshards it onto 4 ranks into torch's own AdamW and the
+    # model, through memtide's CheckpointReader: the same values, whole.
+    torch_loaded = params(4, "fsdp2-torch", at1, "-", "torch.pt")
+    for i, entry in sorted(state.items()):
+        assert torch.equal(torch_loaded["exp_avg"][i], entry["exp_avg"])
+        assert torch.equal(torch_loaded["exp_avg_sq"][i], entry["exp_avg_sq"])
+        assert torch.equal(torch_loaded["params"][i], entry["master_param"])
+        assert torch_loaded["step"][i] == 1
+    assert torch_loaded["lr"] == 1e-2
+    # Ranks that name different paths would each wait forever for the others' parts: they fail
+    # together, naming the paths, and nothing is written.
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(worker), "fsdp2", "-", str(tmp_path / "r{rank}"), str(tmp_path / "no.pt")],
+                       env=clean_env(OMP_NUM_THREADS="1"), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "disagree on checkpoint path" in p.stderr, p.stderr[-3000:]
+    assert not any(f.startswith(("r0", "r1", ".r0", ".r1")) for f in os.listdir(tmp_path))
 
 
 @pytest.mark.parametrize("when, words", [("train", ["Connection", "peer"]),

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -192,6 +193,44 @@ def test_torch_adamw_loads_the_checkpoint(tmp_path):
     twin.load_state_dict(read_checkpoint(tmp_path / "ckpt"))
     for idx, entry in opt.state_dict()["state"].items():
         assert torch.equal(twin.state_dict()["state"][idx]["exp_avg"], entry["exp_avg"])
+
+
+def test_torch_dcp_load_reads_the_checkpoint_into_torch_adamw_and_the_model(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    from memtide.optim import CheckpointReader
+
+    model = _model()
+    opt = _optimizer(model, "cpu")
+    _train(model, opt, 2, 0)
+    opt.save_checkpoint(tmp_path / "ckpt", blocking=True)
+    saved = read_checkpoint(tmp_path / "ckpt")["state"]
+    twin = _model()
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=5.0)
+    state = {"model": get_model_state_dict(twin), "optim": get_optimizer_state_dict(twin, twin_opt)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+        dcp.load(state, storage_reader=CheckpointReader(tmp_path / "ckpt", state["optim"], model_key="model"))
+    set_model_state_dict(twin, state["model"])
+    set_optimizer_state_dict(twin, twin_opt, state["optim"])
+    assert twin_opt.param_groups[0]["lr"] == 1e-3 and twin_opt.param_groups[0]["weight_decay"] == 0.01
+    for i, p in enumerate(twin.parameters()):
+        assert torch.equal(p.detach(), saved[i]["master_param"])
+        assert torch.equal(twin_opt.state[p]["exp_avg_sq"], saved[i]["exp_avg_sq"])
+        assert float(twin_opt.state[p]["step"]) == 2
+    with pytest.raises(ValueError, match="optim_state_dict must be"):
+        CheckpointReader(tmp_path / "ckpt", {"state": {}})
+    small = torch.nn.Linear(3, 3)
+    small_opt = torch.optim.AdamW(small.parameters())
+    state = {"optim": get_optimizer_state_dict(small, small_opt)}
+    with warnings.catch_warnings(), pytest.raises(BaseException, match="holds 6 param tensors, the optimizer state dict names 2"):
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=CheckpointReader(tmp_path / "ckpt", state["optim"]))
 
 
 KILLED = textwrap.dedent("""
