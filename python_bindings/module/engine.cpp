@@ -489,6 +489,7 @@ void bind_engine(nb::module_& m) {
             d["done"] = p.done;
             d["committed"] = p.committed;
             d["error"] = p.error;
+            d["direct_bytes"] = p.direct_bytes;
             return d;
           }, "bytes written of the total, seconds elapsed and spent writing, seconds training waited, the\n"
              "copy-on-write buffer's bytes (copied in all, peak, bound), done, committed, error.");
@@ -500,6 +501,8 @@ void bind_engine(nb::module_& m) {
         }
         nb::dict d;
         d["params"] = man.params;
+        d["offsets"] = std::vector<std::uint64_t>{man.offsets[0], man.offsets[1], man.offsets[2]};
+        d["file_bytes"] = man.file_bytes;
         d["subgroups"] = man.subgroups;
         d["data"] = tiering::StateSnapshot::kData;
         d["meta"] = tiering::StateSnapshot::kMeta;

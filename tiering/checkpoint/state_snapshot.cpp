@@ -36,7 +36,8 @@ constexpr std::size_t kChunk = std::size_t{8} << 20;  // bytes per write call
 constexpr std::size_t kChunksInFlight = 8;            // written back but not yet waited for
 constexpr const char* kPartialTag = ".memtide-partial-";
 constexpr const char* kStagingTag = ".memtide-parts-";
-constexpr const char* kFormat = "memtide-state 1";
+constexpr const char* kFormat = "memtide-state 2";  // 1: arrays back to back (not read any more)
+constexpr std::size_t kBlock = 4096;                 // O_DIRECT's alignment of memory, offsets and sizes
 constexpr const char* kPartsFormat = "memtide-parts 1";
 constexpr const char* kExpected = ".parts-expected";  // in a staging folder: every part's name
 constexpr const char* kClaim = ".commit";              // in a staging folder: made by the committer
@@ -328,11 +329,18 @@ std::shared_ptr<StateSnapshot> StateSnapshot::start(Config config) {
     s->fd_ = ::open(data.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (s->fd_ < 0) throw io_error("checkpoint: cannot create " + data.string(), errno);
     const std::uint64_t total = 3 * sizeof(float) * static_cast<std::uint64_t>(c.n);
-    if (total > 0) {
-      if (const int err = ::posix_fallocate(s->fd_, 0, static_cast<off_t>(total)); err != 0) {
-        throw io_error("checkpoint: cannot reserve " + format_bytes(total) + " for " + data.string(), err);
+    const std::uint64_t file_bytes = StateSnapshot::file_bytes(c.n);
+    const float* arrays[3] = {c.param, c.exp_avg, c.exp_avg_sq};
+    for (std::size_t k = 0; k < 3; ++k) {
+      s->offsets_[k] = array_offset(c.n, k, reinterpret_cast<std::uintptr_t>(arrays[k]));
+    }
+    if (file_bytes > 0) {
+      if (const int err = ::posix_fallocate(s->fd_, 0, static_cast<off_t>(file_bytes)); err != 0) {
+        throw io_error("checkpoint: cannot reserve " + format_bytes(file_bytes) + " for " + data.string(), err);
       }
     }
+    // Where the file system takes it (not tmpfs, say): whole blocks go straight from the state.
+    s->direct_fd_ = ::open(data.c_str(), O_WRONLY | O_DIRECT | O_NOFOLLOW | O_CLOEXEC);
     s->stage_.assign(c.subgroups.size(), Stage::pending);
     s->copies_.resize(c.subgroups.size());
     s->checksums_.assign(c.subgroups.size(), 0);
@@ -355,6 +363,7 @@ StateSnapshot::~StateSnapshot() {
   cancel();
   if (writer_.joinable()) writer_.join();
   if (fd_ >= 0) ::close(fd_);
+  if (direct_fd_ >= 0) ::close(direct_fd_);
 }
 
 void StateSnapshot::cancel() {
@@ -396,14 +405,22 @@ void StateSnapshot::protect(std::size_t i, const float* p, const float* m, const
         progress_.peak_buffer_bytes = std::max(progress_.peak_buffer_bytes, buffer_used_);
         lock.unlock();
         const std::size_t n = end - first;
-        std::unique_ptr<float[]> copy(new (std::nothrow) float[3 * n]);
-        if (copy) {
-          std::memcpy(copy.get(), p, n * sizeof(float));
-          std::memcpy(copy.get() + n, m, n * sizeof(float));
-          std::memcpy(copy.get() + 2 * n, v, n * sizeof(float));
+        // Each array's copy in a region of its own, as far past a block boundary as its place in
+        // the file, so that it too goes with O_DIRECT.
+        const std::size_t region = (n * sizeof(float) + 2 * kBlock - 1) / kBlock * kBlock;
+        Copy copy;
+        copy.memory.reset(static_cast<unsigned char*>(std::aligned_alloc(kBlock, 3 * region)));
+        if (copy.memory) {
+          const float* from[3] = {p, m, v};
+          const float** to[3] = {&copy.p, &copy.m, &copy.v};
+          for (std::size_t k = 0; k < 3; ++k) {
+            unsigned char* at = copy.memory.get() + k * region + (offsets_[k] + first * sizeof(float)) % kBlock;
+            std::memcpy(at, from[k], n * sizeof(float));
+            *to[k] = reinterpret_cast<const float*>(at);
+          }
         }
         lock.lock();
-        if (copy) {
+        if (copy.memory) {
           copies_[i] = std::move(copy);
           stage_[i] = Stage::copied;
           progress_.copied_bytes += bytes;
@@ -458,8 +475,8 @@ void StateSnapshot::run() {
       const auto [first, end] = config_.subgroups[i];
       const std::size_t n = end - first;
       if (from_copy) {
-        const float* c = copies_[i].get();
-        write_subgroup(i, c, c + n, c + 2 * n);
+        const Copy& c = copies_[i];
+        write_subgroup(i, c.p, c.m, c.v);
       } else if (!config_.elsewhere.empty() && config_.elsewhere[i]) {
         // From the spill file: read whole and checked, then written as any other subgroup.
         if (!read_buffer_) {
@@ -483,7 +500,7 @@ void StateSnapshot::run() {
       }
       lock.lock();
       if (from_copy) {
-        copies_[i].reset();
+        copies_[i] = Copy{};
         buffer_used_ -= subgroup_bytes(i);
       }
       stage_[i] = Stage::written;
@@ -522,7 +539,7 @@ void StateSnapshot::run() {
   }
   progress_.done = true;
   // The copies of a failed save are not needed any more.
-  for (auto& c : copies_) c.reset();
+  for (auto& c : copies_) c = Copy{};
   buffer_used_ = 0;
   changed_.notify_all();
 }
@@ -541,7 +558,7 @@ void StateSnapshot::write_subgroup(std::size_t i, const float* p, const float* m
   for (std::size_t k = 0; k < 3; ++k) {
     const auto* src = reinterpret_cast<const unsigned char*>(arrays[k]);
     const std::size_t bytes = n * sizeof(float);
-    const off_t offset = static_cast<off_t>((k * config_.n + first) * sizeof(float));
+    const off_t offset = static_cast<off_t>(offsets_[k] + first * sizeof(float));
     for (std::size_t done = 0; done < bytes; done += kChunk) {
       const std::size_t take = std::min(kChunk, bytes - done);
       {
@@ -552,16 +569,8 @@ void StateSnapshot::write_subgroup(std::size_t i, const float* p, const float* m
           throw io_error("writing " + data.string() + " at byte " + std::to_string(offset + done), err);
         }
       }
-      const off_t at = offset + static_cast<off_t>(done);
-      write_all(fd_, src + done, take, at, data);
+      write_piece(src + done, take, offset + static_cast<off_t>(done));
       XXH3_64bits_update(hash, src + done, take);
-      // The disk gets each chunk at once and has a few queued; dirty pages stay a few chunks.
-      start_writeback(fd_, at, take, data);
-      in_flight_.emplace_back(at, take);
-      while (in_flight_.size() > kChunksInFlight) {
-        finish_writeback(fd_, in_flight_.front().first, in_flight_.front().second, data);
-        in_flight_.erase(in_flight_.begin());
-      }
     }
   }
   const std::uint64_t sum = XXH3_64bits_digest(hash);
@@ -573,6 +582,37 @@ void StateSnapshot::write_subgroup(std::size_t i, const float* p, const float* m
 #endif
 }
 
+// Whole blocks with O_DIRECT when the memory lies as the file does (the same offset from a block
+// boundary), the edges through the page cache.
+void StateSnapshot::write_piece(const unsigned char* src, std::size_t bytes, off_t at) {
+  const std::size_t misalign = static_cast<std::size_t>(at) % kBlock;
+  if (direct_fd_ < 0 || reinterpret_cast<std::uintptr_t>(src) % kBlock != misalign) {
+    write_buffered(src, bytes, at);
+    return;
+  }
+  const std::size_t head = std::min(bytes, (kBlock - misalign) % kBlock);
+  const std::size_t body = (bytes - head) / kBlock * kBlock;
+  if (head > 0) write_buffered(src, head, at);
+  if (body > 0) {
+    write_all(direct_fd_, src + head, body, at + static_cast<off_t>(head), partial_ / kData);
+    std::lock_guard lock(mutex_);
+    progress_.direct_bytes += body;
+  }
+  if (bytes > head + body) write_buffered(src + head + body, bytes - head - body, at + static_cast<off_t>(head + body));
+}
+
+void StateSnapshot::write_buffered(const unsigned char* src, std::size_t bytes, off_t at) {
+  const fs::path data = partial_ / kData;
+  write_all(fd_, src, bytes, at, data);
+  // The disk gets each piece at once and has a few queued; dirty pages stay a few pieces.
+  start_writeback(fd_, at, bytes, data);
+  in_flight_.emplace_back(at, bytes);
+  while (in_flight_.size() > kChunksInFlight) {
+    finish_writeback(fd_, in_flight_.front().first, in_flight_.front().second, data);
+    in_flight_.erase(in_flight_.begin());
+  }
+}
+
 void StateSnapshot::commit() {
   const fs::path data = partial_ / kData;
   if (::fdatasync(fd_) != 0) throw io_error("syncing " + data.string(), errno);
@@ -580,10 +620,12 @@ void StateSnapshot::commit() {
   in_flight_.clear();
   const int fd = std::exchange(fd_, -1);
   if (::close(fd) != 0) throw io_error("closing " + data.string(), errno);
+  if (direct_fd_ >= 0) ::close(std::exchange(direct_fd_, -1));  // its writes are on the disk: fdatasync flushed the device
   put_file(partial_ / kMeta, config_.meta);
   // The manifest last: a folder with one is whole.
   std::ostringstream m;
-  m << kFormat << "\nparams " << config_.n << "\nsubgroups " << config_.subgroups.size() << "\n";
+  m << kFormat << "\nparams " << config_.n << "\narrays " << offsets_[0] << " " << offsets_[1] << " " << offsets_[2]
+    << "\nbytes " << file_bytes(config_.n) << "\nsubgroups " << config_.subgroups.size() << "\n";
   for (std::size_t i = 0; i < config_.subgroups.size(); ++i) {
     m << config_.subgroups[i].first << " " << (config_.subgroups[i].second - config_.subgroups[i].first) << " "
       << hex64(checksums_[i]) << "\n";
@@ -626,6 +668,7 @@ void StateSnapshot::remove_partial() noexcept {
     ::close(fd_);
     fd_ = -1;
   }
+  if (direct_fd_ >= 0) ::close(std::exchange(direct_fd_, -1));
   if (partial_.empty()) return;
   std::error_code ec;
   fs::remove_all(partial_, ec);
@@ -666,11 +709,22 @@ SnapshotManifest StateSnapshot::read_manifest(const fs::path& folder, bool verif
     return IoError("checkpoint: " + manifest.string() + " is not a memtide manifest: " + what);
   };
   std::string line;
-  if (!std::getline(in, line) || line != kFormat) throw bad("it does not start with '" + std::string(kFormat) + "'");
+  if (std::getline(in, line) && line == "memtide-state 1") {
+    throw bad("it is format 1, written by an earlier memtide, which this one does not read");
+  }
+  if (line != kFormat) throw bad("it does not start with '" + std::string(kFormat) + "'");
   SnapshotManifest out;
   std::string word;
   std::size_t count = 0;
   if (!(in >> word >> out.params) || word != "params") throw bad("no 'params' line");
+  if (!(in >> word >> out.offsets[0] >> out.offsets[1] >> out.offsets[2]) || word != "arrays") throw bad("no 'arrays' line");
+  if (!(in >> word >> out.file_bytes) || word != "bytes") throw bad("no 'bytes' line");
+  for (std::size_t k = 0; k < 3; ++k) {
+    const std::uint64_t end = out.offsets[k] + 4 * out.params;
+    if (out.offsets[k] % 4 != 0 || end > out.file_bytes || end < out.offsets[k] || (k < 2 && end > out.offsets[k + 1])) {
+      throw bad("array " + std::to_string(k) + " does not lie inside the file, apart from the others");
+    }
+  }
   if (!(in >> word >> count) || word != "subgroups") throw bad("no 'subgroups' line");
   if (count > out.params + 1) throw bad("more subgroups than params");
   std::size_t expect = 0;
@@ -687,7 +741,7 @@ SnapshotManifest StateSnapshot::read_manifest(const fs::path& folder, bool verif
   if (!(in >> word) || word != "end") throw bad("no 'end' line (cut short?)");
   if (::stat(meta.c_str(), &st) != 0) throw IoError("checkpoint: " + folder.string() + " has no " + kMeta);
   if (::stat(data.c_str(), &st) != 0) throw IoError("checkpoint: " + folder.string() + " has no " + kData);
-  const std::uint64_t want = 3 * sizeof(float) * out.params;
+  const std::uint64_t want = out.file_bytes;
   if (static_cast<std::uint64_t>(st.st_size) != want) {
     throw IoError("checkpoint: " + data.string() + " is " + std::to_string(st.st_size) + " bytes, the manifest says " +
                   std::to_string(want) + " (truncated or replaced)");
@@ -705,7 +759,7 @@ SnapshotManifest StateSnapshot::read_manifest(const fs::path& folder, bool verif
       const auto [first, end] = out.subgroups[i];
       for (std::size_t k = 0; k < 3; ++k) {
         const std::size_t bytes = (end - first) * sizeof(float);
-        const off_t offset = static_cast<off_t>((k * out.params + first) * sizeof(float));
+        const off_t offset = static_cast<off_t>(out.offsets[k] + first * sizeof(float));
         for (std::size_t done = 0; done < bytes;) {
           const ssize_t r = ::pread(fd, buf.get(), std::min(kChunk, bytes - done), offset + static_cast<off_t>(done));
           if (r < 0 && errno == EINTR) continue;

@@ -399,11 +399,13 @@ def _mapped(folder: str, manifest: Dict[str, Any]) -> Tuple[torch.Tensor, torch.
     if n == 0:
         empty = torch.empty(0)
         return empty, empty, empty
-    flat = np.memmap(os.path.join(folder, manifest["data"]), dtype=np.float32, mode="r", shape=(3 * n,))
+    flat = np.memmap(os.path.join(folder, manifest["data"]), dtype=np.float32, mode="r",
+                     shape=(manifest["file_bytes"] // 4,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only by design: loading copies
         t = torch.from_numpy(flat)
-    return t[:n], t[n:2 * n], t[2 * n:]
+    p, m, v = (t[o // 4:o // 4 + n] for o in manifest["offsets"])  # each placed as it lay in memory
+    return p, m, v
 
 
 @torch.no_grad()

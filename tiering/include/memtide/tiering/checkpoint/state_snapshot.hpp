@@ -12,7 +12,11 @@
 /// drops each written range from the page cache, so the file does not become a second copy
 /// either.
 ///
-/// The folder is committed whole or not at all: `state.bin` (p, then m, then v, each n floats),
+/// The writer writes what lies on whole 4 KiB blocks with O_DIRECT, straight from the state (no
+/// copy into the page cache), and the few bytes at a subgroup's edges through the page cache.
+///
+/// The folder is committed whole or not at all: `state.bin` (p, then m, then v, each n floats
+/// from byte `offsets[k]`, which lies as far past a 4 KiB boundary as the array does in memory),
 /// `meta.pt` (the front end's bytes) and `state.manifest` (a text file: the params, each subgroup's
 /// range and the xxHash3 of its bytes), synced, then renamed onto the target (exchanged with a
 /// previous checkpoint there, which is then removed). A save interrupted at any point leaves the
@@ -50,6 +54,8 @@ namespace memtide::tiering {
 /// What a committed checkpoint's manifest says.
 struct SnapshotManifest {
   std::uint64_t params = 0;
+  std::uint64_t offsets[3] = {};  ///< where p, m and v start in state.bin, in bytes
+  std::uint64_t file_bytes = 0;   ///< state.bin's size
   std::vector<std::pair<std::size_t, std::size_t>> subgroups;  ///< [first, end) element ranges
   std::vector<std::uint64_t> checksums;                        ///< xxHash3 of p, m, v of each subgroup
 };
@@ -58,6 +64,7 @@ struct SnapshotManifest {
 struct SnapshotProgress {
   std::uint64_t bytes_total = 0;
   std::uint64_t bytes_written = 0;
+  std::uint64_t direct_bytes = 0;  ///< of those, written with O_DIRECT (not through the page cache)
   double elapsed_s = 0;         ///< since the save was asked for
   double write_s = 0;           ///< the writer's time in write and sync calls
   double waited_s = 0;          ///< time protect() blocked the engine, waiting for the writer
@@ -137,6 +144,12 @@ class StateSnapshot final : public SaveTarget {
 
   /// A fault the tests inject into the writer (fires once): errno for the next write.
   void inject_write_error(int err);
+  /// Where array k (0: p, 1: m, 2: v) of `n` floats starts in state.bin when it lies `skew`
+  /// bytes past a 4 KiB boundary in memory: each array has a 4 KiB-aligned slot of its own.
+  static std::uint64_t array_offset(std::uint64_t n, std::size_t k, std::uint64_t skew) noexcept {
+    return k * ((4 * n + 4096 + 4095) / 4096 * 4096) + skew % 4096;
+  }
+  static std::uint64_t file_bytes(std::uint64_t n) noexcept { return 3 * ((4 * n + 4096 + 4095) / 4096 * 4096); }
 
  private:
   // pending -> (copying -> copied -> writing_copy) or writing -> written
@@ -144,6 +157,8 @@ class StateSnapshot final : public SaveTarget {
   explicit StateSnapshot(Config config);
   void run();
   void write_subgroup(std::size_t i, const float* p, const float* m, const float* v);
+  void write_piece(const unsigned char* src, std::size_t bytes, off_t at);
+  void write_buffered(const unsigned char* src, std::size_t bytes, off_t at);
   void commit();
   void commit_parts();
   void remove_partial() noexcept;
@@ -154,16 +169,26 @@ class StateSnapshot final : public SaveTarget {
   std::filesystem::path staging_;      // a part's: the folder all parts go into before the target
   std::filesystem::path partial_;
   int fd_ = -1;
+  int direct_fd_ = -1;  // the same file with O_DIRECT (-1: the file system refuses it)
+  std::uint64_t offsets_[3] = {};  // where p, m, v start in state.bin
   std::vector<std::pair<off_t, std::size_t>> in_flight_;  // the writer's: chunks written back, not yet waited for
   std::chrono::steady_clock::time_point started_;
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<Stage> stage_;
-  std::vector<std::unique_ptr<float[]>> copies_;  // a copied subgroup's p, m, v until written
   struct FreeAligned {
     void operator()(void* p) const noexcept;
   };
+  // A copied subgroup's p, m, v until written: each array at the same offset from a 4 KiB
+  // boundary as its place in the file, so that the copy too is written with O_DIRECT.
+  struct Copy {
+    std::unique_ptr<unsigned char, FreeAligned> memory;
+    const float* p = nullptr;
+    const float* m = nullptr;
+    const float* v = nullptr;
+  };
+  std::vector<Copy> copies_;
   std::unique_ptr<float[], FreeAligned> read_buffer_;  // the writer's: a subgroup read from elsewhere
   std::vector<std::uint64_t> checksums_;
   std::size_t cursor_ = 0;           // subgroups from the last down the writer has passed
