@@ -858,7 +858,13 @@ class TieredAdamW(torch.optim.Optimizer):
         the state is made, in memory or in the page cache. The folder appears whole when the save
         commits, replacing a previous checkpoint there; a save that fails or is killed leaves the
         path as it was. One save at a time: a second waits for the first. Read it back with
-        load_checkpoint() or memtide.optim.read_checkpoint(). One process, without NVMe spills.
+        load_checkpoint(), memtide.optim.read_checkpoint(), or torch.distributed.checkpoint.load
+        through memtide.optim.CheckpointReader.
+
+        Subgroups spilled to NVMe are read from the spill file. Under FSDP2/HSDP every rank calls
+        it with the same path and writes its shards as one part; the folder appears once every
+        part is in (wait() on every rank), and loads on any number of ranks. Under DDP, call it
+        on one rank.
         """
         if not isinstance(blocking, bool):
             raise ValueError(f"TieredAdamW.save_checkpoint: blocking must be True or False, got {blocking!r}")
@@ -869,7 +875,8 @@ class TieredAdamW(torch.optim.Optimizer):
         return save
 
     def load_checkpoint(self, path: Any) -> None:
-        """Loads a checkpoint folder save_checkpoint() wrote: every checksum is checked before
+        """Loads a checkpoint folder save_checkpoint() wrote, on any number of ranks (the parts of
+        a sharded save are put together for this rank's shards): every checksum is checked before
         anything changes (OSError naming what is missing or corrupt); the model's params take the
         saved values."""
         self._follow_params()
