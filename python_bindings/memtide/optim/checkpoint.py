@@ -277,16 +277,19 @@ def save_async(opt: Any, path: Any, buffer_bytes: int = 0) -> AsyncSave:
 
 
 class _Saved:
-    """A committed checkpoint, whole or in parts: each part's manifest (every checksum checked
-    first, with `verify`), meta and mapped arrays, and the params' saved values copied out by box,
-    so that a state saved on some ranks fills the shards of any others."""
+    """A committed checkpoint, whole or in parts: each part's manifest, meta and mapped arrays,
+    and the params' saved values copied out by box, so that a state saved on some ranks fills the
+    shards of any others. Every checksum of a part is checked (verify) before its values are read:
+    a rank checks the parts it reads, not every rank's."""
 
-    def __init__(self, path: Any, verify: bool = True) -> None:
+    def __init__(self, path: Any) -> None:
         self.folder = os.fspath(path)
         names = _memtide.read_checkpoint_parts(self.folder)
         self.parts = []
-        for folder in [os.path.join(self.folder, n) for n in names] or [self.folder]:
-            manifest = _memtide.read_checkpoint_manifest(folder, verify)
+        self.folders = [os.path.join(self.folder, n) for n in names] or [self.folder]
+        self._verified = set()
+        for folder in self.folders:
+            manifest = _memtide.read_checkpoint_manifest(folder, False)  # its structure; checksums below
             self.parts.append((_read_meta(folder, manifest), _mapped(folder, manifest)))
         first = self.parts[0][0]
         self.count = len(first["places"])
@@ -296,6 +299,25 @@ class _Saved:
         self.shapes = [tuple(pl[3]) for pl in first["places"]]
         sd = first["state_dict"]
         self.state, self.param_groups, self.memtide = sd["state"], sd["param_groups"], sd["memtide"]
+
+    def verify(self, parts: Optional[List[int]] = None) -> None:
+        """Checks every checksum of `parts` (None: all) not checked yet. OSError naming the part,
+        the subgroup and the file."""
+        for k in range(len(self.parts)) if parts is None else parts:
+            if k not in self._verified:
+                _memtide.read_checkpoint_manifest(self.folders[k], True)
+                self._verified.add(k)
+
+    def parts_for(self, boxes: List[Tuple[int, Tuple[int, ...], Tuple[int, ...]]]) -> List[int]:
+        """The parts that hold some of `boxes` (param, offsets, shape)."""
+        needed = set()
+        for idx, offsets, shape in boxes:
+            for k, (meta, _) in enumerate(self.parts):
+                _, _, lshape, _, loff = meta["places"][idx]
+                if all(max(a, b) < min(a + n, b + m) for a, n, b, m in zip(offsets, shape, loff, lshape)) and \
+                        all(n > 0 for n in lshape) and all(n > 0 for n in shape):
+                    needed.add(k)
+        return sorted(needed)
 
     def exact(self, idx: int, which: int, offsets: Tuple[int, ...], shape: Tuple[int, ...]) -> Optional[torch.Tensor]:
         """The saved values of param `idx`'s box (offsets, shape) when one part holds exactly that
@@ -385,6 +407,7 @@ def read(path: Any) -> Dict[str, Any]:
     checkpoint's tensors map the file (read-only, no copy in memory); a checkpoint in parts (saved
     by sharded ranks) is put together in memory. load_state_dict copies them."""
     saved = _Saved(path)
+    saved.verify()  # every checksum first
     state = {idx: dict(entry, exp_avg=saved.value(idx, 1, None), exp_avg_sq=saved.value(idx, 2, None),
                        master_param=saved.value(idx, 0, None))
              for idx, entry in saved.state.items()}
@@ -411,7 +434,7 @@ def _mapped(folder: str, manifest: Dict[str, Any]) -> Tuple[torch.Tensor, torch.
 @torch.no_grad()
 def load(opt: Any, path: Any) -> None:
     who = "TieredAdamW.load_checkpoint"
-    saved = _Saved(path)  # every checksum checked first
+    saved = _Saved(path)
     order = [p for g in opt.param_groups for p in g["params"]]
     if len(order) != saved.count:
         raise ValueError(f"{who}: {saved.folder} holds {saved.count} param tensors, the optimizer has {len(order)}; "
@@ -420,6 +443,8 @@ def load(opt: Any, path: Any) -> None:
         if tuple(p.shape) != saved.shapes[idx]:
             raise ValueError(f"{who}: {saved.folder} holds param {idx} of shape {saved.shapes[idx]}, the optimizer's "
                              f"is {tuple(p.shape)}; nothing was loaded")
+    # Every checksum of the parts this rank reads, before anything changes.
+    saved.verify(saved.parts_for([(idx, _place(p)[1], tuple(local(p).shape)) for idx, p in enumerate(order)]))
     state = {}
     for idx, entry in saved.state.items():
         p = order[idx]

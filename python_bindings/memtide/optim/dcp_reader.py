@@ -59,7 +59,7 @@ class CheckpointReader(StorageReader):
         return any(os.path.isfile(os.path.join(folder, f)) for f in ("parts.manifest", "state.manifest"))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        saved = self._saved = _Saved(self.path)  # every part's checksums checked first
+        saved = self._saved = _Saved(self.path)  # each part's checksums are checked before it is read
         if len(self.fqns) != saved.count:
             raise ValueError(f"CheckpointReader: {self.path} holds {saved.count} param tensors, the optimizer state dict "
                              f"names {len(self.fqns)}")
@@ -105,6 +105,9 @@ class CheckpointReader(StorageReader):
 
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future:
         saved = self._saved
+        # The checksums of every part this rank reads, before any value goes into the state dict.
+        saved.verify(sorted({item.storage_index.index for item in plan.items
+                             if item.type != LoadItemType.BYTE_IO and item.storage_index.fqn in self._tensors}))
         for item in plan.items:
             key = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
