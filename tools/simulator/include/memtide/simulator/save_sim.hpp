@@ -46,8 +46,20 @@ class SimulatedSave final : public SaveTarget {
 
  private:
   enum class Stage : unsigned char { pending, copied, writing, written };
-  // Runs the writer up to `now`: every write that ends by then is done, and the next begun.
-  void advance(double now) const;
+  static constexpr std::size_t kNone = static_cast<std::size_t>(-1);
+  // The writer as of its clock: what it has written, what it writes now, the buffer it frees.
+  struct Writer {
+    std::vector<Stage> stage;
+    std::deque<std::size_t> urgent;
+    std::size_t cursor = 0;  // subgroups from the last down it has passed
+    std::size_t current = kNone;
+    bool from_copy = false;
+    double end = 0;  // of the current write
+    double clock = 0;
+    std::uint64_t buffer_used = 0;
+  };
+  // Runs `w` up to `now`: every write that ends by then is done, and the next begun.
+  void advance(Writer& w, double now) const;
   [[nodiscard]] std::uint64_t bytes(std::size_t i) const { return 12 * static_cast<std::uint64_t>(sizes_[i]); }
 
   SimDevice& device_;
@@ -55,18 +67,9 @@ class SimulatedSave final : public SaveTarget {
   double rate_;
   std::uint64_t buffer_bound_ = 0, total_bytes_ = 0;
   double start_ns_ = 0;
-  // The writer: its state as of `clock_` (mutable: done() and end_ns() run it up to now).
-  mutable std::vector<Stage> stage_;
-  mutable std::deque<std::size_t> urgent_;
-  mutable std::size_t cursor_ = 0;  // subgroups from the last down it has passed
-  mutable std::size_t current_ = kNone;
-  mutable bool current_from_copy_ = false;
-  mutable double current_end_ = 0;
-  mutable double clock_ = 0;
-  mutable std::uint64_t buffer_used_ = 0;
+  mutable Writer writer_;  // mutable: done() and end_ns() run it up to now
   std::uint64_t peak_buffer_ = 0, copied_bytes_ = 0;
   double waited_ns_ = 0;
-  static constexpr std::size_t kNone = static_cast<std::size_t>(-1);
 };
 
 }  // namespace memtide::tiering
