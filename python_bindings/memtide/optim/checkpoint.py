@@ -445,12 +445,12 @@ def load(opt: Any, path: Any) -> None:
                              f"is {tuple(p.shape)}; nothing was loaded")
     # Every checksum of the parts this rank reads, before anything changes.
     saved.verify(saved.parts_for([(idx, _place(p)[1], tuple(local(p).shape)) for idx, p in enumerate(order)]))
-    state = {}
-    for idx, entry in saved.state.items():
-        p = order[idx]
-        wrap = opt.distribution.wrap
-        state[idx] = dict(entry, exp_avg=wrap(p, saved.value(idx, 1, p)), exp_avg_sq=wrap(p, saved.value(idx, 2, p)),
-                          master_param=wrap(p, saved.value(idx, 0, p)))
+    # The moments through load_state_dict; the masters below, every param's, straight into the
+    # buffers (not also as "master_param" here: that would copy them twice).
+    wrap = opt.distribution.wrap
+    state = {idx: dict(entry, exp_avg=wrap(order[idx], saved.value(idx, 1, order[idx])),
+                       exp_avg_sq=wrap(order[idx], saved.value(idx, 2, order[idx])))
+             for idx, entry in saved.state.items()}
     load_state_dict(opt, {"state": state, "param_groups": saved.param_groups, "memtide": saved.memtide})
     if opt.engine is None:
         return
