@@ -125,8 +125,6 @@ class StateSnapshot final : public SaveTarget {
   void cancel();
   [[nodiscard]] SnapshotProgress progress() const;
   [[nodiscard]] const std::filesystem::path& target() const noexcept { return config_.target; }
-  /// Where this save's folder goes: the target, or its part's folder in the staging folder.
-  [[nodiscard]] const std::filesystem::path& destination() const noexcept { return destination_; }
   /// The partial folder being written (gone once committed or cancelled).
   [[nodiscard]] const std::filesystem::path& partial() const noexcept { return partial_; }
 

@@ -106,8 +106,6 @@ class NvmeStore {
   /// reader's ring: for a reader beside the staging (a checkpoint's writer), which must not touch
   /// extent `i` while it is being written. Returns its checksum (checked).
   std::uint64_t read_beside(std::size_t i, void* dst) const;
-  /// The bytes of subgroup `i`'s last verified write (0 when none).
-  [[nodiscard]] std::uint64_t bytes(std::size_t i) const { return extents_.at(i).written ? extents_[i].bytes : 0; }
 
   [[nodiscard]] const std::filesystem::path& file() const noexcept { return file_; }
   [[nodiscard]] std::size_t subgroups() const noexcept { return extents_.size(); }
