@@ -327,6 +327,8 @@ class Distribution:
         self.ddp = ddp
         self._mesh = mesh_ranks(params)
         self._params = params
+        #: Whether any param is a DTensor (its gradient too: `local` must unwrap them).
+        self.dtensors = any(is_dtensor(p) for p in params)
 
     @property
     def kind(self) -> str:

@@ -183,25 +183,28 @@ class GradientPath:
         step). Returns which params have a gradient, and which were sent again (stale)."""
         opt = self.opt
         layout = opt.layout
-        has_grad, stale = [False] * len(layout.params), [False] * len(layout.params)
-        for i, p in enumerate(layout.params):
+        n = len(layout.params)
+        has_grad, stale = [False] * n, [False] * n
+        self.stale = set()
+        sharded = opt.distribution.dtensors
+        for i, (p, f) in enumerate(zip(layout.params, self.flushed)):
             g = p.grad
             if g is None:
                 continue
-            g = local(g)
+            if sharded:
+                g = local(g)
             if g.is_sparse:
                 raise RuntimeError("TieredAdamW does not support sparse gradients")
             has_grad[i] = True
-            lo, hi = layout.ranges[i]
-            if hi == lo:
-                continue  # an empty shard (FSDP2 on more ranks than rows): nothing to send or copy
-            f = self.flushed[i]
             if f is not None and (f.address == g.data_ptr() and f.version == g._version
                                   or copy_of(g) == (f.address, f.version)):
                 continue  # the gradient the hook sent, or an unchanged copy of it (the layer window sent it home)
+            lo, hi = layout.ranges[i]
+            if hi == lo:
+                continue  # an empty shard (FSDP2 on more ranks than rows): nothing to send or copy
             self.flushed[i] = None
             stale[i] = True
-        self.stale = {i for i, s in enumerate(stale) if s}
+            self.stale.add(i)
         opt.protocol.collect(stale)
         any_cuda = False
         for i in self.stale:

@@ -18,6 +18,7 @@ Algorithm 1, one in every k subgroups updated on the GPU (k = 1 all, k = 2 every
 
 from __future__ import annotations
 
+import operator
 import time
 import warnings
 import weakref
@@ -29,7 +30,7 @@ import torch
 from .. import _memtide, torch_bridge
 from . import checkpoint
 from .arguments import (NvmeTier, check_group, check_max_grad_norm, check_options, device_of, engine_unavailable,
-                        nvme_tier, torch_group_defaults)
+                        nvme_tier, step_params, torch_group_defaults)
 from .backward_updates import BackwardUpdates
 from .distributed import Distribution, is_dtensor
 from .gradients import SUPPORTED_DTYPES, GradientPath
@@ -37,6 +38,20 @@ from .loss_scale import LossScaler, make_scaler
 from .plan import UpdatePlan, requested
 
 _LOWP = (torch.float16, torch.bfloat16)
+_VERSION = operator.attrgetter("_version")  # torch's count of in-place writes to a tensor
+
+try:  # what would see torch's wrapper of step (TieredAdamW.step): a profiler, process-wide step hooks
+    from torch._C._autograd import _profiler_enabled
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    def _global_hooks() -> bool:
+        return bool(_global_optimizer_pre_hooks) or bool(_global_optimizer_post_hooks)
+except ImportError:  # a torch that keeps them elsewhere: every step goes through its wrapper
+    def _profiler_enabled() -> bool:
+        return True
+
+    def _global_hooks() -> bool:
+        return True
 
 
 @dataclass
@@ -271,13 +286,15 @@ class TieredAdamW(torch.optim.Optimizer):
         The check reads one data pointer and one version counter per param: per step, not per
         element."""
         layout = self.layout
-        held = [p for group in self.param_groups for p in group["params"]]
-        swapped = len(held) != len(layout.params) or any(a is not b for a, b in zip(held, layout.params))
+        groups = self.param_groups
+        held = groups[0]["params"] if len(groups) == 1 else [p for group in groups for p in group["params"]]
+        swapped = len(held) != len(layout.params) or not all(map(operator.is_, held, layout.params))
         now = self._bindings()
         if now != self._bound:
             keep = {id(p) for p in held} if swapped else None
-            changed = [i for i, a, b in zip(self._watched_index, now, self._bound)
-                       if a != b and (keep is None or id(layout.params[i]) in keep)]
+            changed = sorted(i for watched, ours, theirs in zip(self._watched, now, self._bound)
+                             for i, a, b in zip(watched, ours, theirs)
+                             if a != b and (keep is None or id(layout.params[i]) in keep))
             if changed:
                 self._follow_values(changed)
             else:
@@ -292,8 +309,9 @@ class TieredAdamW(torch.optim.Optimizer):
         and torch's count of in-place writes to it. (torch.Tensor's own data_ptr: Accelerate's
         FSDP2 prepare sets an int attribute of that name on the params it replaces.)"""
         data_ptr = torch.Tensor.data_ptr
-        return [data_ptr(p) if aliased else (data_ptr(t := p._local_tensor if dt else p), t._version)
-                for p, dt, aliased in self._watched]
+        views, others = self._watched_params
+        return (list(map(data_ptr, views)),
+                [(data_ptr(t := p._local_tensor if dt else p), t._version) for p, dt in others])
 
     @torch.no_grad()
     def _follow_values(self, changed: List[int]) -> None:
@@ -468,8 +486,12 @@ class TieredAdamW(torch.optim.Optimizer):
                                [(t.dtype, t.device) for t in map(self.distribution.local, params)])
         # What _follow_params checks each step: every param but a LayerWindow's, which moves them
         # between device slots and their home in the optimizer's buffers itself.
-        self._watched_index = [i for i, p in enumerate(params) if not getattr(p, "_memtide_windowed", False)]
-        self._watched = [(params[i], is_dtensor(params[i]), aliased[i]) for i in self._watched_index]
+        # The views of the buffers apart from the rest: one C-level pass reads their pointers.
+        watched = [i for i, p in enumerate(params) if not getattr(p, "_memtide_windowed", False)]
+        self._watched = ([i for i in watched if aliased[i]], [i for i in watched if not aliased[i]])
+        self._watched_params = ([params[i] for i in self._watched[0]],
+                                [(params[i], is_dtensor(params[i])) for i in self._watched[1]])
+        self._views = [p for p, a in zip(params, aliased) if a]
         self._bound = self._bindings()
         self._host_versions = None
         self._requested = requested(self.policy, bounds, self.k, self.gpu_static_fraction)
@@ -565,9 +587,8 @@ class TieredAdamW(torch.optim.Optimizer):
     def _versions(self) -> Tuple[int, ...]:
         """torch's in-place write counters of the host state and of the params that are views of it
         (a write through ``p.data`` in place is not counted: call sync_master_from_model after one)."""
-        b, layout = self.buffers, self.layout
-        return (b.params._version, b.exp_avg._version, b.exp_avg_sq._version,
-                *(p._version for p, a in zip(layout.params, layout.aliased) if a))
+        b = self.buffers
+        return (b.params._version, b.exp_avg._version, b.exp_avg_sq._version, *map(_VERSION, self._views))
 
     def host_changed(self) -> None:
         self.engine.host_changed()
@@ -671,17 +692,44 @@ class TieredAdamW(torch.optim.Optimizer):
 
     # -- the step ---------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One AdamW step over every param with a gradient (``closure``, if given, recomputes the
+        loss first and its value is returned), as torch.optim.AdamW's step."""
+        # torch.optim.Optimizer wraps a subclass's step in a profiler range and the calls of the
+        # step hooks (Optimizer.profile_hook_step). Entered cold, right after backward and right
+        # after the engine's step, that wrapper cost about 0.1 ms a step here, half of what the
+        # step costs in Python (bench/results/step-overhead/); it runs when something would see it.
+        if _profiler_enabled() or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_hooks():
+            return self._profiled_step(closure)
+        return self._plain_step(closure)
+
+    step.hooked = True  # torch's Optimizer._patch_step_function wraps a step that is not: this one decides itself
+
+    def _plain_step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # torch.no_grad() without the context object it makes per call
         try:
             return self._step(closure)
         finally:
+            torch._C._set_grad_enabled(grad_mode)
             if self.gradient_path is not None:
                 # The next backward sends its own. Gradients the step read where they lay are let
                 # go now: held until the next step, they outlived zero_grad(set_to_none=True), and
                 # the next backward's gradients could not reuse their memory (fresh pages, faulted
                 # in during backward).
                 self.gradient_path.reset()
+
+    _profiled_step = torch.optim.Optimizer.profile_hook_step(_plain_step)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim.Optimizer.zero_grad; like step, it opens its profiler range only when a
+        profiler runs."""
+        if not set_to_none or _profiler_enabled():
+            return super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad = None
 
     def _step(self, closure: Optional[Callable[[], Any]]) -> Any:
         loss = None
@@ -695,14 +743,13 @@ class TieredAdamW(torch.optim.Optimizer):
             return loss
         t0 = time.perf_counter()
         self.wait_for_copies()
-        for group in self.param_groups:
-            check_group(group)
+        groups = self.step_groups()  # checked: a bad value set since the last step is refused before anything moves
         has_grad, stale = self.gradient_path.gather()
         self._note_host_writes()
         t1 = time.perf_counter()
         # The verdict, the norm, the clip factor, skip or step, the updates made during backward:
         # the engine's protocol decides them all (tiering::StepProtocol).
-        out = self.last_outcome = self.protocol.step(self.step_groups(), bytes(has_grad), self.grad_scale(), stale)
+        out = self.last_outcome = self.protocol.step(groups, bytes(has_grad), self.grad_scale(), stale)
         engine_seconds = time.perf_counter() - t1
         self._decided(out)
         if not out.any_gradient:
@@ -787,9 +834,9 @@ class TieredAdamW(torch.optim.Optimizer):
         return directions == {True}
 
     def step_groups(self) -> List[Any]:
-        """Each param group's hyper-parameters as the engine takes them."""
-        return [_memtide.StepParams(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
-                                    float(g["weight_decay"])) for g in self.param_groups]
+        """Each param group's hyper-parameters as the engine takes them, checked (ValueError naming
+        a bad one)."""
+        return [step_params(g) for g in self.param_groups]
 
     def _write_back(self, has_grad: List[bool]) -> None:
         """Copies the new values into model params that are not views of the flat buffers."""

@@ -10,6 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch.optim.optimizer import (register_optimizer_step_post_hook,  # noqa: E402
+                                   register_optimizer_step_pre_hook)
+
 from memtide.optim import POLICIES, TieredAdamW  # noqa: E402
 from memtide_testing import on_sized_device, sized_device  # noqa: E402
 
@@ -141,6 +144,74 @@ def test_a_param_resized_before_its_first_step_starts_anew():
     assert p.shape == (3,) and not torch.equal(p.detach(), before) and int(opt.state[p]["step"]) == 1
 
 
+# -- torch.optim.Optimizer's step: hooks, the profiler, grad mode ---------------------------------
+
+
+def test_step_hooks_run_as_torch_runs_them():
+    m = model()
+    opt = TieredAdamW(m.parameters(), lr=1e-2)
+    seen = []
+    handles = [opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", o))),
+               opt.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", o))),
+               register_optimizer_step_pre_hook(lambda o, args, kwargs: seen.append(("global pre", o))),
+               register_optimizer_step_post_hook(lambda o, args, kwargs: seen.append(("global post", o)))]
+    try:
+        train(m, opt, steps=2)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == [("global pre", opt), ("pre", opt), ("post", opt), ("global post", opt)] * 2
+    train(m, opt, steps=1)
+    assert len(seen) == 8  # removed: not called again
+
+
+def test_a_profiler_sees_the_step_and_nothing_else_pays_for_its_range(monkeypatch):
+    m = model()
+    opt = TieredAdamW(m.parameters(), lr=1e-2)
+    train(m, opt, steps=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        train(m, opt, steps=1)
+    assert {"Optimizer.step#TieredAdamW.step", "Optimizer.zero_grad#TieredAdamW.zero_grad"} <= {
+        e.name for e in prof.events()}
+    # Without a profiler or a hook, step and zero_grad open no profiler range: torch's wrapper cost
+    # about 0.1 ms a step, entered cold after backward (bench/results/step-overhead/).
+    ranges = []
+    real = torch.autograd.profiler.record_function.__enter__
+    monkeypatch.setattr(torch.autograd.profiler.record_function, "__enter__",
+                        lambda self: ranges.append(self.name) or real(self))
+    train(m, opt, steps=2)
+    assert ranges == []
+    monkeypatch.undo()
+    ref = torch.optim.AdamW(m.parameters())  # the counting itself works: torch's own step opens one
+    monkeypatch.setattr(torch.autograd.profiler.record_function, "__enter__",
+                        lambda self: ranges.append(self.name) or real(self))
+    train(m, ref, steps=1)
+    assert ranges == ["Optimizer.step#AdamW.step", "Optimizer.zero_grad#AdamW.zero_grad"]
+    m(torch.randn(2, 16)).sum().backward()
+    ranges.clear()
+    opt.zero_grad(set_to_none=False)  # zeroing in place: torch's own, range included
+    assert ranges == ["Optimizer.zero_grad#TieredAdamW.zero_grad"]
+    assert all(torch.count_nonzero(p.grad) == 0 for p in m.parameters())
+
+
+def test_the_step_leaves_grad_mode_as_it_found_it_even_when_it_fails():
+    m = model()
+    opt = TieredAdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(2, 16)).sum().backward()
+    loss = opt.step(lambda: m(torch.randn(2, 16)).sum())  # a closure runs with grad enabled
+    assert loss.requires_grad and torch.is_grad_enabled()
+    with torch.no_grad():
+        opt.step()
+        assert not torch.is_grad_enabled()
+
+    def broken():
+        raise KeyError("from the closure")
+
+    with pytest.raises(KeyError, match="from the closure"):
+        opt.step(broken)
+    assert torch.is_grad_enabled()
+
+
 # -- torch.optim.AdamW's keyword arguments and param groups -----------------------------------------
 
 
@@ -172,6 +243,55 @@ def test_torch_adamw_keyword_arguments_are_accepted(kw):
 def test_torch_keyword_values_memtide_cannot_honour_are_refused_naming_them(kw, words):
     with pytest.raises(ValueError, match=words):
         TieredAdamW(model().parameters(), **kw)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("lr", float("nan"), "lr must be a finite number"), ("lr", -1, "lr must be a finite number"),
+    ("eps", float("inf"), "eps must be a finite number"), ("weight_decay", -0.5, "weight_decay must be"),
+    ("betas", (0.9, 1.0), "betas must be a pair of numbers in"), ("betas", [0.9, 0.999, 0.5], "3 values"),
+    ("betas", (0.9, "0.999"), "a str in it"), ("amsgrad", True, "amsgrad=True is not supported"),
+    ("maximize", 1, "maximize must be a bool"), ("foreach", 0, "foreach must be a bool or None"),
+    ("decoupled_weight_decay", 1, "decoupled_weight_decay=1"), ("lr", None, "got None")])
+def test_a_group_value_set_between_steps_is_checked_by_the_next_step(key, value, words):
+    m = model()
+    opt = TieredAdamW(m.parameters(), lr=1e-2)
+    train(m, opt, steps=1)
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.param_groups[0][key] = value
+    m(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(ValueError, match=words):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))  # refused before anything moved
+
+
+def test_group_values_changed_between_steps_in_every_accepted_form_step_as_torch_adamw():
+    """Each step takes the groups' values as they are then: a float, an int, a list of betas
+    changed in place, a tensor lr changed in place (the checks' fast path and slow path alike)."""
+    changes = [("lr", 0.02), ("lr", 0), ("betas", [0.8, 0.99]), ("betas", "in place"), ("lr", torch.tensor(0.01)),
+               ("lr", "in place"), ("weight_decay", 0), ("eps", 1e-6)]
+    ref_model, m = model(), model()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    opt = TieredAdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for key, value in changes:
+        for o in (ref_opt, opt):
+            group = o.param_groups[0]
+            if isinstance(value, torch.Tensor):
+                group[key] = value.clone()  # each optimizer its own, changed in place later
+            elif isinstance(value, list):
+                group[key] = list(value)
+            elif value != "in place":
+                group[key] = value
+            elif key == "betas":
+                group["betas"][1] = 0.95
+            else:
+                group["lr"].mul_(0.5)
+        x = torch.randn(8, 16, generator=g)
+        for net, o in ((ref_model, ref_opt), (m, opt)):
+            net(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert diff(list(m.parameters()), list(ref_model.parameters())) <= 1e-6
 
 
 def test_param_groups_carry_every_key_torch_adamw_groups_carry():
