@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
 from typing import Any, List, Optional, Set, Tuple
 
 import torch
@@ -23,13 +22,16 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ROUTE = _memtide.GradRoute
 
 
-@dataclass
 class _Flushed:
-    """A gradient the hook sent on its way: which tensor, at which in-place version."""
+    """A gradient the hook sent on its way: which tensor, at which in-place version. (Made in
+    every hook: slots, no dataclass machinery.)"""
 
-    address: Optional[int]  # None: the tensor is not known yet (DDP writes .grad later)
-    version: Optional[int]
-    source: Optional[torch.Tensor] = None  # a CPU gradient the step reads where it lies: kept alive until then
+    __slots__ = ("address", "version", "source")
+
+    def __init__(self, address: Optional[int], version: Optional[int], source: Optional[torch.Tensor] = None):
+        self.address = address  # None: the tensor is not known yet (DDP writes .grad later)
+        self.version = version
+        self.source = source  # a CPU gradient the step reads where it lies: kept alive until then
 
 
 def _hook(path: "weakref.ref[GradientPath]", i: int, p: torch.Tensor) -> None:
@@ -38,8 +40,7 @@ def _hook(path: "weakref.ref[GradientPath]", i: int, p: torch.Tensor) -> None:
         me.ready(i, p)
 
 
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}  # the engine's
 
 
 class GradientPath:
@@ -60,6 +61,7 @@ class GradientPath:
         #: Params whose gradient step() had to send itself (changed after its hook ran).
         self.stale: Set[int] = set()
         self._sent_in_backward: List[int] = []  # by the hooks, in the backward now running
+        self._direct: Optional[bool] = None  # direct(), once per step: every hook asks it
         me = weakref.ref(self)
         # Frozen params get none (step() gathers whatever gradient they have later).
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, me, i))
@@ -69,6 +71,7 @@ class GradientPath:
         """The params of DDP's model (a DdpGradients, or None) take their gradients from its
         bucket hook from now on."""
         self.reduced_by_ddp = set() if ddp is None else {i for p, i in self.index.items() if p in ddp.params}
+        self._direct = None
 
     @property
     def opt(self) -> Any:
@@ -83,11 +86,11 @@ class GradientPath:
         """The next backward sends its own gradients (the protocol forgets those it holds)."""
         self.flushed = [None] * len(self.flushed)
         self._sent_in_backward = []
+        self._direct = None
         opt = self.opt
         if opt is not None and opt.protocol is not None:
             opt.protocol.reset()
 
-    @torch.no_grad()
     def ready(self, i: int, p: torch.Tensor) -> None:
         """Backward has finished param i's gradient (a post-accumulate-grad hook): send it on its
         way now, overlapping the rest of backward. With gradient accumulation every micro-batch
@@ -131,7 +134,6 @@ class GradientPath:
             if f is not None and f.address is None and g is not None:
                 f.address, f.version = g.data_ptr(), g._version
 
-    @torch.no_grad()
     def send(self, i: int, g: Optional[torch.Tensor], known: bool = True, in_backward: bool = True) -> None:
         """Hands param i's gradient `g` to the protocol: through the engine's device path, copied
         into the flat buffer, or (an all-CPU step that reads it where it lies) kept as it is.
@@ -148,7 +150,8 @@ class GradientPath:
                 return  # gathered by step()
             how, stream = _ROUTE.device_path, torch.cuda.current_stream(g.device).cuda_stream
         elif not (g.is_contiguous() and g.dtype in SUPPORTED_DTYPES and not g.is_conj() and not g.is_neg()):
-            opt.buffers.grads[lo:hi].copy_(g.reshape(-1))  # no kernel of memtide reads this layout: torch copies
+            with torch.no_grad():  # a gradient of create_graph=True must not make the buffer part of a graph
+                opt.buffers.grads[lo:hi].copy_(g.reshape(-1))  # no kernel of memtide reads this layout: torch copies
             opt.protocol.grad_written(i)
             self.flushed[i] = _Flushed(*self._identity(g, known))
             return
@@ -159,8 +162,9 @@ class GradientPath:
         eager = opt.backward_updates if in_backward and opt.last_micro_batch else None
         if eager is not None:
             eager.watch()
-        complete = opt.protocol.grad_ready(i, g.data_ptr(), _dtype(g), hi - lo, how, stream, speculate=eager is not None)
-        self.flushed[i] = _Flushed(*self._identity(g, known), source=source)
+        address = g.data_ptr()
+        complete = opt.protocol.grad_ready(i, address, _DTYPE_NAMES[g.dtype], hi - lo, how, stream, eager is not None)
+        self.flushed[i] = _Flushed(address, g._version, source) if known else _Flushed(None, None, source)
         if complete:
             eager.start(complete)
 
@@ -168,10 +172,12 @@ class GradientPath:
         """Whether CPU gradients are read where they lie rather than copied: an all-CPU engine in
         host memory (policy "cpu"), without updates during backward, NVMe, DDP or FSDP2 (whose
         paths read the gradient buffer)."""
-        opt = self.opt
-        return (opt.engine is not None and opt.engine.host_memory and opt.policy == "cpu"
-                and opt.backward_updates is None and opt.nvme is None and opt.distribution.kind == "none"
-                and not self.reduced_by_ddp)
+        if self._direct is None:
+            opt = self.opt
+            self._direct = (opt.engine is not None and opt.engine.host_memory and opt.policy == "cpu"
+                            and opt.backward_updates is None and opt.nvme is None
+                            and opt.distribution.kind == "none" and not self.reduced_by_ddp)
+        return self._direct
 
     @staticmethod
     def _identity(g: torch.Tensor, known: bool) -> Tuple[Optional[int], Optional[int]]:
