@@ -5,6 +5,7 @@ uninterrupted run bit for bit."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,6 +122,70 @@ def test_bad_targets_and_arguments_are_refused_naming_them(tmp_path):
     with pytest.raises(ValueError, match="path"):
         opt.save_checkpoint("")
     assert (tmp_path / "theirs" / "notes.txt").read_text() == "keep"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of a chosen size: mount(size) mounts a tmpfs at tmp_path/"disk" (root
+    only: skipped elsewhere), unmounted at the end."""
+    disk = tmp_path / "disk"
+    mounted = []
+
+    def mount(size):
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=True)
+            mounted.clear()
+        disk.mkdir(exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"a tmpfs cannot be mounted here: {r.stderr.strip()}")
+        mounted.append(size)
+        return disk
+
+    yield mount
+    if mounted:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def _files(folder):
+    return {name: os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder)}
+
+
+def test_a_full_disk_fails_the_save_naming_it_and_leaves_the_previous_checkpoint(tmp_path, small_disk):
+    """A real full disk, not an injected error: a tmpfs with room for one checkpoint, then for one
+    checkpoint and the new one's state.bin but not the rest."""
+    def trained():
+        model = _model()
+        opt = _optimizer(model, "cpu")
+        _train(model, opt, 2, 0)
+        return model, opt
+
+    model, opt = trained()
+    opt.save_checkpoint(tmp_path / "sized", blocking=True)
+    sizes = _files(tmp_path / "sized")
+    page = 4096
+    whole = sum(-(-n // page) * page for n in sizes.values())
+    state = -(-sizes["state.bin"] // page) * page
+    # Refused when state.bin is reserved (fallocate), or a real ENOSPC from a write after it.
+    for room, why, words in ((whole + whole // 2, "no room for the new state", "cannot reserve"),
+                             (whole + state + page, "room for the new state.bin, not for the rest",
+                              "did not complete: writing")):
+        model, opt = trained()
+        disk = small_disk(room)
+        target = disk / "ckpt"
+        opt.save_checkpoint(target, blocking=True)  # the previous checkpoint: it fits
+        _train(model, opt, 1, 2)
+        with pytest.raises(OSError, match="No space left on device") as failed:
+            opt.save_checkpoint(target).wait()
+        assert "ckpt" in str(failed.value) and words in str(failed.value), (why, str(failed.value))
+        assert os.listdir(disk) == ["ckpt"], (why, os.listdir(disk))  # nothing half written is left
+        assert set(os.listdir(target)) == set(sizes), why
+        assert all(int(e["step"]) == 2 for e in read_checkpoint(target)["state"].values()), why
+        _train(model, opt, 1, 3)  # training goes on
+        shutil.rmtree(target)  # room made: the next save goes through
+        opt.save_checkpoint(target, blocking=True)
+        assert all(int(e["step"]) == 4 for e in read_checkpoint(target)["state"].values()), why
 
 
 def test_a_refused_load_changes_nothing(tmp_path):
