@@ -39,6 +39,11 @@ constexpr const char* kStagingTag = ".memtide-parts-";
 constexpr const char* kFormat = "memtide-state 2";  // 1: arrays back to back (not read any more)
 constexpr std::size_t kBlock = 4096;                 // O_DIRECT's alignment of memory, offsets and sizes
 constexpr const char* kPartsFormat = "memtide-parts 1";
+
+// A subgroup's p, m, v laid out for O_DIRECT in one buffer of three regions: each array as far
+// past a block boundary as its place in state.bin, so that its whole blocks go straight to disk.
+// A region holds n floats and up to a block of skew, rounded up to whole blocks.
+std::size_t placed_region_bytes(std::size_t n) { return (n * sizeof(float) + 2 * kBlock - 1) / kBlock * kBlock; }
 constexpr const char* kExpected = ".parts-expected";  // in a staging folder: every part's name
 constexpr const char* kClaim = ".commit";              // in a staging folder: made by the committer
 
@@ -405,9 +410,8 @@ void StateSnapshot::protect(std::size_t i, const float* p, const float* m, const
         progress_.peak_buffer_bytes = std::max(progress_.peak_buffer_bytes, buffer_used_);
         lock.unlock();
         const std::size_t n = end - first;
-        // Each array's copy in a region of its own, as far past a block boundary as its place in
-        // the file, so that it too goes with O_DIRECT.
-        const std::size_t region = (n * sizeof(float) + 2 * kBlock - 1) / kBlock * kBlock;
+        // Each array's copy placed as in the file, so that it too goes with O_DIRECT.
+        const std::size_t region = placed_region_bytes(n);
         Copy copy;
         copy.memory.reset(static_cast<unsigned char*>(std::aligned_alloc(kBlock, 3 * region)));
         if (copy.memory) {
@@ -478,19 +482,28 @@ void StateSnapshot::run() {
         const Copy& c = copies_[i];
         write_subgroup(i, c.p, c.m, c.v);
       } else if (!config_.elsewhere.empty() && config_.elsewhere[i]) {
-        // From the spill file: read whole and checked, then written as any other subgroup.
+        // From the spill file: read whole and checked ([p | m | v] from a block boundary), then
+        // each array moved to its place's skew, as a copy is laid out, and written as any other
+        // subgroup, O_DIRECT included. The moves go from the last array down: each lands past
+        // where it was read and past the arrays still to move.
         if (!read_buffer_) {
           std::size_t largest = 0;
           for (std::size_t j = 0; j < count; ++j) {
             if (config_.elsewhere[j]) largest = std::max(largest, config_.subgroups[j].second - config_.subgroups[j].first);
           }
-          const std::size_t bytes = (3 * sizeof(float) * largest + 4095) / 4096 * 4096;
-          read_buffer_.reset(static_cast<float*>(std::aligned_alloc(4096, bytes)));
+          read_buffer_.reset(static_cast<unsigned char*>(std::aligned_alloc(kBlock, 3 * placed_region_bytes(largest))));
           if (!read_buffer_) throw std::bad_alloc();
         }
-        float* c = read_buffer_.get();
-        const std::uint64_t expect = config_.read_elsewhere(i, c);
-        write_subgroup(i, c, c + n, c + 2 * n);
+        unsigned char* base = read_buffer_.get();
+        const std::uint64_t expect = config_.read_elsewhere(i, base);
+        const std::size_t region = placed_region_bytes(n);
+        const float* placed[3] = {};
+        for (std::size_t k = 3; k-- > 0;) {
+          unsigned char* at = base + k * region + (offsets_[k] + first * sizeof(float)) % kBlock;
+          std::memmove(at, base + k * n * sizeof(float), n * sizeof(float));
+          placed[k] = reinterpret_cast<const float*>(at);
+        }
+        write_subgroup(i, placed[0], placed[1], placed[2]);
         std::lock_guard check(mutex_);
         if (checksums_[i] != expect) {
           throw IoError("checkpoint: subgroup " + std::to_string(i) + " changed while it was read from where it is kept");

@@ -187,7 +187,7 @@ class StateSnapshot final : public SaveTarget {
     const float* v = nullptr;
   };
   std::vector<Copy> copies_;
-  std::unique_ptr<float[], FreeAligned> read_buffer_;  // the writer's: a subgroup read from elsewhere
+  std::unique_ptr<unsigned char, FreeAligned> read_buffer_;  // the writer's: a subgroup read from elsewhere, placed
   std::vector<std::uint64_t> checksums_;
   std::size_t cursor_ = 0;           // subgroups from the last down the writer has passed
   std::vector<std::size_t> urgent_;  // subgroups protect() waits for, first first
