@@ -10,7 +10,7 @@ import io
 import os
 import threading
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -44,7 +44,9 @@ def _memtide_entry(opt: Any) -> Dict[str, Any]:
     return {"format": 1, "loss_scaler": None if opt.scaler is None else opt.scaler.state_dict()}
 
 
-def load_state_dict(opt: Any, state_dict: Dict[str, Any]) -> None:
+def load_state_dict(opt: Any, state_dict: Dict[str, Any], then: Optional[Callable[[], None]] = None) -> None:
+    """TieredAdamW.load_state_dict. `then` (load_checkpoint's masters) runs once the entries are in,
+    while every spilled subgroup is still in host memory: one spill at the end, not two."""
     entries, groups, scaler_state = check_state_dict(state_dict, opt.param_groups, "TieredAdamW.load_state_dict")
     finish_running_save(opt)  # it reads the buffers this overwrites
     if opt.backward_updates is not None:
@@ -87,6 +89,8 @@ def load_state_dict(opt: Any, state_dict: Dict[str, Any]) -> None:
         opt.scaler.load_state_dict(scaler_state)
     opt.state.clear()
     opt.expose_state()
+    if then is not None and opt.engine is not None:
+        then()
     if opt.spilled_subgroups:
         opt.engine.spill_host(layout.numel)  # back within the host budget now
 
@@ -451,24 +455,20 @@ def load(opt: Any, path: Any) -> None:
     state = {idx: dict(entry, exp_avg=wrap(order[idx], saved.value(idx, 1, order[idx])),
                        exp_avg_sq=wrap(order[idx], saved.value(idx, 2, order[idx])))
              for idx, entry in saved.state.items()}
-    load_state_dict(opt, {"state": state, "param_groups": saved.param_groups, "memtide": saved.memtide})
-    if opt.engine is None:
-        return
-    # Every param takes its saved value, a param without optimizer state yet (saved before its
-    # first step) too: the masters from the file, then the model's copies from them.
-    layout, b = opt.layout, opt.buffers
-    position = {id(p): idx for idx, p in enumerate(order)}
-    if opt.spilled_subgroups:
-        opt.sync_state()  # spilled ranges in host memory, so that what is written here counts
-    opt.host_changed()
-    for i, p in enumerate(layout.params):
-        lo, hi = layout.ranges[i]
-        saved.fill(position[id(p)], 0, b.params[lo:hi].view(local(p).shape), _place(p)[1])
-        if layout.lowp_of[i]:
-            b.lowp[lo:hi].copy_(b.params[lo:hi])
-            if not layout.aliased[i]:
-                local(p).data.copy_(b.lowp[lo:hi].view(local(p).shape))
-        elif not layout.aliased[i]:
-            opt.distribution.write_back(p, b.params[lo:hi], False)
-    if opt.spilled_subgroups:
-        opt.engine.spill_host(layout.numel)  # back within the host budget
+
+    def masters() -> None:
+        # Every param takes its saved value, a param without optimizer state yet (saved before
+        # its first step) too: the masters from the file, then the model's copies from them.
+        layout, b = opt.layout, opt.buffers
+        position = {id(p): idx for idx, p in enumerate(order)}
+        for i, p in enumerate(layout.params):
+            lo, hi = layout.ranges[i]
+            saved.fill(position[id(p)], 0, b.params[lo:hi].view(local(p).shape), _place(p)[1])
+            if layout.lowp_of[i]:
+                b.lowp[lo:hi].copy_(b.params[lo:hi])
+                if not layout.aliased[i]:
+                    local(p).data.copy_(b.lowp[lo:hi].view(local(p).shape))
+            elif not layout.aliased[i]:
+                opt.distribution.write_back(p, b.params[lo:hi], False)
+
+    load_state_dict(opt, {"state": state, "param_groups": saved.param_groups, "memtide": saved.memtide}, then=masters)
