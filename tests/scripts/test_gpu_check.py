@@ -41,7 +41,7 @@ def summary_rows(text: str) -> dict[str, tuple[str, str]]:
 QUICK = ["machine", "install", "cuda-kernels", "cuda-suites", "torch-bridge", "update-phase", "layer-window",
          "timeline"]
 FULL = ["machine", "install", "sanitizer", "pytest", "probe", "observe", "nvme-probe", "nvme-train",
-        "bench-adamw-gpu", "bench-torch-allocator", "bench-allocator", "bench-host", "gtest-all"]
+        "bench-checkpoint", "bench-adamw-gpu", "bench-torch-allocator", "bench-allocator", "bench-host", "gtest-all"]
 
 
 def plan(*args: str) -> tuple[int, list[tuple[str, int, str, str]]]:
