@@ -699,6 +699,8 @@ class TieredAdamW(torch.optim.Optimizer):
         # step hooks (Optimizer.profile_hook_step). Entered cold, right after backward and right
         # after the engine's step, that wrapper cost about 0.1 ms a step here, half of what the
         # step costs in Python (bench/results/step-overhead/); it runs when something would see it.
+        if type(self).step is not TieredAdamW.step:
+            return self._plain_step(closure)  # a subclass's step calling this one: torch's wrapper of it ran the hooks
         if _profiler_enabled() or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or _global_hooks():
             return self._profiled_step(closure)
         return self._plain_step(closure)

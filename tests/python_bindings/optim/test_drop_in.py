@@ -165,6 +165,28 @@ def test_step_hooks_run_as_torch_runs_them():
     assert len(seen) == 8  # removed: not called again
 
 
+def test_a_subclass_step_runs_the_hooks_once():
+    # torch wraps the subclass's step (hooks, profiler range); the step it calls runs without them.
+    # (torch.optim.AdamW's own subclasses run them twice once any AdamW wrapped AdamW.step.)
+    class Counting(TieredAdamW):
+        steps = 0
+
+        def step(self, closure=None):
+            type(self).steps += 1
+            return super().step(closure)
+
+    calls = []
+    m = model()
+    opt = Counting(m.parameters(), lr=1e-2)
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    before = [p.detach().clone() for p in m.parameters()]
+    train(m, opt, steps=2)
+    assert Counting.steps == 2 and calls == ["pre", "post"] * 2
+    assert all(int(opt.state[p]["step"]) == 2 for p in m.parameters())
+    assert not any(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+
+
 def test_a_profiler_sees_the_step_and_nothing_else_pays_for_its_range(monkeypatch):
     m = model()
     opt = TieredAdamW(m.parameters(), lr=1e-2)
