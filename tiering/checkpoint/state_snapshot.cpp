@@ -40,12 +40,13 @@ constexpr const char* kFormat = "memtide-state 2";  // 1: arrays back to back (n
 constexpr std::size_t kBlock = 4096;                 // O_DIRECT's alignment of memory, offsets and sizes
 constexpr const char* kPartsFormat = "memtide-parts 1";
 
+constexpr const char* kExpected = ".parts-expected";  // in a staging folder: every part's name
+constexpr const char* kClaim = ".commit";              // in a staging folder: made by the committer
+
 // A subgroup's p, m, v laid out for O_DIRECT in one buffer of three regions: each array as far
 // past a block boundary as its place in state.bin, so that its whole blocks go straight to disk.
 // A region holds n floats and up to a block of skew, rounded up to whole blocks.
 std::size_t placed_region_bytes(std::size_t n) { return (n * sizeof(float) + 2 * kBlock - 1) / kBlock * kBlock; }
-constexpr const char* kExpected = ".parts-expected";  // in a staging folder: every part's name
-constexpr const char* kClaim = ".commit";              // in a staging folder: made by the committer
 
 std::string err_text(int err) { return files::errno_text(err); }
 
@@ -385,6 +386,11 @@ void StateSnapshot::inject_write_error(int err) {
 
 void StateSnapshot::FreeAligned::operator()(void* p) const noexcept { std::free(p); }
 
+unsigned char* StateSnapshot::placed(unsigned char* base, std::size_t i, std::size_t k) const noexcept {
+  const auto [first, end] = config_.subgroups[i];
+  return base + k * placed_region_bytes(end - first) + (offsets_[k] + first * sizeof(float)) % kBlock;
+}
+
 void StateSnapshot::protect(std::size_t i, const float* p, const float* m, const float* v) {
   std::unique_lock lock(mutex_);
   if (i >= stage_.size()) return;
@@ -411,14 +417,13 @@ void StateSnapshot::protect(std::size_t i, const float* p, const float* m, const
         lock.unlock();
         const std::size_t n = end - first;
         // Each array's copy placed as in the file, so that it too goes with O_DIRECT.
-        const std::size_t region = placed_region_bytes(n);
         Copy copy;
-        copy.memory.reset(static_cast<unsigned char*>(std::aligned_alloc(kBlock, 3 * region)));
+        copy.memory.reset(static_cast<unsigned char*>(std::aligned_alloc(kBlock, 3 * placed_region_bytes(n))));
         if (copy.memory) {
           const float* from[3] = {p, m, v};
           const float** to[3] = {&copy.p, &copy.m, &copy.v};
           for (std::size_t k = 0; k < 3; ++k) {
-            unsigned char* at = copy.memory.get() + k * region + (offsets_[k] + first * sizeof(float)) % kBlock;
+            unsigned char* at = placed(copy.memory.get(), i, k);
             std::memcpy(at, from[k], n * sizeof(float));
             *to[k] = reinterpret_cast<const float*>(at);
           }
@@ -496,14 +501,13 @@ void StateSnapshot::run() {
         }
         unsigned char* base = read_buffer_.get();
         const std::uint64_t expect = config_.read_elsewhere(i, base);
-        const std::size_t region = placed_region_bytes(n);
-        const float* placed[3] = {};
+        const float* arrays[3] = {};
         for (std::size_t k = 3; k-- > 0;) {
-          unsigned char* at = base + k * region + (offsets_[k] + first * sizeof(float)) % kBlock;
+          unsigned char* at = placed(base, i, k);
           std::memmove(at, base + k * n * sizeof(float), n * sizeof(float));
-          placed[k] = reinterpret_cast<const float*>(at);
+          arrays[k] = reinterpret_cast<const float*>(at);
         }
-        write_subgroup(i, placed[0], placed[1], placed[2]);
+        write_subgroup(i, arrays[0], arrays[1], arrays[2]);
         std::lock_guard check(mutex_);
         if (checksums_[i] != expect) {
           throw IoError("checkpoint: subgroup " + std::to_string(i) + " changed while it was read from where it is kept");

@@ -364,7 +364,7 @@ def step_params(group: Dict[str, Any]) -> Any:
     checked inline; anything else (a tensor lr, a list of betas, a bad value) goes through
     check_group, which names what is wrong."""
     lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if (type(lr) in _FLOATS and type(eps) in _FLOATS and type(wd) in _FLOATS and type(betas) is tuple
+    if not (type(lr) in _FLOATS and type(eps) in _FLOATS and type(wd) in _FLOATS and type(betas) is tuple
             and len(betas) == 2 and type(betas[0]) in _FLOATS and type(betas[1]) in _FLOATS
             and 0.0 <= lr < math.inf and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0
             and 0.0 <= eps < math.inf and 0.0 <= wd < math.inf
@@ -372,7 +372,6 @@ def step_params(group: Dict[str, Any]) -> Any:
             and group.get("decoupled_weight_decay", True) is True
             and type(group.get("maximize", False)) is bool and type(group.get("capturable", False)) is bool
             and _bool_or_none(group.get("foreach")) and _bool_or_none(group.get("fused"))):
-        return _memtide.StepParams(float(lr), float(betas[0]), float(betas[1]), float(eps), float(wd))
-    check_group(group)
-    lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+        check_group(group)
+        lr = lr.item() if isinstance(lr, torch.Tensor) else lr
     return _memtide.StepParams(float(lr), float(betas[0]), float(betas[1]), float(eps), float(wd))

@@ -187,6 +187,9 @@ class StateSnapshot final : public SaveTarget {
     const float* v = nullptr;
   };
   std::vector<Copy> copies_;
+  // Where array k (0 p, 1 m, 2 v) of subgroup i goes in a buffer of three regions from `base`
+  // (copies, spilled subgroups read back): as far past a block boundary as in state.bin.
+  [[nodiscard]] unsigned char* placed(unsigned char* base, std::size_t i, std::size_t k) const noexcept;
   std::unique_ptr<unsigned char, FreeAligned> read_buffer_;  // the writer's: a subgroup read from elsewhere, placed
   std::vector<std::uint64_t> checksums_;
   std::size_t cursor_ = 0;           // subgroups from the last down the writer has passed
