@@ -206,7 +206,10 @@ void NvmeStaging::queue_next_read(std::size_t buffer) {
   const std::size_t i = order_[next_read_++];
   {
     std::lock_guard lock(mutex_);  // the write thread frees buffers after their write-back
-    buffers_[buffer].owner = i;
+    // The write-back out of this buffer may already have failed: the buffer then holds the only
+    // copy of its subgroup's new state and keeps naming it. This read is skipped (reads stop
+    // with the failure), so it needs no buffer.
+    if (!buffers_[buffer].held) buffers_[buffer].owner = i;
   }
   buffer_of_[i] = buffer;
   queue(Job{Kind::read, i, buffer, Event{}});
