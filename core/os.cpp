@@ -154,6 +154,11 @@ int discard(void* p, std::size_t bytes) noexcept {
   return ::madvise(p, bytes, MADV_DONTNEED) == 0 ? 0 : errno;
 }
 
+int lazy_free(void* p, std::size_t bytes) noexcept {
+  if (injected(testing::Call::discard)) return errno;
+  return ::madvise(p, bytes, MADV_FREE) == 0 ? 0 : errno;
+}
+
 int advise_huge_pages(void* p, std::size_t bytes) noexcept {
   if (injected(testing::Call::advise)) return errno;
   return ::madvise(p, bytes, MADV_HUGEPAGE) == 0 ? 0 : errno;

@@ -13,7 +13,8 @@ A round trains `iters` iterations (zero_grad, forward, backward, step) without a
 for a save and trains until it is committed and two iterations more. The iterations that began
 while the save ran are "during the save"; the ratio of their median to the median without a save
 is the round's cost; the medians of the rounds are reported. The extra host memory is the process's
-resident size, sampled every 2 ms, above its level just before the save. The disk's own rate is
+resident size, sampled every 2 ms, above its level just before the first save: memory a save keeps
+for the next one (its copy-on-write buffers) counts in every round. The disk's own rate is
 measured in the same folder: the faster of buffered writes and O_DIRECT writes, as the save
 writes (whole blocks with O_DIRECT, straight from the optimizer's arrays).
 
@@ -108,6 +109,45 @@ def disk_rate(folder: str, nbytes: int) -> float:
     return best
 
 
+# A writer with nothing of memtide: the checkpoint's bytes from one page-aligned 8 MiB buffer with
+# O_DIRECT, in a process of its own (it spends a syscall per 8 MiB and reads no optimizer memory).
+# What the iterations lose beside it is what this machine charges any writer of those bytes.
+_BARE_WRITER = """
+import mmap, os, sys
+path, n = sys.argv[1], int(sys.argv[2])
+buf = mmap.mmap(-1, 8 << 20)
+buf.write(b"\\x01" * (8 << 20))
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+try:
+    off = 0
+    while off < n:
+        off += os.pwrite(fd, memoryview(buf)[: min(len(buf), n - off)], off)
+    os.fdatasync(fd)
+finally:
+    os.close(fd)
+    os.unlink(path)
+"""
+
+
+def beside_bare_writer(model, opt, x, folder: str, nbytes: int, plain: float) -> dict:
+    """The iterations that begin while a bare O_DIRECT writer (_BARE_WRITER) writes `nbytes` into
+    `folder`, counted as a save's are: this machine's floor for a writer of the checkpoint."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    writer = subprocess.Popen([sys.executable, "-c", _BARE_WRITER, os.path.join(folder, ".bench-bare-writer"),
+                               str(nbytes)], stderr=subprocess.PIPE)
+    during = []
+    while writer.poll() is None:
+        during.append(iteration(model, opt, x))
+    took = time.perf_counter() - t0
+    if writer.returncode != 0:
+        raise RuntimeError(f"the bare writer failed: {writer.stderr.read().decode().strip()}")
+    iteration(model, opt, x)  # the one it ended in is counted; one more to settle
+    return {"during": statistics.median(during), "n_during": len(during), "write_s": took,
+            "lost_s": sum(during) - len(during) * plain}
+
+
 def build(params: float, layers: int, subgroup_size: int, spill_dir: str = ""):
     width = int((params / layers) ** 0.5) // 64 * 64
     torch.manual_seed(0)
@@ -147,6 +187,8 @@ def main() -> int:
     ap.add_argument("--no-peers", action="store_true", help="skip torch.save and DCP async_save")
     ap.add_argument("--spill", action="store_true",
                     help="about half the state on NVMe (host_budget, nvme_dir: a folder beside the checkpoints)")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip the bare O_DIRECT writer of the same bytes beside training in each round")
     ap.add_argument("--out", help="Markdown file to write")
     args = ap.parse_args()
 
@@ -170,6 +212,7 @@ def main() -> int:
 
     rounds = []
     target = os.path.join(parent, "ckpt")
+    before_saves = rss_bytes()
     for r in range(args.rounds):
         plain = [iteration(model, opt, x) for _ in range(args.iters)]
         with PeakRss() as mem:
@@ -189,13 +232,18 @@ def main() -> int:
         rounds.append({"plain": statistics.median(plain), "during": statistics.median(during), "n_during": len(during),
                        "lost_s": sum(during) - len(during) * statistics.median(plain),
                        "asked_s": asked_s, "save_s": p["elapsed_s"], "write_s": p["write_s"], "waited_s": p["waited_s"],
-                       "extra": mem.extra, "buffer_peak": p["peak_buffer_bytes"], "bytes": p["bytes_total"],
+                       "copied": p["copied_bytes"], "copy_s": p["copy_s"],
+                       "extra": mem.peak - before_saves, "buffer_peak": p["peak_buffer_bytes"], "bytes": p["bytes_total"],
                        "direct": p["direct_bytes"] / max(1, p["bytes_total"])})
         rr = rounds[-1]
+        if not args.no_floor:
+            rr["bare"] = beside_bare_writer(model, opt, x, parent, rr["bytes"], rr["plain"])
         print(f"round {r + 1}: iteration {rr['plain'] * 1e3:.0f} ms, during the save {rr['during'] * 1e3:.0f} ms "
               f"({rr['n_during']} iterations, {rr['during'] / rr['plain']:.2f}x); save {rr['save_s']:.2f} s "
               f"({rr['bytes'] / rr['save_s'] / 1e9:.2f} GB/s), training waited {rr['waited_s']:.2f} s; "
-              f"extra memory {rr['extra'] / GiB:.3f} GiB", file=sys.stderr, flush=True)
+              f"extra memory {rr['extra'] / GiB:.3f} GiB"
+              + (f"; beside a bare writer of the same bytes {rr['bare']['during'] / rr['plain']:.2f}x"
+                 if "bare" in rr else ""), file=sys.stderr, flush=True)
 
     peers = {}
     if not args.no_peers:
@@ -243,21 +291,41 @@ def main() -> int:
            "them through it." if args.spill else ""),
         "",
         "| round | iteration, no save | iteration during the save (median) | ratio | iterations during | training "
-        "time lost | save | save rate | of the disk | steps waited | extra host memory | copy-on-write peak |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "time lost | save | save rate | of the disk | steps waited | steps copied aside | extra host memory | "
+        "copy-on-write peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rounds):
         lines.append(
             f"| {i + 1} | {r['plain'] * 1e3:.0f} ms | {r['during'] * 1e3:.0f} ms | {r['during'] / r['plain']:.2f}x | "
             f"{r['n_during']} | {r['lost_s']:.2f} s | {r['save_s']:.2f} s | {r['bytes'] / r['save_s'] / 1e9:.2f} GB/s | "
-            f"{r['bytes'] / r['save_s'] / rate * 100:.0f}% | {r['waited_s']:.2f} s | {r['extra'] / GiB:.3f} GiB | "
+            f"{r['bytes'] / r['save_s'] / rate * 100:.0f}% | {r['waited_s']:.2f} s | "
+            f"{r['copied'] / GiB:.3f} GiB in {r['copy_s']:.2f} s | {r['extra'] / GiB:.3f} GiB | "
             f"{r['buffer_peak'] / GiB:.3f} GiB |")
     lines += ["", f"Median ratio of an iteration during the save to one without: **{ratio:.2f}x** (target <= 1.10x). "
               f"Median save rate {tput / 1e9:.2f} GB/s, **{tput / rate * 100:.0f}%** of the disk's "
               f"{rate / 1e9:.2f} GB/s (target >= 80%). Training time lost to the save: {lost:.2f} s of the save's "
-              f"{save_s:.2f} s (median): a step waits where it reaches a subgroup the writer has not saved and the "
-              "copy-on-write buffer is full. Written with O_DIRECT (straight from the arrays, not through the page "
+              f"{save_s:.2f} s (median). A step that reaches a subgroup the writer has not saved copies it aside "
+              "(the part not yet written, when the writer is on it), or waits when the copy-on-write buffer is "
+              "full. Written with O_DIRECT (straight from the arrays, not through the page "
               f"cache): {statistics.median(r['direct'] for r in rounds) * 100:.0f}% of the bytes.", ""]
+    bare = [r["bare"] for r in rounds if "bare" in r]
+    if bare:
+        lines += ["What this machine charges any writer of the checkpoint's bytes: in each round, after the save, a "
+                  "process of its own wrote the same bytes into the same folder with O_DIRECT from one 8 MiB "
+                  "buffer (no hashing, no copy, no optimizer memory read), and the iterations that began while it "
+                  "ran were counted as the save's are:", "",
+                  "| round | iteration beside the bare writer (median) | ratio | iterations during | training time "
+                  "lost | its write | the save's ratio | the save's time lost |", "|---|---|---|---|---|---|---|---|"]
+        for i, r in enumerate(rounds):
+            if "bare" not in r:
+                continue
+            b = r["bare"]
+            lines.append(f"| {i + 1} | {b['during'] * 1e3:.0f} ms | {b['during'] / r['plain']:.2f}x | {b['n_during']} | "
+                         f"{b['lost_s']:.2f} s | {b['write_s']:.2f} s ({r['bytes'] / b['write_s'] / 1e9:.2f} GB/s) | "
+                         f"{r['during'] / r['plain']:.2f}x | {r['lost_s']:.2f} s |")
+        floor = statistics.median(r["bare"]["during"] / r["plain"] for r in rounds if "bare" in r)
+        lines += ["", f"Median ratio beside the bare writer: **{floor:.2f}x**, against the save's {ratio:.2f}x.", ""]
     if peers:
         lines += ["The same optimizer saved by torch's own ways, once, into the same folder:", "",
                   "| how | training blocked | extra host memory |", "|---|---|---|"]

@@ -484,6 +484,7 @@ void bind_engine(nb::module_& m) {
             d["write_s"] = p.write_s;
             d["waited_s"] = p.waited_s;
             d["copied_bytes"] = p.copied_bytes;
+            d["copy_s"] = p.copy_s;
             d["peak_buffer_bytes"] = p.peak_buffer_bytes;
             d["buffer_bound"] = p.buffer_bound;
             d["done"] = p.done;
@@ -492,7 +493,8 @@ void bind_engine(nb::module_& m) {
             d["direct_bytes"] = p.direct_bytes;
             return d;
           }, "bytes written of the total, seconds elapsed and spent writing, seconds training waited, the\n"
-             "copy-on-write buffer's bytes (copied in all, peak, bound), done, committed, error.");
+             "copy-on-write buffer's bytes (copied in all, peak, bound) and seconds spent copying, done,\n"
+             "committed, error, bytes written with O_DIRECT.");
   m.def("read_checkpoint_manifest", [](const std::string& folder, bool verify) {
         tiering::SnapshotManifest man;
         {

@@ -284,6 +284,7 @@ std::shared_ptr<StateSnapshot> StateSnapshot::start(Config config) {
     throw InvalidArgument("checkpoint: subgroups kept elsewhere need one flag per subgroup and a reader");
   }
   if (config.buffer_bytes == 0) config.buffer_bytes = 2 * 3 * sizeof(float) * static_cast<std::uint64_t>(largest);
+  if (!config.buffers) config.buffers = std::make_shared<CopyBuffers>();
   config.target = fs::absolute(config.target).lexically_normal();
   if (config.target.filename().empty()) config.target = config.target.parent_path();
   const fs::path parent = parent_of(config.target);
@@ -384,11 +385,39 @@ void StateSnapshot::inject_write_error(int err) {
   inject_errno_ = err;
 }
 
-void StateSnapshot::FreeAligned::operator()(void* p) const noexcept { std::free(p); }
 
 unsigned char* StateSnapshot::placed(unsigned char* base, std::size_t i, std::size_t k) const noexcept {
   const auto [first, end] = config_.subgroups[i];
   return base + k * placed_region_bytes(end - first) + (offsets_[k] + first * sizeof(float)) % kBlock;
+}
+
+void StateSnapshot::hold(std::size_t bytes) {
+  held_bytes_ += bytes;
+  peak_held_bytes_ = std::max(peak_held_bytes_, held_bytes_);
+}
+
+StateSnapshot::Copy StateSnapshot::copy_out(std::size_t i, const float* p, const float* m, const float* v,
+                                            std::uint64_t from) const {
+  const auto [first, end] = config_.subgroups[i];
+  const std::size_t n = end - first;
+  const std::uint64_t array_bytes = n * sizeof(float);
+  Copy copy;
+  // Each array's copy placed as in the file, so that it too goes with O_DIRECT. Pages before
+  // `from` are never touched, so a copy of the rest costs only the rest.
+  copy.memory = config_.buffers->take(3 * placed_region_bytes(n));
+  if (!copy.memory) return copy;
+  copy.from = from;
+  const float* source[3] = {p, m, v};
+  const float** to[3] = {&copy.p, &copy.m, &copy.v};
+  for (std::size_t k = 0; k < 3; ++k) {
+    unsigned char* at = placed(copy.memory.data(), i, k);
+    *to[k] = reinterpret_cast<const float*>(at);
+    const std::uint64_t lo = k * array_bytes;
+    if (from >= lo + array_bytes) continue;
+    const std::uint64_t skip = from > lo ? from - lo : 0;
+    std::memcpy(at + skip, reinterpret_cast<const unsigned char*>(source[k]) + skip, array_bytes - skip);
+  }
+  return copy;
 }
 
 void StateSnapshot::protect(std::size_t i, const float* p, const float* m, const float* v) {
@@ -400,45 +429,59 @@ void StateSnapshot::protect(std::size_t i, const float* p, const float* m, const
     if (progress_.done || stop_) break;  // over: nothing left to keep
     const Stage s = stage_[i];
     if (s == Stage::copied || s == Stage::writing_copy || s == Stage::written) break;
+    const bool kept_elsewhere = !config_.elsewhere.empty() && config_.elsewhere[i];
+    // What can be copied aside: a pending subgroup whose state is at hand (one kept elsewhere,
+    // on NVMe, and not handed over is the writer's to read), or the rest of one the writer is
+    // writing from the arrays (one read from elsewhere is waited for: the read must not see the
+    // step's write-back).
+    std::uint64_t from = 0;
+    bool copy = false;
     if (s == Stage::pending) {
-      const std::uint64_t bytes = subgroup_bytes(i);
-      const auto [first, end] = config_.subgroups[i];
-      // A subgroup kept elsewhere (on NVMe) and not at hand is the writer's to read.
-      const bool at_hand = p != nullptr || config_.elsewhere.empty() || !config_.elsewhere[i];
-      if (at_hand && buffer_used_ + bytes <= config_.buffer_bytes) {
-        if (p == nullptr) {
-          p = config_.param + first;
-          m = config_.exp_avg + first;
-          v = config_.exp_avg_sq + first;
-        }
-        stage_[i] = Stage::copying;
-        buffer_used_ += bytes;
-        progress_.peak_buffer_bytes = std::max(progress_.peak_buffer_bytes, buffer_used_);
-        lock.unlock();
-        const std::size_t n = end - first;
-        // Each array's copy placed as in the file, so that it too goes with O_DIRECT.
-        Copy copy;
-        copy.memory.reset(static_cast<unsigned char*>(std::aligned_alloc(kBlock, 3 * placed_region_bytes(n))));
-        if (copy.memory) {
-          const float* from[3] = {p, m, v};
-          const float** to[3] = {&copy.p, &copy.m, &copy.v};
-          for (std::size_t k = 0; k < 3; ++k) {
-            unsigned char* at = placed(copy.memory.get(), i, k);
-            std::memcpy(at, from[k], n * sizeof(float));
-            *to[k] = reinterpret_cast<const float*>(at);
-          }
-        }
-        lock.lock();
-        if (copy.memory) {
-          copies_[i] = std::move(copy);
-          stage_[i] = Stage::copied;
-          progress_.copied_bytes += bytes;
-          changed_.notify_all();
-          break;
-        }
-        stage_[i] = Stage::pending;  // no memory for the copy: wait for the writer instead
-        buffer_used_ -= bytes;
+      copy = p != nullptr || !kept_elsewhere;
+    } else if (s == Stage::writing && !kept_elsewhere) {
+      copy = true;
+      from = write_at_;
+    }
+    const std::uint64_t bytes = subgroup_bytes(i) - from;
+    if (copy && buffer_used_ + bytes <= config_.buffer_bytes) {
+      if (p == nullptr) {
+        const std::size_t first = config_.subgroups[i].first;
+        p = config_.param + first;
+        m = config_.exp_avg + first;
+        v = config_.exp_avg_sq + first;
       }
+      const bool rest = s == Stage::writing;
+      stage_[i] = rest ? Stage::copying_rest : Stage::copying;
+      buffer_used_ += bytes;
+      progress_.peak_buffer_bytes = std::max(progress_.peak_buffer_bytes, buffer_used_);
+      lock.unlock();
+      const auto copy_t0 = std::chrono::steady_clock::now();
+      Copy c = copy_out(i, p, m, v, from);
+      const double copy_s = seconds_since(copy_t0);
+      lock.lock();
+      progress_.copy_s += copy_s;
+      if (progress_.done || stop_) break;  // the save ended meanwhile (its end let the buffer go)
+      if (!c.memory) {
+        // No memory for the copy: wait for the writer instead.
+        buffer_used_ -= bytes;
+        if (stage_[i] == Stage::copying) stage_[i] = Stage::pending;
+        if (stage_[i] == Stage::copying_rest) stage_[i] = Stage::writing;
+      } else if (stage_[i] == Stage::copying || stage_[i] == Stage::copying_rest) {
+        c.bytes = bytes;
+        hold(c.memory.bytes());
+        copies_[i] = std::move(c);
+        progress_.copied_bytes += bytes;
+        stage_[i] = rest ? Stage::copied_rest : Stage::copied;
+        changed_.notify_all();
+        if (!rest) break;
+        continue;  // the writer takes the copy at its next chunk: waited for below
+      } else {
+        buffer_used_ -= bytes;  // the writer finished the subgroup meanwhile
+        config_.buffers->give(std::move(c.memory));
+        continue;
+      }
+    }
+    if (stage_[i] == Stage::pending) {
       if (std::find(urgent_.begin(), urgent_.end(), i) == urgent_.end()) urgent_.push_back(i);
       changed_.notify_all();
     }
@@ -480,12 +523,13 @@ void StateSnapshot::run() {
         break;  // every subgroup written
       }
       stage_[i] = from_copy ? Stage::writing_copy : Stage::writing;
+      write_at_ = 0;
       lock.unlock();
       const auto [first, end] = config_.subgroups[i];
       const std::size_t n = end - first;
       if (from_copy) {
         const Copy& c = copies_[i];
-        write_subgroup(i, c.p, c.m, c.v);
+        write_subgroup(i, c.p, c.m, c.v, false);
       } else if (!config_.elsewhere.empty() && config_.elsewhere[i]) {
         // From the spill file: read whole and checked ([p | m | v] from a block boundary), then
         // each array moved to its place's skew, as a copy is laid out, and written as any other
@@ -496,10 +540,12 @@ void StateSnapshot::run() {
           for (std::size_t j = 0; j < count; ++j) {
             if (config_.elsewhere[j]) largest = std::max(largest, config_.subgroups[j].second - config_.subgroups[j].first);
           }
-          read_buffer_.reset(static_cast<unsigned char*>(std::aligned_alloc(kBlock, 3 * placed_region_bytes(largest))));
+          read_buffer_ = config_.buffers->take(3 * placed_region_bytes(largest));
           if (!read_buffer_) throw std::bad_alloc();
+          std::lock_guard held(mutex_);
+          hold(read_buffer_.bytes());
         }
-        unsigned char* base = read_buffer_.get();
+        unsigned char* base = read_buffer_.data();
         const std::uint64_t expect = config_.read_elsewhere(i, base);
         const float* arrays[3] = {};
         for (std::size_t k = 3; k-- > 0;) {
@@ -507,18 +553,20 @@ void StateSnapshot::run() {
           std::memmove(at, base + k * n * sizeof(float), n * sizeof(float));
           arrays[k] = reinterpret_cast<const float*>(at);
         }
-        write_subgroup(i, arrays[0], arrays[1], arrays[2]);
+        write_subgroup(i, arrays[0], arrays[1], arrays[2], false);
         std::lock_guard check(mutex_);
         if (checksums_[i] != expect) {
           throw IoError("checkpoint: subgroup " + std::to_string(i) + " changed while it was read from where it is kept");
         }
       } else {
-        write_subgroup(i, config_.param + first, config_.exp_avg + first, config_.exp_avg_sq + first);
+        write_subgroup(i, config_.param + first, config_.exp_avg + first, config_.exp_avg_sq + first, true);
       }
       lock.lock();
-      if (from_copy) {
+      if (copies_[i].memory) {  // the subgroup's copy, or a copy of its rest the writer went on from
+        buffer_used_ -= copies_[i].bytes;
+        held_bytes_ -= copies_[i].memory.bytes();
+        config_.buffers->give(std::move(copies_[i].memory));
         copies_[i] = Copy{};
-        buffer_used_ -= subgroup_bytes(i);
       }
       stage_[i] = Stage::written;
       progress_.bytes_written += subgroup_bytes(i);
@@ -555,13 +603,18 @@ void StateSnapshot::run() {
                            "); the target is left as it was");
   }
   progress_.done = true;
-  // The copies of a failed save are not needed any more.
-  for (auto& c : copies_) c = Copy{};
+  // The copies of a failed save are not needed any more; the memory is kept for the next save.
+  for (auto& c : copies_) {
+    config_.buffers->give(std::move(c.memory));
+    c = Copy{};
+  }
   buffer_used_ = 0;
+  config_.buffers->give(std::move(read_buffer_));
+  config_.buffers->idle(peak_held_bytes_);  // what this save needed at most, for the next one
   changed_.notify_all();
 }
 
-void StateSnapshot::write_subgroup(std::size_t i, const float* p, const float* m, const float* v) {
+void StateSnapshot::write_subgroup(std::size_t i, const float* p, const float* m, const float* v, bool live) {
 #if MEMTIDE_HAVE_NVME
   const auto t0 = std::chrono::steady_clock::now();
   const auto [first, end] = config_.subgroups[i];
@@ -572,12 +625,12 @@ void StateSnapshot::write_subgroup(std::size_t i, const float* p, const float* m
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> owner(hash, &XXH3_freeState);
   XXH3_64bits_reset(hash);
   const float* arrays[3] = {p, m, v};
+  const std::size_t bytes = n * sizeof(float);
   for (std::size_t k = 0; k < 3; ++k) {
-    const auto* src = reinterpret_cast<const unsigned char*>(arrays[k]);
-    const std::size_t bytes = n * sizeof(float);
     const off_t offset = static_cast<off_t>(offsets_[k] + first * sizeof(float));
     for (std::size_t done = 0; done < bytes; done += kChunk) {
       const std::size_t take = std::min(kChunk, bytes - done);
+      if (live && config_.before_chunk) config_.before_chunk(i, k * bytes + done);
       {
         std::lock_guard lock(mutex_);
         if (stop_) throw IoError("cancelled");
@@ -585,7 +638,21 @@ void StateSnapshot::write_subgroup(std::size_t i, const float* p, const float* m
           const int err = std::exchange(inject_errno_, 0);
           throw io_error("writing " + data.string() + " at byte " + std::to_string(offset + done), err);
         }
+        if (live && stage_[i] == Stage::copied_rest && copies_[i].from <= k * bytes + done) {
+          // The step reached this subgroup and copied what is not written yet: the rest comes
+          // from that copy (the same bytes), and the step may change the arrays now.
+          const Copy& c = copies_[i];
+          arrays[0] = c.p;
+          arrays[1] = c.m;
+          arrays[2] = c.v;
+          live = false;
+          stage_[i] = Stage::writing_copy;
+          changed_.notify_all();
+        } else if (live) {
+          write_at_ = k * bytes + done;
+        }
       }
+      const auto* src = reinterpret_cast<const unsigned char*>(arrays[k]);
       write_piece(src + done, take, offset + static_cast<off_t>(done));
       XXH3_64bits_update(hash, src + done, take);
     }

@@ -840,6 +840,7 @@ std::shared_ptr<StateSnapshot> UpdateEngine::save_async(const std::filesystem::p
   c.buffer_bytes = buffer_bytes;
   c.meta = std::move(meta);
   c.part = std::move(part);
+  c.buffers = save_buffers_;
   if (nvme_) {
     c.elsewhere = nvme_->on_nvme();
     c.read_elsewhere = [tier = nvme_.get()](std::size_t i, void* dst) { return tier->read_beside(i, dst); };

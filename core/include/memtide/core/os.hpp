@@ -37,6 +37,11 @@ int unmap(void* p, std::size_t bytes) noexcept;
 /// 0 or errno.
 int discard(void* p, std::size_t bytes) noexcept;
 
+/// Lets the kernel take the pages of a page-aligned range back when memory runs short
+/// (MADV_FREE): until then they stay, and a write keeps the page it lands on; taken ones read as
+/// zeros. Counts as a discard() for the tests' fault injection. 0 or errno.
+int lazy_free(void* p, std::size_t bytes) noexcept;
+
 /// Asks for transparent huge pages over the range. 0 or errno (EINVAL: the kernel has no THP).
 int advise_huge_pages(void* p, std::size_t bytes) noexcept;
 

@@ -8,7 +8,9 @@
 /// changes the host state of subgroup i. If that subgroup is not written yet, protect() copies it
 /// into a small buffer of bounded size (copy-on-write at subgroup granularity) or, when the buffer
 /// is full, has the writer write it next and waits. So what is saved is exactly the state at the
-/// moment the save was asked for, and the extra host memory is the buffer's bound. The writer
+/// moment the save was asked for, and the extra host memory is the buffer's bound. A subgroup the
+/// writer is writing when the step reaches it is not waited for either: protect() copies the part
+/// not yet written and the writer goes on from that copy at its next chunk. The writer
 /// drops each written range from the page cache, so the file does not become a second copy
 /// either.
 ///
@@ -47,6 +49,7 @@
 #include <utility>
 #include <vector>
 
+#include "memtide/tiering/checkpoint/copy_buffers.hpp"
 #include "memtide/tiering/checkpoint/save_target.hpp"
 
 namespace memtide::tiering {
@@ -69,6 +72,7 @@ struct SnapshotProgress {
   double write_s = 0;           ///< the writer's time in write and sync calls
   double waited_s = 0;          ///< time protect() blocked the engine, waiting for the writer
   std::uint64_t copied_bytes = 0;       ///< copied by protect() into the buffer, in all
+  double copy_s = 0;                    ///< time protect() spent copying them (the engine's)
   std::uint64_t peak_buffer_bytes = 0;  ///< the buffer's largest size
   std::uint64_t buffer_bound = 0;
   bool done = false;       ///< committed, failed or cancelled
@@ -102,6 +106,14 @@ class StateSnapshot final : public SaveTarget {
       std::size_t index = 0;           ///< this process's part; part 0 also clears dead staging folders
     };
     std::optional<Part> part;
+
+    /// Where copies and reads of spilled subgroups go, kept from one save to the next (null: this
+    /// save's own).
+    std::shared_ptr<CopyBuffers> buffers;
+
+    /// Tests: called by the writer before each chunk it writes from the arrays (the subgroup, and
+    /// the chunk's start in bytes of the subgroup's p, m, v in a row).
+    std::function<void(std::size_t, std::uint64_t)> before_chunk;
   };
 
   /// Checks the target (its folder exists; it is absent or a memtide checkpoint, never a link, a
@@ -114,6 +126,8 @@ class StateSnapshot final : public SaveTarget {
 
   /// Before the state of subgroup `i` changes. Returns at once when the subgroup is saved or
   /// copied, or the save is over; else copies it (room in the buffer) or waits for the writer.
+  /// One the writer is writing from the arrays: copies the part not yet written and waits at most
+  /// for the chunk in flight.
   /// `p`, `m`, `v`: where the subgroup's state is now, when not in the arrays (a spilled
   /// subgroup's staging buffer); without them a subgroup kept elsewhere is waited for.
   void protect(std::size_t i, const float* p, const float* m, const float* v) override;
@@ -150,11 +164,14 @@ class StateSnapshot final : public SaveTarget {
   static std::uint64_t file_bytes(std::uint64_t n) noexcept { return 3 * ((4 * n + 4096 + 4095) / 4096 * 4096); }
 
  private:
-  // pending -> (copying -> copied -> writing_copy) or writing -> written
-  enum class Stage : unsigned char { pending, copying, copied, writing_copy, writing, written };
+  // pending -> (copying -> copied -> writing_copy) or writing -> written; a subgroup reached
+  // while the writer writes it from the arrays: writing -> copying_rest -> copied_rest ->
+  // writing_copy (the writer took the copy at a chunk's start) -> written.
+  enum class Stage : unsigned char { pending, copying, copied, writing_copy, writing, copying_rest, copied_rest, written };
   explicit StateSnapshot(Config config);
   void run();
-  void write_subgroup(std::size_t i, const float* p, const float* m, const float* v);
+  // `live`: p, m, v are the arrays themselves (protect() may hand over a copy of the rest).
+  void write_subgroup(std::size_t i, const float* p, const float* m, const float* v, bool live);
   void write_piece(const unsigned char* src, std::size_t bytes, off_t at);
   void write_buffered(const unsigned char* src, std::size_t bytes, off_t at);
   void commit();
@@ -175,24 +192,33 @@ class StateSnapshot final : public SaveTarget {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<Stage> stage_;
-  struct FreeAligned {
-    void operator()(void* p) const noexcept;
-  };
   // A copied subgroup's p, m, v until written: each array at the same offset from a 4 KiB
   // boundary as its place in the file, so that the copy too is written with O_DIRECT.
+  // A copy of the rest holds the bytes from `from` on (of p, m, v in a row); the arrays' pointers
+  // are those of the whole arrays, valid from there.
   struct Copy {
-    std::unique_ptr<unsigned char, FreeAligned> memory;
+    CopyBuffers::Region memory;
     const float* p = nullptr;
     const float* m = nullptr;
     const float* v = nullptr;
+    std::uint64_t from = 0;   // the first byte it holds
+    std::uint64_t bytes = 0;  // what it counts against the buffer's bound
   };
+  // Copies subgroup i's bytes from `from` on out of p, m, v (unlocked: they do not change until
+  // protect() returns). An empty Copy when there is no memory for it.
+  [[nodiscard]] Copy copy_out(std::size_t i, const float* p, const float* m, const float* v, std::uint64_t from) const;
   std::vector<Copy> copies_;
   // Where array k (0 p, 1 m, 2 v) of subgroup i goes in a buffer of three regions from `base`
   // (copies, spilled subgroups read back): as far past a block boundary as in state.bin.
   [[nodiscard]] unsigned char* placed(unsigned char* base, std::size_t i, std::size_t k) const noexcept;
-  std::unique_ptr<unsigned char, FreeAligned> read_buffer_;  // the writer's: a subgroup read from elsewhere, placed
+  CopyBuffers::Region read_buffer_;
+  // The regions of copies and the read buffer held now, and at most (kept for the next save).
+  void hold(std::size_t bytes);  // under mutex_
+  std::size_t held_bytes_ = 0;
+  std::size_t peak_held_bytes_ = 0;  // the writer's: a subgroup read from elsewhere, placed
   std::vector<std::uint64_t> checksums_;
   std::size_t cursor_ = 0;           // subgroups from the last down the writer has passed
+  std::uint64_t write_at_ = 0;       // the start of the chunk the writer writes from the arrays
   std::vector<std::size_t> urgent_;  // subgroups protect() waits for, first first
   std::uint64_t buffer_used_ = 0;
   bool stop_ = false;

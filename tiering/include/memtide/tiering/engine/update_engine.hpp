@@ -211,6 +211,8 @@ class UpdateEngine {
   std::vector<bool> host_gradients_;
   std::unique_ptr<SpillTier> nvme_;  // the NVMe tier (null: none)
   std::shared_ptr<SaveTarget> save_;  // the running checkpoint save (null: none)
+  // Its copy-on-write memory, kept for the next save (CopyBuffers says why).
+  std::shared_ptr<CopyBuffers> save_buffers_ = std::make_shared<CopyBuffers>();
   void prepare_save();
   void sync_residents();
 
