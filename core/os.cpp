@@ -159,6 +159,14 @@ int lazy_free(void* p, std::size_t bytes) noexcept {
   return ::madvise(p, bytes, MADV_FREE) == 0 ? 0 : errno;
 }
 
+int populate(void* p, std::size_t bytes) noexcept {
+  if (injected(testing::Call::advise)) return errno;
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;  // Linux 5.14; older headers lack the name
+#endif
+  return ::madvise(p, bytes, MADV_POPULATE_WRITE) == 0 ? 0 : errno;
+}
+
 int advise_huge_pages(void* p, std::size_t bytes) noexcept {
   if (injected(testing::Call::advise)) return errno;
   return ::madvise(p, bytes, MADV_HUGEPAGE) == 0 ? 0 : errno;

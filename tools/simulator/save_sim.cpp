@@ -53,7 +53,8 @@ void SimulatedSave::advance(Writer& w, double now) const {
     }
     if (w.end > now) return;
     w.stage[w.current] = Stage::written;
-    if (w.from_copy) w.buffer_used -= bytes(w.current);
+    w.buffer_used -= w.from_copy ? bytes(w.current) : w.rest_copied;
+    w.rest_copied = 0;
     w.clock = w.end;
     w.current = kNone;
   }
@@ -79,7 +80,19 @@ void SimulatedSave::protect(std::size_t i, const float*, const float*, const flo
   if (s == Stage::written || s == Stage::copied) return;
   double until = 0;
   if (s == Stage::writing) {
-    if (writer_.from_copy) return;  // the step may change the arrays: the writer has its copy
+    if (writer_.from_copy || writer_.rest_copied > 0) return;  // the writer has its copy: the arrays may change
+    // The part not yet written is copied aside; the writer goes on from it.
+    const double length = static_cast<double>(bytes(i)) / rate_ * 1e9;
+    const double left = length > 0 ? std::clamp((writer_.end - now) / length, 0.0, 1.0) : 0.0;
+    const auto rest = static_cast<std::uint64_t>(std::ceil(left * static_cast<double>(bytes(i))));
+    if (rest > 0 && writer_.buffer_used + rest <= buffer_bound_) {
+      device_.host_work(2.0 * static_cast<double>(rest), std::numeric_limits<double>::infinity());
+      writer_.rest_copied = rest;
+      writer_.buffer_used += rest;
+      peak_buffer_ = std::max(peak_buffer_, writer_.buffer_used);
+      copied_bytes_ += rest;
+      return;
+    }
     until = writer_.end;
   } else if (writer_.buffer_used + bytes(i) <= buffer_bound_) {
     // Copy-on-write: read the subgroup's 12 B/param and write them to the buffer.

@@ -58,6 +58,26 @@ TEST(SimulatedSave, AStepCopiesWhileTheBufferHasRoomThenWaitsForTheWriter) {
   EXPECT_NEAR(save.end_ns() - save.start_ns(), 48e6, 1e3);
 }
 
+TEST(SimulatedSave, ASubgroupTheWriterIsOnHasItsRestCopiedAsideOrIsWaitedForWhenTheBufferIsFull) {
+  for (const std::uint64_t bound : {std::uint64_t{24'000'000}, std::uint64_t{5'000'000}}) {
+    SimDevice device(phantom_device());
+    // Two subgroups: the writer starts on the last (1), 12 ms long.
+    SimulatedSave save(device, std::vector<std::size_t>(2, 1'000'000), kRate, bound);
+    device.advance_host(3e6);  // a quarter of it written
+    save.protect(1, nullptr, nullptr, nullptr);
+    if (bound == 24'000'000) {
+      EXPECT_NEAR(static_cast<double>(save.copied_bytes()), 9e6, 1) << "the three quarters not written";
+      EXPECT_EQ(save.waited_ns(), 0);
+    } else {  // no room for the rest: wait for the write's end
+      EXPECT_EQ(save.copied_bytes(), 0U);
+      EXPECT_NEAR(save.waited_ns(), 9e6, 1e3);
+    }
+    save.wait();
+    EXPECT_TRUE(save.done());
+    EXPECT_NEAR(save.end_ns() - save.start_ns(), 24e6, 1e3) << "the writer's pace is the same from the copy";
+  }
+}
+
 TEST(SimulatedSave, ABadRateIsRefused) {
   SimDevice device(phantom_device());
   EXPECT_THROW(SimulatedSave(device, {10}, 0, 0), InvalidArgument);

@@ -42,6 +42,12 @@ int discard(void* p, std::size_t bytes) noexcept;
 /// zeros. Counts as a discard() for the tests' fault injection. 0 or errno.
 int lazy_free(void* p, std::size_t bytes) noexcept;
 
+/// Faults in every page of a page-aligned range at once, writable (MADV_POPULATE_WRITE, Linux
+/// 5.14): one call instead of a fault per page on first touch. Counts as an advise_huge_pages()
+/// for the tests' fault injection. 0 or errno (EINVAL: an older kernel; the pages then fault in
+/// on first touch as usual).
+int populate(void* p, std::size_t bytes) noexcept;
+
 /// Asks for transparent huge pages over the range. 0 or errno (EINVAL: the kernel has no THP).
 int advise_huge_pages(void* p, std::size_t bytes) noexcept;
 

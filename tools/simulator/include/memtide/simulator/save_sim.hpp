@@ -7,7 +7,9 @@
 /// subgroup at a time in StateSnapshot's order (what a step waits for, then copies, then from the
 /// last subgroup down). A step that meets a subgroup not yet written copies it into the
 /// bounded buffer (host work over DRAM: 24 B/param) or, when the buffer is full, waits for the
-/// writer to take it next: the host clock advances to that write's end.
+/// writer to take it next: the host clock advances to that write's end. One the writer is on has
+/// the part not yet written copied aside, as StateSnapshot does, and the writer goes on from it
+/// (the real writer takes the copy at its next 8 MiB chunk; that wait is not modelled).
 ///
 /// Modelled, not simulated: the disk is the writer's alone at the stated rate (a spilled state's
 /// NVMe traffic does not slow it), and its DRAM reads (12 B/param at disk speed) do not slow the
@@ -54,6 +56,7 @@ class SimulatedSave final : public SaveTarget {
     std::size_t cursor = 0;  // subgroups from the last down it has passed
     std::size_t current = kNone;
     bool from_copy = false;
+    std::uint64_t rest_copied = 0;  // the current write's part not yet written, copied by a step
     double end = 0;  // of the current write
     double clock = 0;
     std::uint64_t buffer_used = 0;
