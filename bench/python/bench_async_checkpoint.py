@@ -232,7 +232,7 @@ def main() -> int:
         rounds.append({"plain": statistics.median(plain), "during": statistics.median(during), "n_during": len(during),
                        "lost_s": sum(during) - len(during) * statistics.median(plain),
                        "asked_s": asked_s, "save_s": p["elapsed_s"], "write_s": p["write_s"], "waited_s": p["waited_s"],
-                       "copied": p["copied_bytes"], "copy_s": p["copy_s"],
+                       "copied": p["copied_bytes"], "copy_s": p.get("copy_s", float("nan")),
                        "extra": mem.peak - before_saves, "buffer_peak": p["peak_buffer_bytes"], "bytes": p["bytes_total"],
                        "direct": p["direct_bytes"] / max(1, p["bytes_total"])})
         rr = rounds[-1]

@@ -425,6 +425,7 @@ void StateSnapshot::protect(std::size_t i, const float* p, const float* m, const
   if (i >= stage_.size()) return;
   const auto t0 = std::chrono::steady_clock::now();
   bool waited = false;
+  double copying_s = 0;  // of the time in here: copying, not waiting
   for (;;) {
     if (progress_.done || stop_) break;  // over: nothing left to keep
     const Stage s = stage_[i];
@@ -460,6 +461,7 @@ void StateSnapshot::protect(std::size_t i, const float* p, const float* m, const
       const double copy_s = seconds_since(copy_t0);
       lock.lock();
       progress_.copy_s += copy_s;
+      copying_s += copy_s;
       if (progress_.done || stop_) break;  // the save ended meanwhile (its end let the buffer go)
       if (!c.memory) {
         // No memory for the copy: wait for the writer instead.
@@ -488,7 +490,7 @@ void StateSnapshot::protect(std::size_t i, const float* p, const float* m, const
     waited = true;
     changed_.wait(lock);
   }
-  if (waited) progress_.waited_s += seconds_since(t0);
+  if (waited) progress_.waited_s += std::max(0.0, seconds_since(t0) - copying_s);
 }
 
 void StateSnapshot::run() {
