@@ -12,7 +12,8 @@ params, moments, gradients), of which a checkpoint holds 12 B/param.
 A round trains `iters` iterations (zero_grad, forward, backward, step) without a save, then asks
 for a save and trains until it is committed and two iterations more. The iterations that began
 while the save ran are "during the save"; the ratio of their median to the median without a save
-is the round's cost; the medians of the rounds are reported. The extra host memory is the process's
+is the round's cost; the medians of the rounds are reported. A save's time (and rate) runs until
+the checkpoint is in place; removing the checkpoint it replaced follows and is shown in brackets. The extra host memory is the process's
 resident size, sampled every 2 ms, above its level just before the first save: memory a save keeps
 for the next one (its copy-on-write buffers) counts in every round. The disk's own rate is
 measured in the same folder: the faster of buffered writes and O_DIRECT writes, as the save
@@ -231,7 +232,7 @@ def main() -> int:
         p = save.progress()
         rounds.append({"plain": statistics.median(plain), "during": statistics.median(during), "n_during": len(during),
                        "lost_s": sum(during) - len(during) * statistics.median(plain),
-                       "asked_s": asked_s, "save_s": p["elapsed_s"], "write_s": p["write_s"], "waited_s": p["waited_s"],
+                       "asked_s": asked_s, "save_s": p.get("committed_s") or p["elapsed_s"], "end_s": p["elapsed_s"], "write_s": p["write_s"], "waited_s": p["waited_s"],
                        "copied": p["copied_bytes"], "copy_s": p.get("copy_s", float("nan")),
                        "extra": mem.peak - before_saves, "buffer_peak": p["peak_buffer_bytes"], "bytes": p["bytes_total"],
                        "direct": p["direct_bytes"] / max(1, p["bytes_total"])})
@@ -291,14 +292,15 @@ def main() -> int:
            "them through it." if args.spill else ""),
         "",
         "| round | iteration, no save | iteration during the save (median) | ratio | iterations during | training "
-        "time lost | save | save rate | of the disk | steps waited | steps copied aside | extra host memory | "
+        "time lost | save (to its end) | save rate | of the disk | steps waited | steps copied aside | extra host memory | "
         "copy-on-write peak |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rounds):
         lines.append(
             f"| {i + 1} | {r['plain'] * 1e3:.0f} ms | {r['during'] * 1e3:.0f} ms | {r['during'] / r['plain']:.2f}x | "
-            f"{r['n_during']} | {r['lost_s']:.2f} s | {r['save_s']:.2f} s | {r['bytes'] / r['save_s'] / 1e9:.2f} GB/s | "
+            f"{r['n_during']} | {r['lost_s']:.2f} s | {r['save_s']:.2f} s ({r['end_s']:.2f} s) | "
+            f"{r['bytes'] / r['save_s'] / 1e9:.2f} GB/s | "
             f"{r['bytes'] / r['save_s'] / rate * 100:.0f}% | {r['waited_s']:.2f} s | "
             f"{r['copied'] / GiB:.3f} GiB in {r['copy_s']:.2f} s | {r['extra'] / GiB:.3f} GiB | "
             f"{r['buffer_peak'] / GiB:.3f} GiB |")

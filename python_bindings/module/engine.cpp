@@ -481,6 +481,7 @@ void bind_engine(nb::module_& m) {
             d["bytes_total"] = p.bytes_total;
             d["bytes_written"] = p.bytes_written;
             d["elapsed_s"] = p.elapsed_s;
+            d["committed_s"] = p.committed_s;
             d["write_s"] = p.write_s;
             d["waited_s"] = p.waited_s;
             d["copied_bytes"] = p.copied_bytes;

@@ -161,16 +161,16 @@ void remove_other_staging(const fs::path& target, const std::string& keep) {
 
 // Moves the folder `from` onto `target`: exchanged with a previous checkpoint there in one step
 // (which is then removed), or renamed when there is none.
-void put_in_place(const fs::path& from, const fs::path& target) {
+// Puts the folder `from` at `target`, replacing a previous checkpoint there. Returns where the
+// previous one now is ("" if there was none), for the caller to remove once the save is counted
+// committed: removing gigabytes of extents is cleanup, not part of the save.
+fs::path put_in_place(const fs::path& from, const fs::path& target) {
   if (std::string why = refuse_target(target); !why.empty()) throw IoError("checkpoint: " + why);
   struct stat st {};
   if (::lstat(target.c_str(), &st) == 0) {
     if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
       sync_folder(parent_of(target));
-      std::error_code ec;
-      fs::remove_all(from, ec);  // the previous checkpoint, now at `from`
-      if (ec) MEMTIDE_LOG(warn, "checkpoint: could not remove the previous checkpoint at " + from.string() + ": " + ec.message());
-      return;
+      return from;  // the previous checkpoint, now at `from`
     }
     if (errno != EINVAL && errno != ENOSYS) throw io_error("replacing " + target.string(), errno);
     // A file system without the exchange: the previous one moves aside first, so one complete
@@ -182,12 +182,21 @@ void put_in_place(const fs::path& from, const fs::path& target) {
       (void)::rename(aside.c_str(), target.c_str());
       throw io_error("renaming " + from.string() + " to " + target.string(), err);
     }
-    std::error_code ec;
-    fs::remove_all(aside, ec);
-  } else if (::rename(from.c_str(), target.c_str()) != 0) {
+    sync_folder(parent_of(target));
+    return aside;
+  }
+  if (::rename(from.c_str(), target.c_str()) != 0) {
     throw io_error("renaming " + from.string() + " to " + target.string(), errno);
   }
   sync_folder(parent_of(target));
+  return {};
+}
+
+void remove_previous(const fs::path& previous) {
+  if (previous.empty()) return;
+  std::error_code ec;
+  fs::remove_all(previous, ec);
+  if (ec) MEMTIDE_LOG(warn, "checkpoint: could not remove the previous checkpoint at " + previous.string() + ": " + ec.message());
 }
 
 std::vector<std::string> read_lines(const fs::path& file) {
@@ -719,9 +728,16 @@ void StateSnapshot::commit() {
   m << "end\n";
   put_file(partial_ / kManifest, m.str());
   sync_folder(partial_);
-  put_in_place(partial_, destination_);
+  const fs::path previous = put_in_place(partial_, destination_);
   partial_.clear();
+  committed_now();  // a part: in the staging folder (the committer's commit_parts() records again)
+  remove_previous(previous);
   if (config_.part) commit_parts();
+}
+
+void StateSnapshot::committed_now() {
+  std::lock_guard lock(mutex_);
+  progress_.committed_s = seconds_since(started_);
 }
 
 // Every part is in the staging folder once the last one is: whichever process sees that claims
@@ -745,7 +761,9 @@ void StateSnapshot::commit_parts() {
   m << "end\n";
   put_file(staging_ / kParts, m.str());
   sync_folder(staging_);
-  put_in_place(staging_, config_.target);
+  const fs::path previous = put_in_place(staging_, config_.target);
+  committed_now();
+  remove_previous(previous);
   MEMTIDE_LOG(info, "checkpoint: " + config_.target.string() + " holds all " + std::to_string(part.names.size()) + " parts");
 }
 

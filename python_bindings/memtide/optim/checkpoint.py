@@ -176,12 +176,13 @@ class AsyncSave:
             self._snapshot.cancel()
 
     def progress(self) -> Dict[str, Any]:
-        """bytes_total, bytes_written, elapsed_s, write_s (the writer's time in write calls),
+        """bytes_total, bytes_written, elapsed_s (to the save's end, the previous checkpoint
+        removed), committed_s (until the checkpoint was in place), write_s (the writer's time in write calls),
         waited_s (time steps waited for the writer), copied_bytes and copy_s (what steps copied aside,
         and the time they spent on it), peak_buffer_bytes, buffer_bound (the copy-on-write buffer),
         done, committed, error, direct_bytes (written with O_DIRECT)."""
         if self._snapshot is None:
-            return dict(bytes_total=0, bytes_written=0, elapsed_s=0.0, write_s=0.0, waited_s=0.0, copied_bytes=0,
+            return dict(bytes_total=0, bytes_written=0, elapsed_s=0.0, committed_s=0.0, write_s=0.0, waited_s=0.0, copied_bytes=0,
                         copy_s=0.0, peak_buffer_bytes=0, buffer_bound=0, done=True, committed=True, error="",
                         direct_bytes=0)
         return dict(self._snapshot.progress())

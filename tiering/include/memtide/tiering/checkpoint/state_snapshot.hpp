@@ -68,7 +68,8 @@ struct SnapshotProgress {
   std::uint64_t bytes_total = 0;
   std::uint64_t bytes_written = 0;
   std::uint64_t direct_bytes = 0;  ///< of those, written with O_DIRECT (not through the page cache)
-  double elapsed_s = 0;         ///< since the save was asked for
+  double elapsed_s = 0;         ///< since the save was asked for (to its end, the previous checkpoint removed)
+  double committed_s = 0;       ///< from the ask until the checkpoint was in place (0: not yet)
   double write_s = 0;           ///< the writer's time in write and sync calls
   double waited_s = 0;          ///< time protect() blocked the engine, waiting for the writer
   std::uint64_t copied_bytes = 0;       ///< copied by protect() into the buffer, in all
@@ -176,6 +177,7 @@ class StateSnapshot final : public SaveTarget {
   void write_buffered(const unsigned char* src, std::size_t bytes, off_t at);
   void commit();
   void commit_parts();
+  void committed_now();  // records progress_.committed_s
   void remove_partial() noexcept;
   [[nodiscard]] std::uint64_t subgroup_bytes(std::size_t i) const;
 
