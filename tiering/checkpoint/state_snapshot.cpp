@@ -411,8 +411,9 @@ StateSnapshot::Copy StateSnapshot::copy_out(std::size_t i, const float* p, const
   const std::size_t n = end - first;
   const std::uint64_t array_bytes = n * sizeof(float);
   Copy copy;
-  // Each array's copy placed as in the file, so that it too goes with O_DIRECT. Pages before
-  // `from` are never touched, so a copy of the rest costs only the rest.
+  // Each array's copy placed as in the file, so that it too goes with O_DIRECT. Only the bytes
+  // from `from` on are copied; a new region is faulted in whole (CopyBuffers::take), since it is
+  // kept for the next copies, mostly of whole subgroups.
   copy.memory = config_.buffers->take(3 * placed_region_bytes(n));
   if (!copy.memory) return copy;
   copy.from = from;
