@@ -34,7 +34,7 @@ setarch "$(uname -m)" -R build/tsan/tests/tiering/memtide_tiering_tests --gtest_
 setarch "$(uname -m)" -R build/tsan/tests/core/memtide_core_tests --gtest_filter='ThreadPool.*'
 setarch "$(uname -m)" -R build/tsan/tests/tiering/memtide_tiering_tests --gtest_filter='AdamwCpu.ThreadCounts*:AdamwCpu.NonFinite*'
 # A checkpoint's writer thread beside the step's protect(): copies, copies of the rest handed over mid-subgroup.
-setarch "$(uname -m)" -R build/tsan/tests/tiering/memtide_tiering_tests --gtest_filter='StateSnapshot*:CopyBuffers*'
+setarch "$(uname -m)" -R build/tsan/tests/tiering/memtide_tiering_tests --gtest_filter='StateSnapshot*:CopyBuffers*:FrozenState*'
 
 log "C++: a short libFuzzer run of the options table and the hwloc XML loader (ASan+UBSan)"
 bash scripts/fuzz.sh --runs 20000

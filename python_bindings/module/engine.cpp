@@ -256,8 +256,27 @@ class PyUpdateEngine {
     return engine_->save_async(target, buffer_bytes, std::move(bytes), std::move(p));
   }
 
-  std::shared_ptr<tiering::StateSnapshot> running_save() {
-    return std::dynamic_pointer_cast<tiering::StateSnapshot>(engine_->running_save());
+  // The running save as its own type (StateSnapshot or FrozenState), or None.
+  nb::object running_save() {
+    std::shared_ptr<tiering::SaveTarget> s;
+    {
+      // The engine's lock may be held by a step waiting in protect() for DCP's writer, a Python
+      // thread that needs the GIL to read on.
+      nb::gil_scoped_release nogil;
+      s = engine_->running_save();
+    }
+    if (auto snapshot = std::dynamic_pointer_cast<tiering::StateSnapshot>(s)) return nb::cast(snapshot);
+    if (auto frozen = std::dynamic_pointer_cast<tiering::FrozenState>(s)) return nb::cast(frozen);
+    return nb::none();
+  }
+
+  std::shared_ptr<tiering::FrozenState> freeze(const std::vector<std::tuple<std::size_t, std::size_t, std::size_t>>& needed,
+                                               std::uint64_t buffer_bytes, double stall_s, const std::string& target) {
+    std::vector<tiering::FrozenState::Range> ranges;
+    ranges.reserve(needed.size());
+    for (const auto& [array, first, end] : needed) ranges.push_back({array, first, end});
+    nb::gil_scoped_release nogil;  // a running save is waited for first
+    return engine_->freeze(std::move(ranges), buffer_bytes, stall_s, target);
   }
 
   // The model's 16-bit params in the engine's device memory: a CUDA array on a GPU, a CPU array
@@ -466,6 +485,24 @@ void bind_results(nb::module_& m) {
                    "The NVMe tier's transfers and waits: (what, subgroup, queued_s, start_s, end_s, bytes), what\n"
                    "\"read\", \"write\" or \"wait\" (for a read), in s on the steady clock (time.monotonic()).");
 }
+nb::dict progress_dict(const tiering::SnapshotProgress& p) {
+  nb::dict d;
+  d["bytes_total"] = p.bytes_total;
+  d["bytes_written"] = p.bytes_written;
+  d["elapsed_s"] = p.elapsed_s;
+  d["committed_s"] = p.committed_s;
+  d["write_s"] = p.write_s;
+  d["waited_s"] = p.waited_s;
+  d["copied_bytes"] = p.copied_bytes;
+  d["copy_s"] = p.copy_s;
+  d["peak_buffer_bytes"] = p.peak_buffer_bytes;
+  d["buffer_bound"] = p.buffer_bound;
+  d["done"] = p.done;
+  d["committed"] = p.committed;
+  d["error"] = p.error;
+  d["direct_bytes"] = p.direct_bytes;
+  return d;
+}
 }  // namespace
 
 void bind_engine(nb::module_& m) {
@@ -475,27 +512,24 @@ void bind_engine(nb::module_& m) {
            "Blocks until the save is committed; OSError when it failed (the target is then as it was).")
       .def("cancel", &tiering::StateSnapshot::cancel, "Stops the save; its partial folder is removed.")
       .def_prop_ro("target", [](const tiering::StateSnapshot& s) { return s.target().string(); })
-      .def("progress", [](const tiering::StateSnapshot& s) {
-            const tiering::SnapshotProgress p = s.progress();
-            nb::dict d;
-            d["bytes_total"] = p.bytes_total;
-            d["bytes_written"] = p.bytes_written;
-            d["elapsed_s"] = p.elapsed_s;
-            d["committed_s"] = p.committed_s;
-            d["write_s"] = p.write_s;
-            d["waited_s"] = p.waited_s;
-            d["copied_bytes"] = p.copied_bytes;
-            d["copy_s"] = p.copy_s;
-            d["peak_buffer_bytes"] = p.peak_buffer_bytes;
-            d["buffer_bound"] = p.buffer_bound;
-            d["done"] = p.done;
-            d["committed"] = p.committed;
-            d["error"] = p.error;
-            d["direct_bytes"] = p.direct_bytes;
-            return d;
-          }, "bytes written of the total, seconds elapsed and spent writing, seconds training waited, the\n"
-             "copy-on-write buffer's bytes (copied in all, peak, bound) and seconds spent copying, done,\n"
-             "committed, error, bytes written with O_DIRECT.");
+      .def("progress", [](const tiering::StateSnapshot& s) { return progress_dict(s.progress()); },
+           "bytes written of the total, seconds elapsed and spent writing, seconds training waited, the\n"
+           "copy-on-write buffer's bytes (copied in all, peak, bound) and seconds spent copying, done,\n"
+           "committed, error, bytes written with O_DIRECT.");
+  nb::class_<tiering::FrozenState>(m, "FrozenState",
+                                   "The host state frozen for a reader that is not memtide's (UpdateEngine.freeze).")
+      .def("read", [](tiering::FrozenState& f, std::size_t array, std::size_t first, std::size_t end, std::uintptr_t dst) {
+             f.read({array, first, end}, reinterpret_cast<float*>(dst));
+           }, "array"_a, "first"_a, "end"_a, "dst"_a, nb::call_guard<nb::gil_scoped_release>(),
+           "Copies elements [first, end) of array (0 params, 1 exp_avg, 2 exp_avg_sq) as frozen into the\n"
+           "float32 memory at address dst. ValueError outside the frozen ranges; RuntimeError once closed.")
+      .def("close", &tiering::FrozenState::close, "error"_a = "", nb::call_guard<nb::gil_scoped_release>(),
+           "The reader is done (or failed: error says why); steps keep nothing from now on.")
+      .def("wait", &tiering::FrozenState::wait, nb::call_guard<nb::gil_scoped_release>(),
+           "Blocks until closed; OSError when closed with an error or given up on.")
+      .def_prop_ro("target", [](const tiering::FrozenState& f) { return f.target(); })
+      .def("progress", [](const tiering::FrozenState& f) { return progress_dict(f.progress()); },
+           "As StateSnapshot.progress(): bytes_written is what was read.");
   m.def("read_checkpoint_manifest", [](const std::string& folder, bool verify) {
         tiering::SnapshotManifest man;
         {
@@ -602,7 +636,13 @@ void bind_engine(nb::module_& m) {
            "Starts saving params, exp_avg and exp_avg_sq to the folder `target` while steps go on (a\n"
            "StateSnapshot); `meta` is saved beside them as meta.pt. A running save is waited for first.\n"
            "`part` (id, names, index): this process's part of a checkpoint saved in parts.")
-      .def("running_save", &PyUpdateEngine::running_save, "The running save, or None.")
+      .def("running_save", &PyUpdateEngine::running_save, "The running save (a StateSnapshot or FrozenState), or None.")
+      .def("freeze", &PyUpdateEngine::freeze, "needed"_a, "buffer_bytes"_a = 0, "stall_s"_a = 300.0, "target"_a = "",
+           "Freezes params, exp_avg and exp_avg_sq for a reader that is not memtide's (a FrozenState): until\n"
+           "the reader has read `needed` ((array, first, end) ranges, each as often as given) or closes\n"
+           "it, every step keeps what it changes (a copy within buffer_bytes, 0: two of the largest\n"
+           "subgroup, else a wait for the reader). A running save is waited for first. ValueError with\n"
+           "the NVMe tier.")
       .def("model_params", [](nb::handle self, const std::string& dtype) {
              return nb::cast<PyUpdateEngine&>(self).model_params(self, dtype);
            }, "dtype"_a,

@@ -26,6 +26,7 @@
 #include "memtide/core/files.hpp"
 #include "memtide/core/format.hpp"
 #include "memtide/core/log.hpp"
+#include "subgroup_ranges.hpp"
 
 namespace memtide::tiering {
 namespace fs = std::filesystem;
@@ -276,19 +277,7 @@ std::shared_ptr<StateSnapshot> StateSnapshot::start(Config config) {
   if (config.n > 0 && (config.param == nullptr || config.exp_avg == nullptr || config.exp_avg_sq == nullptr)) {
     throw InvalidArgument("checkpoint: the state arrays must not be null");
   }
-  std::size_t expect = 0, largest = 0;
-  for (const auto& [first, end] : config.subgroups) {
-    if (first != expect || end <= first) {
-      throw InvalidArgument("checkpoint: subgroups must be consecutive, non-empty and start at 0 (got [" +
-                            std::to_string(first) + ", " + std::to_string(end) + ") after " + std::to_string(expect) + ")");
-    }
-    largest = std::max(largest, end - first);
-    expect = end;
-  }
-  if (expect != config.n) {
-    throw InvalidArgument("checkpoint: the subgroups cover " + std::to_string(expect) + " params, the state has " +
-                          std::to_string(config.n));
-  }
+  const std::size_t largest = detail::check_subgroups(config.subgroups, config.n, "checkpoint");
   if (!config.elsewhere.empty() && (config.elsewhere.size() != config.subgroups.size() || !config.read_elsewhere)) {
     throw InvalidArgument("checkpoint: subgroups kept elsewhere need one flag per subgroup and a reader");
   }

@@ -850,11 +850,39 @@ std::shared_ptr<StateSnapshot> UpdateEngine::save_async(const std::filesystem::p
   return snapshot;
 }
 
-void UpdateEngine::prepare_save() {
-  if (std::shared_ptr<SaveTarget> previous = running_save()) previous->wait();  // one at a time, never interleaved
+void UpdateEngine::prepare_save(bool spill) {
+  if (std::shared_ptr<SaveTarget> previous = running_save()) {
+    try {
+      previous->wait();  // one at a time, never interleaved
+    } catch (const IoError&) {
+      // It failed and said so where it was asked for (its wait() or log); this save is not it.
+    }
+  }
   sync_residents();  // their newest state, in the host ranges the save reads
   // Every spilled subgroup's state on NVMe, where the writer reads it: not loaded into host memory.
-  if (nvme_ && nvme_->readable_beside()) nvme_->spill(n_);
+  if (spill && nvme_ && nvme_->readable_beside()) nvme_->spill(n_);
+}
+
+std::shared_ptr<FrozenState> UpdateEngine::freeze(std::vector<FrozenState::Range> needed, std::uint64_t buffer_bytes,
+                                                  double stall_s, std::string target) {
+  Busy busy(*this);
+  if (nvme_) {
+    throw InvalidArgument("UpdateEngine::freeze: the optimizer spills to NVMe, and a spilled subgroup's host range is let go "
+                          "between steps; save it with TieredAdamW.save_checkpoint, which reads the spill file");
+  }
+  FrozenState::Config c;
+  for (std::size_t k = 0; k < 3; ++k) c.arrays[k] = arrays_[k];
+  c.n = n_;
+  c.subgroups = subgroups_;
+  c.needed = std::move(needed);
+  c.buffer_bytes = buffer_bytes;
+  c.buffers = save_buffers_;
+  c.stall = std::chrono::duration<double>(stall_s);
+  c.target = std::move(target);
+  std::shared_ptr<FrozenState> frozen = FrozenState::start(std::move(c));  // checks before anything waits
+  prepare_save(false);
+  save_ = frozen;
+  return frozen;
 }
 
 void UpdateEngine::start_save(const std::function<std::shared_ptr<SaveTarget>()>& start) {

@@ -8,15 +8,19 @@ from .loss_scale import LossScaler
 from .plan import POLICIES, UpdatePlan
 from .tiered_adamw import TieredAdamW, UpdateStats
 
-__all__ = ["POLICIES", "AsyncSave", "CheckpointReader", "LossScaler", "TieredAdamW", "UpdatePlan", "UpdateStats", "engine_unavailable",
-           "read_checkpoint"]
+__all__ = ["POLICIES", "AsyncSave", "CheckpointReader", "LossScaler", "StateWriter", "TieredAdamW", "UpdatePlan", "UpdateStats",
+           "engine_unavailable", "read_checkpoint"]
 
 
 def __getattr__(name: str):
-    # On first use: it imports torch.distributed.checkpoint, which plain training does not need.
+    # On first use: they import torch.distributed.checkpoint, which plain training does not need.
     if name == "CheckpointReader":
         from .dcp_reader import CheckpointReader
 
         return CheckpointReader
+    if name == "StateWriter":
+        from .dcp_writer import StateWriter
+
+        return StateWriter
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

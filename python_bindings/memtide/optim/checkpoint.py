@@ -283,6 +283,17 @@ def save_async(opt: Any, path: Any, buffer_bytes: int = 0) -> AsyncSave:
     return AsyncSave(snapshot, path)
 
 
+def freeze(opt: Any, needed: List[Tuple[int, int, int]], buffer_bytes: int, stall_s: float, target: str) -> Any:
+    """The optimizer's host state frozen for a writer that is not memtide's (dcp_writer.StateWriter):
+    `needed` are the (array, first, end) ranges it will read. As save_async: updates made during
+    backward are taken back first (a checkpoint holds none the next step may still take back),
+    and a running save is waited for."""
+    if opt.backward_updates is not None:
+        opt.backward_updates.rollback()
+    opt.wait_for_copies()
+    return opt.engine.freeze(needed, buffer_bytes, stall_s, target)
+
+
 class _Saved:
     """A committed checkpoint, whole or in parts: each part's manifest, meta and mapped arrays,
     and the params' saved values copied out by box, so that a state saved on some ranks fills the

@@ -4,7 +4,10 @@ torch users save torch.optim.AdamW's, under FSDP2 or DDP (argv[1]), then resumed
 - ``torch.save(opt.state_dict(), path)`` per rank, over an earlier checkpoint at that path, then
   loaded (``torch.load``) into a new TieredAdamW over an identically built model;
 - ``torch.distributed.checkpoint`` (``get_state_dict``/``dcp.save``), loaded into
-  ``torch.optim.AdamW`` through ``dcp.load``/``set_state_dict``.
+  ``torch.optim.AdamW`` through ``dcp.load``/``set_state_dict``; with argv[2] ``async``,
+  ``dcp.async_save`` through memtide.optim.StateWriter while the original takes its two more
+  steps (rank 0 also keeps the full state as it was asked for in asked.pt, for a load on one
+  process).
 
 Both resumed runs take two more steps beside the original's two more: each rank writes the
 largest difference to rank<R>.json in the working folder."""
@@ -17,13 +20,14 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from memtide.optim import TieredAdamW
+from memtide.optim import StateWriter, TieredAdamW
 
 WRAP = sys.argv[1]
+ASYNC = sys.argv[2:] == ["async"]
 
 
 def build() -> torch.nn.Module:
@@ -65,15 +69,31 @@ def main() -> None:
         f.write(b"an earlier checkpoint")
     torch.save(opt.state_dict(), path)
     saved = torch.load(path, weights_only=True)
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id="dcp")
     start = params(model)
-
     # torch.save's file, into a new TieredAdamW over the same start.
     again = build()
     again.load_state_dict(model.state_dict())
     resumed = TieredAdamW(again.parameters(), lr=1e-2, subgroup_size=64)
     resumed.load_state_dict(saved)
+
+    if ASYNC:
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd, osd = get_state_dict(model, opt, options=full)
+        if rank == 0:
+            torch.save({"model": msd, "optim": osd}, "asked.pt")
+        msd, osd = get_state_dict(model, opt)
+        group = dist.new_group(backend="gloo")  # the save's collectives apart from training's
+        # A buffer of one subgroup: the steps below copy one and wait for the writer for the rest.
+        writer = StateWriter("dcp", opt, buffer_bytes=12 * 64)
+        future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id="dcp", storage_writer=writer,
+                                process_group=group)
+        train(model, opt, 2, seed=10)
+        future.result()
+        assert writer.progress()["committed"], writer.progress()
+    else:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id="dcp")
+
     # DCP's checkpoint, into torch.optim.AdamW.
     theirs = build()
     reference = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
@@ -82,7 +102,8 @@ def main() -> None:
     dcp.load(state, checkpoint_id="dcp")
     set_state_dict(theirs, reference, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-    train(model, opt, 2, seed=10)
+    if not ASYNC:
+        train(model, opt, 2, seed=10)
     train(again, resumed, 2, seed=10)
     train(theirs, reference, 2, seed=10)
     out = {"moved": diff(params(model), start), "torch_save": diff(params(again), params(model)),

@@ -1,5 +1,6 @@
 """TieredAdamW's state through torch's own checkpoints on many ranks (torchrun, gloo):
-torch.save of opt.state_dict() per rank, and DCP into torch.optim.AdamW
+torch.save of opt.state_dict() per rank, and DCP (save, or async_save through memtide's
+StateWriter while training goes on) into torch.optim.AdamW
 (distributed_torch_checkpoint_worker.py is one rank)."""
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
 WORKER = Path(__file__).with_name("distributed_torch_checkpoint_worker.py")
 
 
-@pytest.mark.parametrize("wrap", ["fsdp2", "ddp"])
-def test_torch_save_and_dcp_into_torch_adamw_resume_training_on_every_rank(wrap, tmp_path):
+@pytest.mark.parametrize("wrap,save", [("fsdp2", "sync"), ("ddp", "sync"), ("fsdp2", "async"), ("ddp", "async")])
+def test_torch_save_and_dcp_into_torch_adamw_resume_training_on_every_rank(wrap, save, tmp_path):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(WORKER), wrap], env=clean_env(OMP_NUM_THREADS="1"), cwd=tmp_path, capture_output=True,
+                        str(WORKER), wrap, save], env=clean_env(OMP_NUM_THREADS="1"), cwd=tmp_path, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     torch_keys = set(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).param_groups[0])
@@ -35,3 +36,28 @@ def test_torch_save_and_dcp_into_torch_adamw_resume_training_on_every_rank(wrap,
         # Torch's AdamW resumes from the DCP checkpoint as TieredAdamW does (their last bits differ).
         assert r["dcp_into_torch"] <= 1e-6, r
         assert set(r["keys"]) == torch_keys
+    if save == "async":
+        # Saved on 2 ranks while they trained, loaded on one process: the state when asked.
+        _load_on_one_process_equals_the_state_asked(tmp_path)
+
+
+def _load_on_one_process_equals_the_state_asked(folder):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    asked = torch.load(folder / "asked.pt", weights_only=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 61), torch.nn.GELU(), torch.nn.Linear(61, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+        dcp.load(state, checkpoint_id=folder / "dcp")
+    for fqn, t in asked["model"].items():
+        assert torch.equal(state["model"][fqn], t), fqn
+    for fqn, entry in asked["optim"]["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state["optim"]["state"][fqn][k], entry[k]), (fqn, k)

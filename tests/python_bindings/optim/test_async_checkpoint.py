@@ -440,10 +440,6 @@ UNWAITED = textwrap.dedent("""
     # destructor, which would wait too, never runs.
     import ctypes
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(opt))
-    # And the optimizer outlives the interpreter (as objects still referenced at exit may): its
-    # destructor, which would wait, never runs.
-    import ctypes
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(opt))
 """)
 
 

@@ -429,14 +429,11 @@ def json_ops(events):
     return [e for e in events if e["type"] == "op"]
 
 
-def test_a_checkpoint_save_beside_training_has_a_chart_of_its_own(tmp_path):
-    torch = pytest.importorskip("torch")
-    import memtide.timeline
-    from memtide.optim import TieredAdamW
-
+def _trained_mlp(torch, optimizer_class):
+    """A small MLP, its optimizer (CPU updates in many subgroups) and its step, stepped once."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512))
-    opt = TieredAdamW(model.parameters(), policy="cpu", subgroup_size=1 << 14)
+    opt = optimizer_class(model.parameters(), policy="cpu", subgroup_size=1 << 14)
 
     def step():
         model(torch.randn(4, 512)).square().mean().backward()
@@ -444,6 +441,15 @@ def test_a_checkpoint_save_beside_training_has_a_chart_of_its_own(tmp_path):
         opt.zero_grad()
 
     step()
+    return model, opt, step
+
+
+def test_a_checkpoint_save_beside_training_has_a_chart_of_its_own(tmp_path):
+    torch = pytest.importorskip("torch")
+    import memtide.timeline
+    from memtide.optim import TieredAdamW
+
+    model, opt, step = _trained_mlp(torch, TieredAdamW)
     report = tmp_path / "r.html"
     with memtide.timeline.record(str(report), opt, interval=0.001):
         save = opt.save_checkpoint(tmp_path / "ckpt")
@@ -458,3 +464,39 @@ def test_a_checkpoint_save_beside_training_has_a_chart_of_its_own(tmp_path):
     assert saves[-1]["target"].endswith("ckpt")
     doc = report.read_text()
     assert 'id="checkpoint"' in doc and "Checkpoint saves beside training" in doc
+
+
+def test_a_dcp_async_save_through_memtide_has_the_same_chart(tmp_path):
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    import memtide.timeline
+    from memtide.optim import StateWriter, TieredAdamW
+
+    class Unhurried(DefaultSavePlanner):  # the save still runs when the first step begins
+        def create_local_plan(self):
+            time.sleep(0.3)
+            return super().create_local_plan()
+
+    model, opt, step = _trained_mlp(torch, TieredAdamW)
+    report = tmp_path / "r.html"
+    with memtide.timeline.record(str(report), opt, interval=0.001), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming ... a single process"
+        future = dcp.async_save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=tmp_path / "dcp",
+                                storage_writer=StateWriter(tmp_path / "dcp", opt, buffer_bytes=1), planner=Unhurried())
+        for _ in range(3):
+            step()
+        future.result()
+        step()  # sampled once more after the end
+    _, events = timeline.read_trace(timeline.companions(str(report))["trace"])
+    saves = [e for e in events if e["type"] == "checkpoint"]
+    assert saves, "the save was not sampled"
+    assert saves[-1]["total"] == 8 * opt.layout.numel  # the moments: fp32 params are not in the state dict
+    assert saves[-1]["target"].endswith("dcp")
+    assert 'id="checkpoint"' in report.read_text()

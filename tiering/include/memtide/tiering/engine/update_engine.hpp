@@ -21,6 +21,7 @@
 #include "memtide/allocator/caching_allocator.hpp"
 #include "memtide/allocator/host_arena.hpp"
 #include "memtide/core/thread_pool.hpp"
+#include "memtide/tiering/checkpoint/frozen_state.hpp"
 #include "memtide/tiering/checkpoint/state_snapshot.hpp"
 #include "memtide/tiering/engine/engine_types.hpp"
 #include "memtide/tiering/engine/grad_sink.hpp"
@@ -122,6 +123,14 @@ class UpdateEngine {
   std::shared_ptr<StateSnapshot> save_async(const std::filesystem::path& target, std::uint64_t buffer_bytes,
                                             std::string meta,
                                             std::optional<StateSnapshot::Config::Part> part = std::nullopt);
+  /// Freezes the host state for a reader that is not memtide's (torch.distributed.checkpoint's
+  /// writer, through memtide.optim.StateWriter): as save_async, a running save is waited for and
+  /// the residents' state brought home, then every step protects the subgroups whose host state
+  /// it changes until the reader has read `needed` or closes the FrozenState. Throws
+  /// InvalidArgument with the NVMe tier: the host ranges of spilled subgroups are let go between
+  /// steps, so the reader would not find their state there.
+  std::shared_ptr<FrozenState> freeze(std::vector<FrozenState::Range> needed, std::uint64_t buffer_bytes, double stall_s,
+                                      std::string target);
   /// Starts a save that is not a StateSnapshot (the simulator's, on its device's clock), as
   /// save_async does: a running save is waited for and the residents' state brought home first,
   /// then `start()` makes the save the steps protect from then on.
@@ -213,7 +222,7 @@ class UpdateEngine {
   std::shared_ptr<SaveTarget> save_;  // the running checkpoint save (null: none)
   // Its copy-on-write memory, kept for the next save (CopyBuffers says why).
   std::shared_ptr<CopyBuffers> save_buffers_ = std::make_shared<CopyBuffers>();
-  void prepare_save();
+  void prepare_save(bool spill = true);
   void sync_residents();
 
   // The optimizer's step (step(const StepRequest&)).
