@@ -38,7 +38,9 @@ class StateWriter(FileSystemWriter):
     it into a buffer of at most `buffer_bytes` (0: two of the largest subgroup) or, when that is
     full, waits for the writer. A writer that reads nothing for `stall_s` while a step waits is
     given up on: the steps go on and that save fails (its future raises). Other keyword
-    arguments go to FileSystemWriter. ``dcp.save`` (blocking) writes through it as through
+    arguments go to FileSystemWriter; ``single_file_per_rank`` is False by default here (one file
+    per tensor), since FileSystemWriter holds every tensor it wrote to a file until the file is
+    done, which with one file per rank is a copy of the whole state. ``dcp.save`` (blocking) writes through it as through
     FileSystemWriter. One save at a time per optimizer: a second waits for the first to be read.
 
     Under DDP or FSDP2 pass async_save a gloo group of its own (``process_group=``): its planning
@@ -59,6 +61,10 @@ class StateWriter(FileSystemWriter):
             raise ValueError(f"{who}: stall_s must be a number of seconds > 0, got {stall_s!r}")
         if kwargs.get("cache_staged_state_dict"):
             raise ValueError(f"{who}: cache_staged_state_dict keeps a copy of the state, which this writer exists not to make")
+        # One file per tensor: torch's FileSystemWriter keeps every tensor it wrote into a file
+        # until that file is done (for its safetensors format), so one file per rank would hold
+        # a copy of everything read from the frozen state until the end.
+        kwargs.setdefault("single_file_per_rank", False)
         super().__init__(path, **kwargs)
         self.optimizer = optimizer
         self.buffer_bytes = buffer_bytes

@@ -196,7 +196,8 @@ def test_under_fsdp2_the_shards_of_the_state_are_frozen_and_load_into_a_plain_to
     state = _state(sharded, opt)
     asked = {fqn: {k: v.full_tensor().clone() for k, v in e.items() if k != "step"}
              for fqn, e in state["optim"]["state"].items()}
-    writer = _Watched(tmp_path / "ckpt", opt, buffer_bytes=12 << 16)
+    # Two of DCP's writer threads read the frozen state at once.
+    writer = _Watched(tmp_path / "ckpt", opt, buffer_bytes=12 << 16, thread_count=2)
     group = torch.distributed.new_group(backend="gloo")  # the save's collectives apart from training's
     future = dcp.async_save(state, checkpoint_id=tmp_path / "ckpt", storage_writer=writer, process_group=group)
     _train(sharded, opt, 2, 2)
@@ -211,3 +212,25 @@ def test_under_fsdp2_the_shards_of_the_state_are_frozen_and_load_into_a_plain_to
     for fqn, entry in asked.items():
         for k, v in entry.items():
             assert torch.equal(loaded["optim"]["state"][fqn][k], v), (fqn, k)
+
+
+def test_a_second_save_waits_for_the_first_and_each_holds_its_own_state(tmp_path):
+    model = _model()
+    opt = _optimizer(model, "cpu")
+    _train(model, opt, 2, 0)
+    futures, asked = [], []
+    for i in range(2):
+        state = _state(model, opt)
+        asked.append({fqn: e["exp_avg"].clone() for fqn, e in state["optim"]["state"].items()})
+        # The second async_save returns once the first's writer has read what it froze.
+        futures.append(_async_save(state, StateWriter(tmp_path / f"ckpt{i}", opt, buffer_bytes=1), tmp_path / f"ckpt{i}"))
+        _train(model, opt, 1, 2 + i)
+    for i, future in enumerate(futures):
+        future.result()
+        twin = _model()
+        twin_opt = torch.optim.AdamW(twin.parameters())
+        loaded = _state(twin, twin_opt)
+        _load(loaded, tmp_path / f"ckpt{i}")
+        for fqn, t in asked[i].items():
+            assert torch.equal(loaded["optim"]["state"][fqn]["exp_avg"], t), (i, fqn)
+    assert not torch.equal(next(iter(asked[0].values())), next(iter(asked[1].values())))
