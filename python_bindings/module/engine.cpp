@@ -523,6 +523,15 @@ void bind_engine(nb::module_& m) {
            }, "array"_a, "first"_a, "end"_a, "dst"_a, nb::call_guard<nb::gil_scoped_release>(),
            "Copies elements [first, end) of array (0 params, 1 exp_avg, 2 exp_avg_sq) as frozen into the\n"
            "float32 memory at address dst. ValueError outside the frozen ranges; RuntimeError once closed.")
+      .def("keep_only", [](tiering::FrozenState& f, const std::vector<std::tuple<std::size_t, std::size_t, std::size_t>>& ranges) {
+             std::vector<tiering::FrozenState::Range> r;
+             r.reserve(ranges.size());
+             for (const auto& [array, first, end] : ranges) r.push_back({array, first, end});
+             nb::gil_scoped_release nogil;
+             f.keep_only(r);
+           }, "ranges"_a,
+           "The reader will read only within these (array, first, end) ranges: every subgroup none of\n"
+           "them falls in is let go.")
       .def("close", &tiering::FrozenState::close, "error"_a = "", nb::call_guard<nb::gil_scoped_release>(),
            "The reader is done (or failed: error says why); steps keep nothing from now on.")
       .def("wait", &tiering::FrozenState::wait, nb::call_guard<nb::gil_scoped_release>(),

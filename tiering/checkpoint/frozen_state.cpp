@@ -57,7 +57,10 @@ std::shared_ptr<FrozenState> FrozenState::start(Config config) {
                             std::to_string(r.array) + " is empty or outside the " + std::to_string(config.n) + " elements");
     }
   }
-  if (config.stall.count() <= 0) throw InvalidArgument("frozen state: the stall limit must be > 0 s");
+  // At most about a year: the limit is added to a steady_clock time point in nanoseconds.
+  if (!(config.stall.count() > 0 && config.stall.count() < 3e7)) {
+    throw InvalidArgument("frozen state: the stall limit must be > 0 s and finite, got " + std::to_string(config.stall.count()));
+  }
   if (config.buffer_bytes == 0) config.buffer_bytes = 2 * 3 * sizeof(float) * static_cast<std::uint64_t>(largest);
   if (!config.buffers) config.buffers = std::make_shared<CopyBuffers>();
   return std::shared_ptr<FrozenState>(new FrozenState(std::move(config)));
@@ -67,8 +70,7 @@ FrozenState::FrozenState(Config config) : config_(std::move(config)) {
   const std::size_t count = config_.subgroups.size();
   stage_.assign(count, Stage::pending);
   readers_.assign(count, 0);
-  left_.assign(count, 0);
-  copy_array_.assign(3 * count, false);
+  left_.assign(3 * count, 0);
   copies_.resize(count);
   touched_.assign(count, false);
   // Each needed range counts as often as it is given: a tensor in the state dict twice (tied
@@ -78,12 +80,11 @@ FrozenState::FrozenState(Config config) : config_(std::move(config)) {
     add_interval(needed_[r.array], r.first, r.end, [](std::size_t, std::size_t) {});
     total += (r.end - r.first) * sizeof(float);
     for_each_subgroup(r.first, r.end, [&](std::size_t i, std::size_t a, std::size_t b) {
-      left_[i] += b - a;
-      copy_array_[3 * i + r.array] = true;
+      left_[3 * i + r.array] += b - a;
     });
   }
   for (std::size_t i = 0; i < count; ++i) {
-    if (left_[i] == 0) stage_[i] = Stage::read;
+    if (left(i) == 0) stage_[i] = Stage::read;
   }
   progress_.bytes_total = total;
   progress_.buffer_bound = config_.buffer_bytes;
@@ -102,9 +103,10 @@ void FrozenState::for_each_subgroup(std::size_t first, std::size_t end, Each eac
   }
 }
 
+std::size_t FrozenState::left(std::size_t i) const { return left_[3 * i] + left_[3 * i + 1] + left_[3 * i + 2]; }
+
 void FrozenState::settle(std::size_t i) {
   if (stage_[i] != Stage::read || readers_[i] != 0 || !copies_[i].memory) return;
-  touched_[i] = true;  // the step changed the arrays after the copy was made
   buffer_used_ -= copies_[i].bytes;
   held_bytes_ -= copies_[i].memory.bytes();
   config_.buffers->give(std::move(copies_[i].memory));
@@ -139,25 +141,50 @@ void FrozenState::read(const Range& range, float* dst) {
     if (closed_) {
       throw Error("frozen state: read after it was " + (error_.empty() ? std::string("closed") : "given up on (" + error_ + ")"));
     }
-    if (touched_[i]) {
-      throw Error("frozen state: subgroup " + std::to_string(i) + " was read more often than it was frozen for, and a step "
-                  "has changed it since");
+    // From the copy of the array while there is one; else from the array, unless a step has
+    // changed it since (it was read as often as it was frozen for, or let go).
+    if (copies_[i].at[k] == nullptr && touched_[i]) {
+      throw Error("frozen state: array " + std::to_string(k) + " of subgroup " + std::to_string(i) +
+                  " was read more often than it was frozen for, and a step has changed it since");
     }
-    // From the copy while there is one; else the arrays, which protect() keeps as they were
-    // until the subgroup is read as often as it was frozen for.
     const float* src = copies_[i].at[k] != nullptr ? copies_[i].at[k] + (a - config_.subgroups[i].first) : config_.arrays[k] + a;
     ++readers_[i];
     lock.unlock();
     std::memcpy(dst + (a - range.first), src, (b - a) * sizeof(float));
     lock.lock();
     --readers_[i];
-    left_[i] -= std::min(left_[i], b - a);
+    std::size_t& still = left_[3 * i + k];
+    still -= std::min(still, b - a);
     progress_.bytes_written += (b - a) * sizeof(float);
-    if (left_[i] == 0) stage_[i] = Stage::read;
+    if (left(i) == 0) stage_[i] = Stage::read;
     settle(i);
     last_read_ = std::chrono::steady_clock::now();
     changed_.notify_all();
   });
+}
+
+void FrozenState::keep_only(const std::vector<Range>& ranges) {
+  std::vector<bool> kept(3 * stage_.size(), false);
+  for (const Range& r : ranges) {
+    if (r.array > 2 || r.first >= r.end || r.end > config_.n) {
+      throw InvalidArgument("frozen state: range [" + std::to_string(r.first) + ", " + std::to_string(r.end) + ") of array " +
+                            std::to_string(r.array) + " is empty or outside the " + std::to_string(config_.n) + " elements");
+    }
+    for_each_subgroup(r.first, r.end, [&](std::size_t i, std::size_t, std::size_t) { kept[3 * i + r.array] = true; });
+  }
+  std::lock_guard lock(mutex_);
+  for (std::size_t i = 0; i < stage_.size(); ++i) {
+    // One being copied is left as it is (the copy decided what it needs).
+    if (stage_[i] == Stage::read || stage_[i] == Stage::copying) continue;
+    for (std::size_t k = 0; k < 3; ++k) {
+      if (kept[3 * i + k]) continue;
+      progress_.bytes_total -= std::min<std::uint64_t>(progress_.bytes_total, left_[3 * i + k] * sizeof(float));
+      left_[3 * i + k] = 0;
+    }
+    if (left(i) == 0) stage_[i] = Stage::read;
+    settle(i);
+  }
+  changed_.notify_all();
 }
 
 void FrozenState::protect(std::size_t i, const float* p, const float* m, const float* v) {
@@ -169,13 +196,19 @@ void FrozenState::protect(std::size_t i, const float* p, const float* m, const f
   for (;;) {
     if (closed_) break;
     const Stage s = stage_[i];
-    if (s == Stage::read) touched_[i] = true;  // a further read of it would see the step's bytes
-    if (s == Stage::copied || s == Stage::read) break;
+    if (s == Stage::copied || s == Stage::read) {
+      touched_[i] = true;  // the step changes the arrays now: a read not from the copy would see it
+      break;
+    }
     if (s == Stage::pending && readers_[i] == 0) {
       const auto [first, end] = config_.subgroups[i];
       const std::uint64_t array_bytes = (end - first) * sizeof(float);
       std::uint64_t bytes = 0;
-      for (std::size_t k = 0; k < 3; ++k) bytes += copy_array_[3 * i + k] ? array_bytes : 0;
+      bool wanted[3];  // the arrays with reads still to come
+      for (std::size_t k = 0; k < 3; ++k) {
+        wanted[k] = left_[3 * i + k] > 0;
+        bytes += wanted[k] ? array_bytes : 0;
+      }
       if (buffer_used_ + bytes <= config_.buffer_bytes) {
         stage_[i] = Stage::copying;
         buffer_used_ += bytes;
@@ -188,7 +221,7 @@ void FrozenState::protect(std::size_t i, const float* p, const float* m, const f
                                     v ? v : config_.arrays[2] + first};
           unsigned char* at = c.memory.data();
           for (std::size_t k = 0; k < 3; ++k) {
-            if (!copy_array_[3 * i + k]) continue;
+            if (!wanted[k]) continue;
             std::memcpy(at, source[k], array_bytes);
             c.at[k] = reinterpret_cast<const float*>(at);
             at += array_bytes;
@@ -213,6 +246,7 @@ void FrozenState::protect(std::size_t i, const float* p, const float* m, const f
           progress_.copied_bytes += bytes;
           copies_[i] = std::move(c);
           stage_[i] = Stage::copied;
+          touched_[i] = true;
           changed_.notify_all();
           break;
         }

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from . import checkpoint
 from .distributed import is_dtensor
@@ -57,8 +57,8 @@ class StateWriter(FileSystemWriter):
             raise ValueError(f"{who}: optimizer must be a memtide TieredAdamW, got {type(optimizer).__name__}")
         if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int) or buffer_bytes < 0:
             raise ValueError(f"{who}: buffer_bytes must be an int >= 0 (0: two of the largest subgroup), got {buffer_bytes!r}")
-        if isinstance(stall_s, bool) or not isinstance(stall_s, (int, float)) or not stall_s > 0:
-            raise ValueError(f"{who}: stall_s must be a number of seconds > 0, got {stall_s!r}")
+        if isinstance(stall_s, bool) or not isinstance(stall_s, (int, float)) or not 0 < stall_s < 3e7:
+            raise ValueError(f"{who}: stall_s must be a finite number of seconds > 0, got {stall_s!r}")
         if kwargs.get("cache_staged_state_dict"):
             raise ValueError(f"{who}: cache_staged_state_dict keeps a copy of the state, which this writer exists not to make")
         # One file per tensor: torch's FileSystemWriter keeps every tensor it wrote into a file
@@ -130,12 +130,30 @@ class StateWriter(FileSystemWriter):
         if frozen is None:
             return super().write_data(plan, planner)
         try:
+            self._keep_only_planned(plan, planner, frozen)
             result = super().write_data(plan, _FrozenPlanner(planner, self, frozen))
         except BaseException as e:
             frozen.close(f"DCP's writer failed: {type(e).__name__}: {e}")
             raise
         frozen.close()  # what this rank did not write (another rank's replica of it) is let go
         return result
+
+    def _keep_only_planned(self, plan: SavePlan, planner: SavePlanner, frozen: Any) -> None:
+        """Lets go what this rank will not write: DCP has one rank write each tensor that every
+        rank holds (DDP), so the others' steps need not keep it. Only with a planner that says
+        where an item's tensor is without reading it (DefaultSavePlanner's lookup_object)."""
+        lookup = getattr(planner, "lookup_object", None)
+        if lookup is None:
+            return
+        spans = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            t = lookup(item.index)
+            span = self._span(t) if isinstance(t, torch.Tensor) else None
+            if span is not None:
+                spans.append(span)
+        frozen.keep_only(spans)
 
     def _take(self) -> None:
         """In the save's thread, at the first of its calls: the state staged for it. The thread

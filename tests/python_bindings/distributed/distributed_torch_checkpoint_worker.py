@@ -90,6 +90,9 @@ def main() -> None:
         train(model, opt, 2, seed=10)
         future.result()
         assert writer.progress()["committed"], writer.progress()
+        # What this rank's writer did not write (DDP: DCP has one rank write each replicated
+        # tensor) was let go: the bytes it kept, and the optimizer's elements.
+        kept = (writer.progress()["bytes_total"], opt.layout.numel)
     else:
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id="dcp")
@@ -106,7 +109,7 @@ def main() -> None:
         train(model, opt, 2, seed=10)
     train(again, resumed, 2, seed=10)
     train(theirs, reference, 2, seed=10)
-    out = {"moved": diff(params(model), start), "torch_save": diff(params(again), params(model)),
+    out = {"kept": kept if ASYNC else None, "moved": diff(params(model), start), "torch_save": diff(params(again), params(model)),
            "dcp_into_torch": diff(params(theirs), params(model)), "keys": sorted(saved["param_groups"][0])}
     with open(f"rank{rank}.json", "w") as f:
         json.dump(out, f)

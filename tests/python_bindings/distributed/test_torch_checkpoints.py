@@ -28,6 +28,7 @@ def test_torch_save_and_dcp_into_torch_adamw_resume_training_on_every_rank(wrap,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     torch_keys = set(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).param_groups[0])
+    frozen = []  # async: the bytes each rank's frozen state kept
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["moved"] > 1e-3, r  # the two steps after the save trained
@@ -36,6 +37,15 @@ def test_torch_save_and_dcp_into_torch_adamw_resume_training_on_every_rank(wrap,
         # Torch's AdamW resumes from the DCP checkpoint as TieredAdamW does (their last bits differ).
         assert r["dcp_into_torch"] <= 1e-6, r
         assert set(r["keys"]) == torch_keys
+        if save == "async":
+            kept, numel = r["kept"]
+            frozen.append(kept)
+            if wrap == "fsdp2":  # the moments of the rank's own shards, all written by it (params: copied)
+                assert kept == 8 * numel, r
+    if save == "async" and wrap == "ddp":
+        # Params and moments frozen on each rank; DCP has one rank write each replicated tensor,
+        # and a subgroup a rank writes nothing of is let go there.
+        assert 0 < sum(frozen) < 2 * 12 * numel, frozen
     if save == "async":
         # Saved on 2 ranks while they trained, loaded on one process: the state when asked.
         _load_on_one_process_equals_the_state_asked(tmp_path)

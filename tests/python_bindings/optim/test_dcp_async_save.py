@@ -167,8 +167,9 @@ def test_bad_arguments_and_an_nvme_tier_are_refused_naming_them(tmp_path):
         StateWriter(tmp_path, torch.optim.AdamW(model.parameters()))
     with pytest.raises(ValueError, match="buffer_bytes must be"):
         StateWriter(tmp_path, opt, buffer_bytes=-1)
-    with pytest.raises(ValueError, match="stall_s must be"):
-        StateWriter(tmp_path, opt, stall_s=0)
+    for bad in (0, float("inf"), float("nan"), "60"):
+        with pytest.raises(ValueError, match="stall_s must be"):
+            StateWriter(tmp_path, opt, stall_s=bad)
     with pytest.raises(ValueError, match="cache_staged_state_dict"):
         StateWriter(tmp_path, opt, cache_staged_state_dict=True)
     spilled = _model(torch.bfloat16)

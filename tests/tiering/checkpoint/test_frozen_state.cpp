@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <limits>
 #include <chrono>
 #include <numeric>
 #include <thread>
@@ -198,6 +199,56 @@ TEST(FrozenState, ReadsAndStepsInManyThreadsAlwaysSeeTheFrozenState) {
   f->close();
 }
 
+TEST(FrozenState, SubgroupsOutsideWhatTheReaderWillReadAreLetGo) {
+  State s(4096, 4);
+  auto f = FrozenState::start(s.config({{1, 0, 4096}, {2, 0, 4096}}, 1));  // no room: a step would wait
+  f->keep_only({{1, 1024, 2048}, {2, 1500, 1600}});  // another rank writes the rest
+  std::atomic<bool> stepped{false};
+  std::thread stepper([&] {
+    s.step(*f, 1);  // still kept: waits for its reads
+    stepped = true;
+  });
+  s.step(*f, 0);  // let go: at once
+  s.step(*f, 2);
+  s.step(*f, 3);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(stepped.load());
+  expect_original(read(*f, {1, 1024, 2048}), {1, 1024, 2048});
+  expect_original(read(*f, {2, 1024, 2048}), {2, 1024, 2048});
+  stepper.join();
+  // A subgroup let go and changed since is never read.
+  EXPECT_THROW(read(*f, {1, 2048, 3072}), memtide::Error);
+  EXPECT_EQ(f->progress().bytes_written, f->progress().bytes_total);
+  EXPECT_THROW(f->keep_only({{0, 0, 4097}}), memtide::InvalidArgument);
+  f->close();
+}
+
+TEST(FrozenState, OnlyTheArraysStillToBeReadAreCopiedOrWaitedFor) {
+  State s(2048, 2);
+  auto f = FrozenState::start(s.config({{0, 0, 2048}, {1, 0, 2048}, {2, 0, 2048}}));
+  expect_original(read(*f, {0, 0, 1024}), {0, 0, 1024});  // p of subgroup 0 is read
+  s.step(*f, 0);
+  EXPECT_EQ(f->progress().copied_bytes, 2 * 1024 * sizeof(float)) << "m and v only";
+  expect_original(read(*f, {1, 0, 1024}), {1, 0, 1024});
+  EXPECT_THROW(read(*f, {0, 0, 1024}), memtide::Error) << "p again: the step changed it";
+  f->close();
+  // Subgroup 1 frozen for p and v, with no room for copies; DCP's plan for this rank holds only
+  // its v (another rank writes p): a step waits for v alone.
+  auto g = FrozenState::start(s.config({{0, 1024, 2048}, {2, 1024, 2048}}, 1));
+  g->keep_only({{2, 1024, 2048}});
+  std::atomic<bool> stepped{false};
+  std::thread stepper([&] {
+    s.step(*g, 1);
+    stepped = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(stepped.load()) << "v is still to be read";
+  read(*g, {2, 1024, 2048});
+  stepper.join();
+  EXPECT_EQ(g->progress().bytes_total, 1024 * sizeof(float));
+  g->close();
+}
+
 TEST(FrozenState, BadConfigsAreRefused) {
   State s(1024, 2);
   EXPECT_THROW(FrozenState::start(s.config({{3, 0, 10}})), memtide::InvalidArgument);
@@ -211,6 +262,8 @@ TEST(FrozenState, BadConfigsAreRefused) {
   EXPECT_THROW(FrozenState::start(c), memtide::InvalidArgument);
   c = s.config({});
   c.stall = std::chrono::duration<double>(0);
+  EXPECT_THROW(FrozenState::start(c), memtide::InvalidArgument);
+  c.stall = std::chrono::duration<double>(std::numeric_limits<double>::infinity());
   EXPECT_THROW(FrozenState::start(c), memtide::InvalidArgument);
 }
 

@@ -70,6 +70,11 @@ class FrozenState final : public SaveTarget {
   /// InvalidArgument for a range outside what was needed (its bytes may have changed since), and
   /// Error once the state was closed or given up on.
   void read(const Range& range, float* dst);
+  /// The reader will read only within `ranges` from now on (DCP's plan for this rank: a tensor
+  /// that every rank holds is written by one of them): each array of each subgroup none of them
+  /// falls in is let go, so the steps no longer copy it or wait for it. A later read there still
+  /// never sees a step's bytes: it throws once a step has changed the subgroup.
+  void keep_only(const std::vector<Range>& ranges);
   /// The reader is done (or failed: `error` says why): the state is let go, and the steps no
   /// longer protect anything. Waits for reads in progress; later reads throw.
   void close(const std::string& error = "");
@@ -101,9 +106,9 @@ class FrozenState final : public SaveTarget {
   std::condition_variable changed_;
   std::vector<Stage> stage_;
   std::vector<unsigned> readers_;       // reads in progress, per subgroup
-  std::vector<std::size_t> left_;       // element reads still to come, per subgroup (all arrays)
-  std::vector<bool> touched_;           // read as often as needed, then changed by a step
-  std::vector<bool> copy_array_;        // 3 per subgroup: whether array k has needed elements there
+  std::vector<std::size_t> left_;       // element reads still to come: 3 per subgroup, one per array
+  std::vector<bool> touched_;           // a step has been let change the subgroup's arrays
+  [[nodiscard]] std::size_t left(std::size_t i) const;  // of all three arrays
   std::map<std::size_t, std::size_t> needed_[3];  // merged [first, end) per array: what may be read
   struct Copy {
     CopyBuffers::Region memory;
