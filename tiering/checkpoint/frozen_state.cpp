@@ -43,6 +43,13 @@ bool inside(const std::map<std::size_t, std::size_t>& set, std::size_t first, st
   return it->first <= first && end <= it->second;
 }
 
+void check_range(const FrozenState::Range& r, std::size_t n) {
+  if (r.array > 2 || r.first >= r.end || r.end > n) {
+    throw InvalidArgument("frozen state: range [" + std::to_string(r.first) + ", " + std::to_string(r.end) + ") of array " +
+                          std::to_string(r.array) + " is empty or outside the " + std::to_string(n) + " elements");
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<FrozenState> FrozenState::start(Config config) {
@@ -51,12 +58,7 @@ std::shared_ptr<FrozenState> FrozenState::start(Config config) {
     if (a == nullptr) throw InvalidArgument("frozen state: the params, exp_avg and exp_avg_sq arrays must all be given");
   }
   const std::size_t largest = detail::check_subgroups(config.subgroups, config.n, "frozen state");
-  for (const Range& r : config.needed) {
-    if (r.array > 2 || r.first >= r.end || r.end > config.n) {
-      throw InvalidArgument("frozen state: range [" + std::to_string(r.first) + ", " + std::to_string(r.end) + ") of array " +
-                            std::to_string(r.array) + " is empty or outside the " + std::to_string(config.n) + " elements");
-    }
-  }
+  for (const Range& r : config.needed) check_range(r, config.n);
   // At most about a year: the limit is added to a steady_clock time point in nanoseconds.
   if (!(config.stall.count() > 0 && config.stall.count() < 3e7)) {
     throw InvalidArgument("frozen state: the stall limit must be > 0 s and finite, got " + std::to_string(config.stall.count()));
@@ -166,10 +168,7 @@ void FrozenState::read(const Range& range, float* dst) {
 void FrozenState::keep_only(const std::vector<Range>& ranges) {
   std::vector<bool> kept(3 * stage_.size(), false);
   for (const Range& r : ranges) {
-    if (r.array > 2 || r.first >= r.end || r.end > config_.n) {
-      throw InvalidArgument("frozen state: range [" + std::to_string(r.first) + ", " + std::to_string(r.end) + ") of array " +
-                            std::to_string(r.array) + " is empty or outside the " + std::to_string(config_.n) + " elements");
-    }
+    check_range(r, config_.n);
     for_each_subgroup(r.first, r.end, [&](std::size_t i, std::size_t, std::size_t) { kept[3 * i + r.array] = true; });
   }
   std::lock_guard lock(mutex_);
