@@ -135,7 +135,7 @@ class StateWriter(FileSystemWriter):
         except BaseException as e:
             frozen.close(f"DCP's writer failed: {type(e).__name__}: {e}")
             raise
-        frozen.close()  # what this rank did not write (another rank's replica of it) is let go
+        frozen.close()  # every read is over: nothing is kept any longer
         return result
 
     def _keep_only_planned(self, plan: SavePlan, planner: SavePlanner, frozen: Any) -> None:
