@@ -17,21 +17,16 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
-// Adds [first, end) to a set of disjoint intervals, merging them; calls `fresh(a, b)` for each
-// piece that was not in the set before.
-template <typename Fresh>
-void add_interval(std::map<std::size_t, std::size_t>& set, std::size_t first, std::size_t end, Fresh fresh) {
+// Adds [first, end) to a set of disjoint intervals, merging it with those it touches.
+void add_interval(std::map<std::size_t, std::size_t>& set, std::size_t first, std::size_t end) {
   auto it = set.upper_bound(first);
   if (it != set.begin() && std::prev(it)->second >= first) --it;
-  std::size_t lo = first, hi = end, at = first;
+  std::size_t lo = first, hi = end;
   while (it != set.end() && it->first <= end) {
-    if (it->first > at) fresh(at, it->first);
-    at = std::max(at, it->second);
     lo = std::min(lo, it->first);
     hi = std::max(hi, it->second);
     it = set.erase(it);
   }
-  if (at < end) fresh(at, end);
   set.emplace(lo, hi);
 }
 
@@ -79,7 +74,7 @@ FrozenState::FrozenState(Config config) : config_(std::move(config)) {
   // weights) is read twice.
   std::uint64_t total = 0;
   for (const Range& r : config_.needed) {
-    add_interval(needed_[r.array], r.first, r.end, [](std::size_t, std::size_t) {});
+    add_interval(needed_[r.array], r.first, r.end);
     total += (r.end - r.first) * sizeof(float);
     for_each_subgroup(r.first, r.end, [&](std::size_t i, std::size_t a, std::size_t b) {
       left_[3 * i + r.array] += b - a;
@@ -113,6 +108,14 @@ void FrozenState::settle(std::size_t i) {
   held_bytes_ -= copies_[i].memory.bytes();
   config_.buffers->give(std::move(copies_[i].memory));
   copies_[i] = Copy{};
+}
+
+void FrozenState::wait_for_reader(std::unique_lock<std::mutex>& lock, const char* who) {
+  const auto limit = std::chrono::duration_cast<std::chrono::steady_clock::duration>(config_.stall);
+  if (changed_.wait_until(lock, last_read_ + limit) == std::cv_status::timeout && !closed_ &&
+      std::chrono::steady_clock::now() - last_read_ >= config_.stall) {
+    give_up(who);
+  }
 }
 
 void FrozenState::give_up(const char* who) {
@@ -252,11 +255,7 @@ void FrozenState::protect(std::size_t i, const float* p, const float* m, const f
       }
     }
     waited = true;
-    if (changed_.wait_until(lock, last_read_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(config_.stall)) ==
-            std::cv_status::timeout &&
-        !closed_ && std::chrono::steady_clock::now() - last_read_ >= config_.stall) {
-      give_up("a step");
-    }
+    wait_for_reader(lock, "a step");
   }
   if (waited) progress_.waited_s += std::max(0.0, seconds_since(t0) - copying_s);
 }
@@ -305,11 +304,7 @@ bool FrozenState::done() const {
 void FrozenState::wait() {
   std::unique_lock lock(mutex_);
   while (!closed_) {
-    if (changed_.wait_until(lock, last_read_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(config_.stall)) ==
-            std::cv_status::timeout &&
-        !closed_ && std::chrono::steady_clock::now() - last_read_ >= config_.stall) {
-      give_up("a caller");
-    }
+    wait_for_reader(lock, "a caller");
   }
   if (!error_.empty()) throw IoError("frozen state: " + error_);
 }

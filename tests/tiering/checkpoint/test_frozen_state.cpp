@@ -53,6 +53,18 @@ struct State {
 // What array k held at element e before any step.
 float original(std::size_t k, std::size_t e) { return static_cast<float>(1000 * k + e); }
 
+// Steps subgroup i on a thread of its own (a step that waits for the reader); join() waits for it.
+struct StepAside {
+  StepAside(State& s, FrozenState& f, std::size_t i)
+      : thread([&s, &f, i, this] {
+          s.step(f, i);
+          stepped = true;
+        }) {}
+  void join() { thread.join(); }
+  std::atomic<bool> stepped{false};
+  std::thread thread;
+};
+
 std::vector<float> read(FrozenState& f, Range r) {
   std::vector<float> out(r.end - r.first);
   f.read(r, out.data());
@@ -94,19 +106,15 @@ TEST(FrozenState, AFullBufferMakesTheStepWaitForTheReader) {
   // Room for one subgroup's three arrays.
   auto f = FrozenState::start(s.config({{0, 0, 4096}, {1, 0, 4096}, {2, 0, 4096}}, 3 * 1024 * sizeof(float)));
   s.step(*f, 0);  // copied
-  std::atomic<bool> stepped{false};
-  std::thread stepper([&] {
-    s.step(*f, 1);  // no room: waits until subgroup 1 is read
-    stepped = true;
-  });
+  StepAside stepper(s, *f, 1);  // no room: waits until subgroup 1 is read
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  EXPECT_FALSE(stepped.load()) << "the step went on before its subgroup was read";
+  EXPECT_FALSE(stepper.stepped.load()) << "the step went on before its subgroup was read";
   expect_original(read(*f, {0, 1024, 2048}), {0, 1024, 2048});
   expect_original(read(*f, {1, 1024, 2048}), {1, 1024, 2048});
-  EXPECT_FALSE(stepped.load()) << "exp_avg_sq of the subgroup is not read yet";
+  EXPECT_FALSE(stepper.stepped.load()) << "exp_avg_sq of the subgroup is not read yet";
   expect_original(read(*f, {2, 1024, 2048}), {2, 1024, 2048});
   stepper.join();
-  EXPECT_TRUE(stepped.load());
+  EXPECT_TRUE(stepper.stepped.load());
   EXPECT_GT(f->progress().waited_s, 0.05);
   EXPECT_LE(f->progress().peak_buffer_bytes, 3 * 1024 * sizeof(float));
   f->close();
@@ -116,13 +124,9 @@ TEST(FrozenState, ARangeGivenTwiceIsKeptUntilReadTwiceAndNeverReadAfterItChanged
   State s(2048, 2);
   auto f = FrozenState::start(s.config({{0, 0, 1024}, {0, 0, 1024}}, 1));  // no room for copies
   expect_original(read(*f, {0, 0, 1024}), {0, 0, 1024});
-  std::atomic<bool> stepped{false};
-  std::thread stepper([&] {
-    s.step(*f, 0);
-    stepped = true;
-  });
+  StepAside stepper(s, *f, 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_FALSE(stepped.load()) << "read once of twice: still needed as it was";
+  EXPECT_FALSE(stepper.stepped.load()) << "read once of twice: still needed as it was";
   expect_original(read(*f, {0, 0, 1024}), {0, 0, 1024});
   stepper.join();
   // A third read would see the step's values: refused.
@@ -203,16 +207,12 @@ TEST(FrozenState, SubgroupsOutsideWhatTheReaderWillReadAreLetGo) {
   State s(4096, 4);
   auto f = FrozenState::start(s.config({{1, 0, 4096}, {2, 0, 4096}}, 1));  // no room: a step would wait
   f->keep_only({{1, 1024, 2048}, {2, 1500, 1600}});  // another rank writes the rest
-  std::atomic<bool> stepped{false};
-  std::thread stepper([&] {
-    s.step(*f, 1);  // still kept: waits for its reads
-    stepped = true;
-  });
+  StepAside stepper(s, *f, 1);  // still kept: waits for its reads
   s.step(*f, 0);  // let go: at once
   s.step(*f, 2);
   s.step(*f, 3);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_FALSE(stepped.load());
+  EXPECT_FALSE(stepper.stepped.load());
   expect_original(read(*f, {1, 1024, 2048}), {1, 1024, 2048});
   expect_original(read(*f, {2, 1024, 2048}), {2, 1024, 2048});
   stepper.join();
@@ -236,13 +236,9 @@ TEST(FrozenState, OnlyTheArraysStillToBeReadAreCopiedOrWaitedFor) {
   // its v (another rank writes p): a step waits for v alone.
   auto g = FrozenState::start(s.config({{0, 1024, 2048}, {2, 1024, 2048}}, 1));
   g->keep_only({{2, 1024, 2048}});
-  std::atomic<bool> stepped{false};
-  std::thread stepper([&] {
-    s.step(*g, 1);
-    stepped = true;
-  });
+  StepAside stepper(s, *g, 1);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_FALSE(stepped.load()) << "v is still to be read";
+  EXPECT_FALSE(stepper.stepped.load()) << "v is still to be read";
   read(*g, {2, 1024, 2048});
   stepper.join();
   EXPECT_EQ(g->progress().bytes_total, 1024 * sizeof(float));

@@ -96,7 +96,10 @@ class FrozenState final : public SaveTarget {
   explicit FrozenState(Config config);
   // Under mutex_: a subgroup whose needed elements are all read lets its copy go.
   void settle(std::size_t i);
-  void give_up(const char* who);  // under mutex_: the reader stalled
+  // Under mutex_: waits for a change, and gives the reader up when it has read nothing for the
+  // stall limit while `who` waited.
+  void wait_for_reader(std::unique_lock<std::mutex>& lock, const char* who);
+  void give_up(const char* who);
   // Calls each(i, a, b) for every subgroup i that [first, end) overlaps, with the overlap [a, b).
   template <typename Each>
   void for_each_subgroup(std::size_t first, std::size_t end, Each each) const;
