@@ -16,15 +16,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_optimizer_state_dict)
 
 from memtide.optim import StateWriter
-from test_async_checkpoint import _model, _optimizer, _train
-
-CASES = {
-    "cpu": ("cpu", torch.float32, {}),
-    "auto": ("auto", torch.float32, {}),  # GPU residents: their host ranges are synced when frozen
-    "interleaved": ("interleaved", torch.float32, {}),
-    "bf16": ("cpu", torch.bfloat16, {}),  # fp32 masters frozen, the bf16 params copied
-    "during-backward": ("cpu", torch.float32, {"update_during_backward": True}),
-}
+from test_async_checkpoint import CASES, _model, _optimizer, _train  # the same policies and dtypes
 
 
 def _state(model, opt):
