@@ -139,13 +139,48 @@ def child(model: str, policy: str, steps: int) -> dict:
 
 
 
+def torch_reads(count: int = 96, repeats: int = 2000) -> dict:
+    """What torch charges Python for one read of what the step must check per param (warm, in
+    this process: the floor under the cold reads a step makes): ns per read over `count`
+    Parameters with gradients, each read in one C-level pass (map), as TieredAdamW reads them."""
+    import operator
+
+    import torch
+
+    params = [torch.nn.Parameter(torch.zeros(8)) for _ in range(count)]
+    for p in params:
+        p.grad = torch.zeros(8)
+    grads = [p.grad for p in params]
+    reads = {"p.grad": (operator.attrgetter("grad"), params),
+             "p.data_ptr()": (torch.Tensor.data_ptr, params),
+             "p._version": (operator.attrgetter("_version"), params),
+             "grad.data_ptr()": (torch.Tensor.data_ptr, grads),
+             "grad._version": (operator.attrgetter("_version"), grads)}
+    out = {}
+    for name, (read, tensors) in reads.items():
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(repeats // 5):
+                list(map(read, tensors))
+            best = min(best, (time.perf_counter() - t0) / (repeats // 5) / count)
+        out[name] = best
+    return out
+
+
 def _shown(argv):
-    """The command line as the page shows it: interpreters by name only (their paths are this
-    machine's), named in a line of their own."""
+    """The command line as the page shows it: interpreters by name only and the page's own path
+    from the repository's root (both paths are this machine's)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = []
     for arg in argv:
         name, sep, path = arg.partition("=")
-        out.append(f"{name}=INTERPRETER" if sep and os.path.sep in path else arg)
+        if sep and os.path.sep in path:
+            out.append(f"{name}=INTERPRETER")
+        elif os.path.isabs(arg):
+            out.append(os.path.relpath(arg, root) if arg.startswith(root + os.path.sep) else os.path.basename(arg))
+        else:
+            out.append(arg)
     return out
 
 
@@ -212,6 +247,12 @@ def main() -> None:
             checked = statistics.median(r[2] if len(r) > 2 else 0.0 for r in rows)
             lines.append(f"| {name} | {m} | {params / 1e6:.2f}M ({tensors}) | {wall * 1e3:.3f} | {engine * 1e3:.3f} | "
                          f"{side * 1e3:.3f} | {checked * 1e6:.1f} |")
+    lines.append("")
+    reads = torch_reads()
+    lines += ["What torch charges Python per tensor for the reads the step's checks make (warm: 96 Parameters "
+              "with gradients, one C-level pass each, best of 5; this interpreter):", "",
+              "| read | ns per tensor |", "|---|---:|"]
+    lines += [f"| `{name}` | {ns * 1e9:.0f} |" for name, ns in reads.items()]
     lines.append("")
     text = "\n".join(lines)
     if args.out:

@@ -196,7 +196,8 @@ def _summarize(shape, device, model, opt, hooks, layer_window, data, sync, steps
     hooks.remove()
 
     # Update throughput of the training run, without the first step (it warms caches and pages).
-    hist = opt.stats.history[1:] or opt.stats.history
+    hist = list(opt.stats.history)
+    hist = hist[1:] or hist
     engine_s = statistics.median(h[1] for h in hist) if hist else 0.0
     step_s = statistics.median(h[2] for h in hist) if hist else 0.0
     params_per_step = hist[-1][0] if hist else 0

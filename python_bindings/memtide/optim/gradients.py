@@ -9,6 +9,7 @@ version counters); step() sends again what changed."""
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from typing import Any, List, Optional, Set, Tuple
 
@@ -20,18 +21,11 @@ from .distributed import local
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ROUTE = _memtide.GradRoute
-
-
-class _Flushed:
-    """A gradient the hook sent on its way: which tensor, at which in-place version. (Made in
-    every hook: slots, no dataclass machinery.)"""
-
-    __slots__ = ("address", "version", "source")
-
-    def __init__(self, address: Optional[int], version: Optional[int], source: Optional[torch.Tensor] = None):
-        self.address = address  # None: the tensor is not known yet (DDP writes .grad later)
-        self.version = version
-        self.source = source  # a CPU gradient the step reads where it lies: kept alive until then
+_GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")  # torch's count of in-place writes to a tensor
+_DATA_PTR = torch.Tensor.data_ptr  # torch's own (Accelerate sets an int attribute of that name on some params)
+#: A gradient sent before `.grad` holds it (DDP's bucket): record() takes its address at the end of backward.
+_UNKNOWN = -1
 
 
 def _hook(path: "weakref.ref[GradientPath]", i: int, p: torch.Tensor) -> None:
@@ -53,7 +47,14 @@ class GradientPath:
         params = opt.layout.params
         #: The CUDA gradients travel the engine's own path (a real GPU); else they are copied here.
         self.device_path = opt.engine is not None and not opt.engine.host_memory
-        self.flushed: List[Optional[_Flushed]] = [None] * len(params)
+        n = len(params)
+        #: What each param's hook sent: the gradient's address and in-place version (None: nothing
+        #: sent; _UNKNOWN: sent before `.grad` held it), and a CPU gradient the step reads where it
+        #: lies, kept alive until then. Parallel lists, so that step() compares them whole (gather).
+        self.addresses: List[Optional[int]] = [None] * n
+        self.versions: List[Optional[int]] = [None] * n
+        self.sources: List[Optional[torch.Tensor]] = [None] * n
+        self._every = b"\x01" * n  # has_grad when every param has the gradient its hook sent
         self.index = {id(p): i for i, p in enumerate(params)}
         #: Params whose gradients come reduced from DDP's bucket hook (register_ddp), not the hooks.
         self.reduced_by_ddp: Set[int] = set()
@@ -84,7 +85,8 @@ class GradientPath:
 
     def reset(self) -> None:
         """The next backward sends its own gradients (the protocol forgets those it holds)."""
-        self.flushed = [None] * len(self.flushed)
+        n = len(self.addresses)
+        self.addresses, self.versions, self.sources = [None] * n, [None] * n, [None] * n
         self._sent_in_backward = []
         self._direct = None
         opt = self.opt
@@ -116,10 +118,11 @@ class GradientPath:
         layout = self.opt.layout if self.opt is not None else None
         if layout is None:
             return
+        addresses, versions = self.addresses, self.versions
         for i in sent:
-            f, g = self.flushed[i], layout.params[i].grad
-            if f is not None and f.address is not None and g is not None and local(g).data_ptr() == f.address:
-                f.version = local(g)._version
+            address, g = addresses[i], layout.params[i].grad
+            if address is not None and g is not None and local(g).data_ptr() == address:
+                versions[i] = local(g)._version
 
     def reduced(self, i: int, g: torch.Tensor) -> None:
         """DDP has all-reduced param i's gradient (its bucket's hook): send it on its way; what
@@ -130,9 +133,9 @@ class GradientPath:
         """Backward has ended and DDP has written these params' `.grad`: it is what was sent."""
         layout = self.opt.layout
         for i in params:
-            f, g = self.flushed[i], layout.params[i].grad
-            if f is not None and f.address is None and g is not None:
-                f.address, f.version = g.data_ptr(), g._version
+            g = layout.params[i].grad
+            if self.addresses[i] == _UNKNOWN and g is not None:
+                self.addresses[i], self.versions[i] = g.data_ptr(), g._version
 
     def send(self, i: int, g: Optional[torch.Tensor], known: bool = True, in_backward: bool = True) -> None:
         """Hands param i's gradient `g` to the protocol: through the engine's device path, copied
@@ -153,7 +156,7 @@ class GradientPath:
             with torch.no_grad():  # a gradient of create_graph=True must not make the buffer part of a graph
                 opt.buffers.grads[lo:hi].copy_(g.reshape(-1))  # no kernel of memtide reads this layout: torch copies
             opt.protocol.grad_written(i)
-            self.flushed[i] = _Flushed(*self._identity(g, known))
+            self._sent(i, g, known, None)
             return
         elif known and self.direct():
             how, source = _ROUTE.in_place, g.detach()  # read where it lies by the step's own pass
@@ -162,9 +165,9 @@ class GradientPath:
         eager = opt.backward_updates if in_backward and opt.last_micro_batch else None
         if eager is not None:
             eager.watch()
-        address = g.data_ptr()
-        complete = opt.protocol.grad_ready(i, address, _DTYPE_NAMES[g.dtype], hi - lo, how, stream, eager is not None)
-        self.flushed[i] = _Flushed(address, g._version, source) if known else _Flushed(None, None, source)
+        complete = opt.protocol.grad_ready(i, g.data_ptr(), _DTYPE_NAMES[g.dtype], hi - lo, how, stream,
+                                           eager is not None)
+        self._sent(i, g, known, source)
         if complete:
             eager.start(complete)
 
@@ -179,21 +182,44 @@ class GradientPath:
                             and opt.distribution.kind == "none" and not self.reduced_by_ddp)
         return self._direct
 
-    @staticmethod
-    def _identity(g: torch.Tensor, known: bool) -> Tuple[Optional[int], Optional[int]]:
-        return (g.data_ptr(), g._version) if known else (None, None)
+    def _sent(self, i: int, g: torch.Tensor, known: bool, source: Optional[torch.Tensor]) -> None:
+        if known:
+            self.addresses[i], self.versions[i] = g.data_ptr(), g._version
+        else:
+            self.addresses[i], self.versions[i] = _UNKNOWN, None
+        self.sources[i] = source
 
-    def gather(self) -> Tuple[List[bool], List[bool]]:
+    def gather(self) -> Tuple[bytes, List[bool]]:
         """Makes the protocol hold every gradient: waits for the gradient path, then sends again
         those the hooks did not send or that changed since (an in-place edit between backward and
-        step). Returns which params have a gradient, and which were sent again (stale)."""
+        step: clip_grad_norm_, a framework's unscale). Returns which params have a gradient (one
+        byte each), and which were sent again (stale; empty when none was)."""
+        opt = self.opt
+        self.stale = set()
+        if not opt.distribution.dtensors:
+            # Every param with the gradient its hook sent, unchanged since: three C-level passes
+            # and two list compares, instead of a Python loop over params and gradients (run cold,
+            # right after backward, that loop was the largest part of the step's Python side).
+            # A missing gradient (None) or a sparse one raises here and takes the loop below.
+            try:
+                grads = list(map(_GRAD, opt.layout.params))
+                fresh = (list(map(_DATA_PTR, grads)) == self.addresses and
+                         list(map(_VERSION, grads)) == self.versions)
+            except (TypeError, RuntimeError):
+                fresh = False
+            if fresh:
+                opt.protocol.collect([])
+                return self._every, []
+        return self._gather_each()
+
+    def _gather_each(self) -> Tuple[bytes, List[bool]]:
         opt = self.opt
         layout = opt.layout
         n = len(layout.params)
-        has_grad, stale = [False] * n, [False] * n
-        self.stale = set()
+        has_grad, stale = bytearray(n), [False] * n
         sharded = opt.distribution.dtensors
-        for i, (p, f) in enumerate(zip(layout.params, self.flushed)):
+        addresses, versions = self.addresses, self.versions
+        for i, p in enumerate(layout.params):
             g = p.grad
             if g is None:
                 continue
@@ -201,14 +227,15 @@ class GradientPath:
                 g = local(g)
             if g.is_sparse:
                 raise RuntimeError("TieredAdamW does not support sparse gradients")
-            has_grad[i] = True
-            if f is not None and (f.address == g.data_ptr() and f.version == g._version
-                                  or copy_of(g) == (f.address, f.version)):
+            has_grad[i] = 1
+            address = addresses[i]
+            if address is not None and (address == g.data_ptr() and versions[i] == g._version
+                                        or copy_of(g) == (address, versions[i])):
                 continue  # the gradient the hook sent, or an unchanged copy of it (the layer window sent it home)
             lo, hi = layout.ranges[i]
             if hi == lo:
                 continue  # an empty shard (FSDP2 on more ranks than rows): nothing to send or copy
-            self.flushed[i] = None
+            addresses[i] = versions[i] = self.sources[i] = None
             stale[i] = True
             self.stale.add(i)
         opt.protocol.collect(stale)
@@ -223,4 +250,4 @@ class GradientPath:
                 self.send(i, g, in_backward=False)
         if any_cuda:
             torch.cuda.synchronize()
-        return has_grad, stale
+        return bytes(has_grad), stale

@@ -18,12 +18,13 @@ Algorithm 1, one in every k subgroups updated on the GPU (k = 1 all, k = 2 every
 
 from __future__ import annotations
 
+import collections
 import operator
 import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -38,7 +39,11 @@ from .loss_scale import LossScaler, make_scaler
 from .plan import UpdatePlan, requested
 
 _LOWP = (torch.float16, torch.bfloat16)
+#: How many steps' figures stats.history and measured_ns keep: the newest, so that a run of
+#: millions of steps does not grow the optimizer by an entry per step.
+HISTORY_STEPS = 4096
 _VERSION = operator.attrgetter("_version")  # torch's count of in-place writes to a tensor
+_is_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 
 try:  # what would see torch's wrapper of step (TieredAdamW.step): a profiler, process-wide step hooks
     from torch._C._autograd import _profiler_enabled
@@ -107,7 +112,8 @@ class UpdateStats:
     last_engine_seconds: float = 0.0
     last_step_seconds: float = 0.0
     last_params: int = 0
-    history: List[Tuple[int, float, float]] = field(default_factory=list)  # (params, engine s, step s)
+    #: (params, engine s, step s) of the last HISTORY_STEPS steps.
+    history: Deque[Tuple[int, float, float]] = field(default_factory=lambda: collections.deque(maxlen=HISTORY_STEPS))
 
 
 class _ParamGroup(dict):
@@ -210,8 +216,9 @@ class TieredAdamW(torch.optim.Optimizer):
         self.last_grad_norm: Optional[float] = None
         #: The engine's report of the last step it ran (a memtide._memtide.StepReport).
         self.last_report: Optional[Any] = None
-        #: Every step's measured update phase in ns, on :attr:`clock` (skipped steps excluded).
-        self.measured_ns: List[float] = []
+        #: The measured update phase in ns of the last HISTORY_STEPS steps the engine ran, on
+        #: :attr:`clock` (skipped steps excluded).
+        self.measured_ns: Deque[float] = collections.deque(maxlen=HISTORY_STEPS)
         self.mark_update = False
         self._pending_copies: Optional[Any] = None  # CUDA event after the last write-back
         self._host_versions: Optional[Tuple[int, ...]] = None  # _versions() after the last update
@@ -708,12 +715,12 @@ class TieredAdamW(torch.optim.Optimizer):
     step.hooked = True  # torch's Optimizer._patch_step_function wraps a step that is not: this one decides itself
 
     def _plain_step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        grad_mode = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # torch.no_grad() without the context object it makes per call
+        grad_mode = _is_grad_enabled()
+        _set_grad_enabled(False)  # torch.no_grad() without the context object it makes per call
         try:
             return self._step(closure)
         finally:
-            torch._C._set_grad_enabled(grad_mode)
+            _set_grad_enabled(grad_mode)
             if self.gradient_path is not None:
                 # The next backward sends its own. Gradients the step read where they lay are let
                 # go now: held until the next step, they outlived zero_grad(set_to_none=True), and
@@ -744,44 +751,48 @@ class TieredAdamW(torch.optim.Optimizer):
         if self.engine is None:
             return loss
         t0 = time.perf_counter()
-        self.wait_for_copies()
+        if self._pending_copies is not None:
+            self.wait_for_copies()
         groups = self.step_groups()  # checked: a bad value set since the last step is refused before anything moves
         has_grad, stale = self.gradient_path.gather()
         self._note_host_writes()
         t1 = time.perf_counter()
         # The verdict, the norm, the clip factor, skip or step, the updates made during backward:
         # the engine's protocol decides them all (tiering::StepProtocol).
-        out = self.last_outcome = self.protocol.step(groups, bytes(has_grad), self.grad_scale(), stale)
-        engine_seconds = time.perf_counter() - t1
-        self._decided(out)
-        if not out.any_gradient:
-            return loss
-        if out.ran:
-            self._engine_ran(out.engine, has_grad)
-        if out.skipped:
-            self.stats.skipped += 1
-            return loss
-        self.expose_state()  # the engine counted the step of every param with a gradient
-        self._write_back(has_grad)
-        self._count(has_grad, engine_seconds, time.perf_counter() - t0)
+        out = self.last_outcome = self.protocol.step(groups, has_grad, self.grad_scale(), stale)
+        self._decided(out, has_grad, time.perf_counter() - t1, t0)
         return loss
 
-    def _decided(self, out: Any) -> None:
-        """What the optimizer keeps of the protocol's decision, and the loss scale it moves."""
-        self.stats.regathered += len(self.gradient_path.stale)
-        self.last_step_skipped = out.skipped
+    def _decided(self, out: Any, has_grad: bytes, engine_seconds: float, t0: float) -> None:
+        """What the optimizer keeps of the protocol's decision and of the step the engine ran, the
+        loss scale it moves, and the params it writes back. (One call: each Python call made
+        right after the engine's step runs cold.)"""
+        stats = self.stats
+        stats.regathered += len(self.gradient_path.stale)
+        skipped = self.last_step_skipped = out.skipped
         if out.grad_norm is not None:
             self.last_grad_norm = out.grad_norm
         if self.backward_updates is not None:
             self.backward_updates.step_ended()
         if not out.any_gradient:
             return
+        nonfinite = out.nonfinite
         if self.scaler is not None:
-            self.scaler.update(out.nonfinite)
-        elif out.nonfinite:
+            self.scaler.update(nonfinite)
+        elif nonfinite:
             warnings.warn("TieredAdamW: non-finite gradient " +
-                          ("(gradient norm is not finite): step skipped" if out.skipped else
+                          ("(gradient norm is not finite): step skipped" if skipped else
                            "without loss scaling: params and state now hold NaN/Inf"), RuntimeWarning, stacklevel=3)
+        if out.ran:
+            self._engine_ran(out.engine, has_grad)
+        if skipped:
+            stats.skipped += 1
+            return
+        if len(self.state) != len(self.layout.params):
+            self.expose_state()  # the engine counted the step of every param with a gradient
+        if self.layout.copied:
+            self._write_back(has_grad)
+        self._count(has_grad, engine_seconds, time.perf_counter() - t0)
 
     def _note_host_writes(self) -> None:
         """The model's params or the state changed in place since the last step (model.load_state_dict,
@@ -792,13 +803,13 @@ class TieredAdamW(torch.optim.Optimizer):
             self.host_changed()
         self._host_versions = versions
 
-    def _engine_ran(self, report: Any, has_grad: List[bool]) -> None:
+    def _engine_ran(self, report: Any, has_grad: bytes) -> None:
         self.last_report = report
         self.measured_ns.append(float(report.measured_ns))
         if self._round_host_copy(has_grad):
             self._host_versions = self._versions()  # torch wrote the model's copy
 
-    def _count(self, has_grad: List[bool], engine_seconds: float, step_seconds: float) -> None:
+    def _count(self, has_grad: bytes, engine_seconds: float, step_seconds: float) -> None:
         params_in_step = (self.layout.numel if all(has_grad) else
                           sum(hi - lo for (lo, hi), g in zip(self.layout.ranges, has_grad) if g))
         s = self.stats
@@ -809,7 +820,7 @@ class TieredAdamW(torch.optim.Optimizer):
         s.last_engine_seconds, s.last_step_seconds, s.last_params = engine_seconds, step_seconds, params_in_step
         s.history.append((params_in_step, engine_seconds, step_seconds))
 
-    def _round_host_copy(self, has_grad: List[bool]) -> bool:
+    def _round_host_copy(self, has_grad: bytes) -> bool:
         """A model copy in fp16/bf16 that is not the engine's is rounded from the fp32 masters
         here (round to nearest even, as the fused kernel writes it). Whether it wrote any."""
         b, layout = self.buffers, self.layout
@@ -840,7 +851,7 @@ class TieredAdamW(torch.optim.Optimizer):
         a bad one)."""
         return [step_params(g) for g in self.param_groups]
 
-    def _write_back(self, has_grad: List[bool]) -> None:
+    def _write_back(self, has_grad: bytes) -> None:
         """Copies the new values into model params that are not views of the flat buffers."""
         layout, b = self.layout, self.buffers
         any_cuda = False

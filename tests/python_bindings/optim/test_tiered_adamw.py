@@ -225,6 +225,24 @@ def test_auto_plans_with_the_perf_model():
     assert len(opt.plan.engine_plan.marks) == 12  # re-planned every step
 
 
+def test_per_step_records_keep_the_newest_steps_only(monkeypatch):
+    """stats.history and measured_ns keep the last HISTORY_STEPS steps: a long run does not grow
+    the optimizer by an entry per step."""
+    from memtide.optim import tiered_adamw
+
+    monkeypatch.setattr(tiered_adamw, "HISTORY_STEPS", 3)
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, **HYPER)
+    seen = []
+    for x, y in DATA[:5]:
+        backward(model, opt, x, y)
+        opt.step()
+        seen.append((opt.stats.last_params, opt.stats.last_engine_seconds, opt.stats.last_step_seconds))
+    assert opt.stats.steps == 5
+    assert list(opt.stats.history) == seen[-3:]
+    assert len(opt.measured_ns) == 3 and all(ns > 0 for ns in opt.measured_ns)
+
+
 def test_scheduler_with_param_groups_and_low_precision():
     if engine_unavailable(1):
         pytest.skip(engine_unavailable(1))
@@ -362,6 +380,35 @@ def test_gradient_accumulation_and_in_place_edits_are_exact(policy):
     for i, (p, r) in enumerate(zip(model.parameters(), ref)):
         assert_rel_close(p.detach(), r.detach(), what=f"param {i}")
     assert_off_device_paths_ran(opt)
+
+
+@pytest.mark.parametrize("change", ["none", "in place", "replaced", "dropped", "replaced in place"])
+def test_every_change_to_a_gradient_after_its_hook_is_seen_by_the_step(change):
+    """step() compares what the hooks sent (address, version) with what `.grad` holds, all params
+    at once: a gradient edited in place, replaced by another tensor or dropped after backward is
+    taken as it is at the step, and an untouched one is not sent again."""
+    model = make_model()
+    opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, **HYPER)
+    ref, ref_opt = mirror(model)
+    params = list(model.parameters())
+    for step, (x, y) in enumerate(DATA[:4]):
+        backward(model, opt, x, y)
+        p = params[step % len(params)]
+        if change == "in place":
+            p.grad.mul_(3.0)
+        elif change == "replaced":
+            p.grad = p.grad * 3.0
+        elif change == "dropped":
+            p.grad = None
+        elif change == "replaced in place":  # a new tensor, then written: a version of its own
+            p.grad = p.grad.clone()
+            p.grad.add_(1.0)
+        teach(model, ref)
+        opt.step()
+        ref_opt.step()
+        assert opt.stats.regathered == (0 if change in ("none", "dropped") else step + 1)
+    for i, (p, r) in enumerate(zip(params, ref)):
+        assert_rel_close(p.detach(), r.detach(), what=f"param {i}")
 
 
 def test_frozen_params_get_no_hook_and_are_still_gathered():
