@@ -3,7 +3,7 @@
 # existing one: Debian packages (when missing, via apt-get) and a Python virtual environment in
 # .venv with torch and the build tools (via pip). Safe to run again: it only adds what is missing.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."  # sourced (test.sh, install.sh) or run: the repository root either way
 
 log() { printf '\033[1m[deps]\033[0m %s\n' "$*"; }
 
