@@ -1,5 +1,6 @@
-"""One rank of the torch-checkpoint test (test_distributed.py): TieredAdamW's state saved the ways
-torch users save torch.optim.AdamW's, under FSDP2 or DDP (argv[1]), then resumed.
+"""One rank of the torch-checkpoint test (test_torch_checkpoints.py): TieredAdamW's state saved the
+ways torch users save torch.optim.AdamW's, under FSDP2, HSDP (two replicas of FSDP2 shards) or DDP
+(argv[1]), then resumed.
 
 - ``torch.save(opt.state_dict(), path)`` per rank, over an earlier checkpoint at that path, then
   loaded (``torch.load``) into a new TieredAdamW over an identically built model;
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -34,9 +36,12 @@ def build() -> torch.nn.Module:
     torch.manual_seed(0)
     # 61 rows over 2 ranks: uneven shards, each state tensor starting inside the flat buffers.
     model = torch.nn.Sequential(torch.nn.Linear(7, 61), torch.nn.GELU(), torch.nn.Linear(61, 3))
-    if WRAP == "fsdp2":
-        fully_shard(model[0])
-        fully_shard(model)
+    if WRAP in ("fsdp2", "hsdp"):
+        world = dist.get_world_size()
+        mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if WRAP == "hsdp"
+                else init_device_mesh("cpu", (world,)))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     return DistributedDataParallel(model)
 
