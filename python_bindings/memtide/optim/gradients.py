@@ -22,7 +22,7 @@ from .distributed import local
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ROUTE = _memtide.GradRoute
 _GRAD = operator.attrgetter("grad")
-_VERSION = operator.attrgetter("_version")  # torch's count of in-place writes to a tensor
+VERSION = operator.attrgetter("_version")  # torch's count of in-place writes to a tensor
 _DATA_PTR = torch.Tensor.data_ptr  # torch's own (Accelerate sets an int attribute of that name on some params)
 #: A gradient sent before `.grad` holds it (DDP's bucket): record() takes its address at the end of backward.
 _UNKNOWN = -1
@@ -204,7 +204,7 @@ class GradientPath:
             try:
                 grads = list(map(_GRAD, opt.layout.params))
                 fresh = (list(map(_DATA_PTR, grads)) == self.addresses and
-                         list(map(_VERSION, grads)) == self.versions)
+                         list(map(VERSION, grads)) == self.versions)
             except (TypeError, RuntimeError):
                 fresh = False
             if fresh:

@@ -34,7 +34,7 @@ from .arguments import (NvmeTier, check_group, check_max_grad_norm, check_option
                         nvme_tier, step_params, torch_group_defaults)
 from .backward_updates import BackwardUpdates
 from .distributed import Distribution, is_dtensor
-from .gradients import SUPPORTED_DTYPES, GradientPath
+from .gradients import SUPPORTED_DTYPES, VERSION, GradientPath
 from .loss_scale import LossScaler, make_scaler
 from .plan import UpdatePlan, requested
 
@@ -42,7 +42,6 @@ _LOWP = (torch.float16, torch.bfloat16)
 #: How many steps' figures stats.history and measured_ns keep: the newest, so that a run of
 #: millions of steps does not grow the optimizer by an entry per step.
 HISTORY_STEPS = 4096
-_VERSION = operator.attrgetter("_version")  # torch's count of in-place writes to a tensor
 _is_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 
 try:  # what would see torch's wrapper of step (TieredAdamW.step): a profiler, process-wide step hooks
@@ -595,7 +594,7 @@ class TieredAdamW(torch.optim.Optimizer):
         """torch's in-place write counters of the host state and of the params that are views of it
         (a write through ``p.data`` in place is not counted: call sync_master_from_model after one)."""
         b = self.buffers
-        return (b.params._version, b.exp_avg._version, b.exp_avg_sq._version, *map(_VERSION, self._views))
+        return (b.params._version, b.exp_avg._version, b.exp_avg_sq._version, *map(VERSION, self._views))
 
     def host_changed(self) -> None:
         self.engine.host_changed()
@@ -751,8 +750,7 @@ class TieredAdamW(torch.optim.Optimizer):
         if self.engine is None:
             return loss
         t0 = time.perf_counter()
-        if self._pending_copies is not None:
-            self.wait_for_copies()
+        self.wait_for_copies()
         groups = self.step_groups()  # checked: a bad value set since the last step is refused before anything moves
         has_grad, stale = self.gradient_path.gather()
         self._note_host_writes()
@@ -788,10 +786,8 @@ class TieredAdamW(torch.optim.Optimizer):
         if skipped:
             stats.skipped += 1
             return
-        if len(self.state) != len(self.layout.params):
-            self.expose_state()  # the engine counted the step of every param with a gradient
-        if self.layout.copied:
-            self._write_back(has_grad)
+        self.expose_state()  # the engine counted the step of every param with a gradient
+        self._write_back(has_grad)
         self._count(has_grad, engine_seconds, time.perf_counter() - t0)
 
     def _note_host_writes(self) -> None:
