@@ -88,3 +88,18 @@ def everything(model, opt) -> List:
     sd = opt.state_dict()
     state = [t.clone() for entry in sd["state"].values() for k, t in sorted(entry.items()) if torch.is_tensor(t)]
     return [p.detach().clone() for p in model.parameters()] + state
+
+
+#: The two ways TieredAdamW's step reads its params (memtide.optim.torch_reads): for parametrize.
+READ_PATHS = ["native", "python"]
+
+
+def use_reads(monkeypatch, path: str) -> None:
+    """Makes the optimizers built from now on read their params natively ("native": skipped where
+    that library was not built; test_torch_reads says whether it must be) or in Python ("python")."""
+    from memtide.optim import torch_reads
+
+    if path == "python":
+        monkeypatch.setattr(torch_reads, "for_params", lambda params: None)
+    elif torch_reads.status() != "native":
+        pytest.skip(f"TieredAdamW reads in Python here: {torch_reads.status()}")

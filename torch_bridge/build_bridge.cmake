@@ -6,10 +6,11 @@
 # CUDA_ROOT (empty: no CUDA toolkit).
 set(status "${BINARY}/torch_bridge_status.txt")
 file(MAKE_DIRECTORY "${BINARY}")
-file(REMOVE "${BINARY}/libmemtide_torch.so")
+file(REMOVE "${BINARY}/libmemtide_torch.so" "${BINARY}/libmemtide_torch_reads.so")
 
 function(give_up why)
   file(WRITE "${status}" "not built: ${why}\n")
+  file(WRITE "${BINARY}/torch_reads_status.txt" "not built: the bridge was not (${why})\n")
   message(WARNING "memtide: torch bridge not built (${why}); memtide.use_with_torch() will use torch's pluggable allocator")
 endfunction()
 
@@ -45,3 +46,18 @@ endif()
 file(COPY_FILE "${BINARY}/build/libmemtide_torch.so" "${BINARY}/libmemtide_torch.so")
 file(WRITE "${status}" "built against torch ${torch_version}\n")
 message(STATUS "memtide: torch bridge built against torch ${torch_version}")
+
+# TieredAdamW's reads of its params in C++ (torch_reads.cpp): optional, after the bridge; without
+# it the optimizer reads them in Python. Its own status file says which.
+set(reads_status "${BINARY}/torch_reads_status.txt")
+execute_process(COMMAND "${CMAKE_COMMAND}" --build "${BINARY}/build" --target memtide_torch_reads
+                OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+if(rc EQUAL 0)
+  file(COPY_FILE "${BINARY}/build/libmemtide_torch_reads.so" "${BINARY}/libmemtide_torch_reads.so")
+  file(WRITE "${reads_status}" "built against torch ${torch_version}\n")
+else()
+  file(WRITE "${BINARY}/torch_reads_build.log" "${out}\n${err}")
+  string(REGEX MATCH "[^\n]*(error|Error)[^\n]*" first "${out}\n${err}")
+  file(WRITE "${reads_status}" "not built: building against torch ${torch_version}'s Python headers failed: ${first}\n")
+  message(WARNING "memtide: TieredAdamW's native reads not built (${first}); it reads its params in Python")
+endif()

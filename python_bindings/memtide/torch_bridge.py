@@ -43,23 +43,47 @@ class BridgeUnavailable(RuntimeError):
     """The bridge cannot be used in this process; the message says why."""
 
 
+_BUILT = "built against torch "  # how a status file starts when its library was built
+
+
+def package_file(name: str) -> str:
+    """A file the install put beside the package's modules: a library compiled against torch, or
+    the status file that says how that went."""
+    return os.path.join(_here, name)
+
+
+def install_status(status_file: str) -> str:
+    """What the install recorded in `status_file`: "built against torch X", or "not built: why"."""
+    try:
+        with open(package_file(status_file), encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return f"not built: this memtide was installed without it (no {status_file})"
+
+
+def why_unusable(status: str) -> Optional[str]:
+    """Why a library the install built (`status`, from install_status) cannot serve the torch
+    running now; None when it can. It compiled against torch's headers, which the local tag
+    (2.15.0+cu132 -> 2.15.0) does not change."""
+    if not status.startswith(_BUILT):
+        return status
+    import torch
+
+    built_for = status[len(_BUILT):].strip()
+    if built_for.split("+", 1)[0] != torch.__version__.split("+", 1)[0]:
+        return (f"built against torch {built_for}, but torch {torch.__version__} is running; "
+                "reinstall memtide (pip install .) to rebuild it for that torch")
+    return None
+
+
 def library_path() -> str:
     """Where the bridge would be (it may be absent: see :func:`build_status`)."""
-    return os.path.join(_here, LIBRARY)
+    return package_file(LIBRARY)
 
 
 def build_status() -> str:
     """What the install recorded: "built against torch X", or "not built: why"."""
-    try:
-        with open(os.path.join(_here, STATUS_FILE), encoding="utf-8") as f:
-            return f.read().strip()
-    except OSError:
-        return "not built: this memtide was installed without the bridge step (no torch_bridge_status.txt)"
-
-
-def _base_version(version: str) -> str:
-    """2.15.0+cu132 -> 2.15.0: the bridge compiles against headers, which the local tag does not change."""
-    return version.split("+", 1)[0]
+    return install_status(STATUS_FILE)
 
 
 def load() -> ctypes.CDLL:
@@ -67,15 +91,9 @@ def load() -> ctypes.CDLL:
     global _lib
     if _lib is not None:
         return _lib
-    status = build_status()
-    if not status.startswith("built against torch "):
-        raise BridgeUnavailable(status)
-    built_for = status[len("built against torch "):].strip()
-    import torch
-
-    if _base_version(built_for) != _base_version(torch.__version__):
-        raise BridgeUnavailable(f"built against torch {built_for}, but torch {torch.__version__} is running; "
-                                "reinstall memtide (pip install .) to rebuild the bridge for it")
+    why = why_unusable(build_status())
+    if why is not None:
+        raise BridgeUnavailable(why)
     path = library_path()
     try:
         lib = ctypes.CDLL(path)

@@ -1,4 +1,4 @@
-"""The native modules and the torch bridge export nothing of the C++ runtime, and torch imports
+"""The native modules, the torch bridge and the optimizer's native reads export nothing of the C++ runtime, and torch imports
 after memtide. A compiler that links libstdc++ statically (the GPU machines' GCC did) once made
 the nanobind module export libstdc++'s symbols; the system libstdc++.so.6, loaded with it, bound
 its own calls to them, and ``import memtide; import torch`` aborted with "free(): invalid pointer".
@@ -24,7 +24,7 @@ RUNTIME_SYMBOLS = ("_ZNSt6localeD1Ev", "_ZNSt6locale5_ImplD1Ev", "__cxa_throw", 
 def _native_files():
     folder = os.path.dirname(memtide.__file__)
     return sorted(glob.glob(os.path.join(folder, "_memtide*.so")) + glob.glob(os.path.join(folder, "_sim*.so"))
-                  + glob.glob(os.path.join(folder, "libmemtide_torch.so")))
+                  + glob.glob(os.path.join(folder, "libmemtide_torch*.so")))
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) is not installed")

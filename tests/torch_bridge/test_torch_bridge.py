@@ -239,3 +239,13 @@ def test_info_reports_the_torch_path():
     assert info["torch_allocator"]["built"] == torch_bridge.build_status()
     expected = "would be the bridge" if bridge_expected() else "would be pluggable"
     assert info["torch_allocator"]["why"].startswith(expected), info["torch_allocator"]
+
+
+def test_info_reports_how_the_optimizer_reads_its_params():
+    from memtide.optim import torch_reads
+
+    for env, expected in (({}, torch_reads.status()), ({"MEMTIDE_TORCH_READS": "false"}, "python: MEMTIDE_TORCH_READS=false")):
+        p = run_python(["-c", "import memtide.cli, sys; sys.exit(memtide.cli.main([\"info\", \"--json\"]))"],
+                       env=clean_env(MEMTIDE_DEVICE="sim", **env))
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout)["optimizer_reads"] == expected

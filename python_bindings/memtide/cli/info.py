@@ -41,6 +41,7 @@ def _info() -> Dict[str, Any]:
         "cuda": memtide.cuda_status(),
         "cupti": _cupti_probe(),
         "torch_allocator": _torch_allocator_path(),
+        "optimizer_reads": _optimizer_reads(),
         "options": table,
     }
 
@@ -50,6 +51,15 @@ def _torch_allocator_path() -> Dict[str, Any]:
     from .. import torch_bridge
 
     return torch_bridge.status()
+
+
+def _optimizer_reads() -> str:
+    """How TieredAdamW's step reads its params here: "native", or "python: why"."""
+    try:
+        from ..optim import torch_reads
+    except ImportError as e:  # no torch
+        return f"python: {e}"
+    return torch_reads.status()
 
 
 def _cupti_probe() -> Dict[str, Any]:
@@ -78,6 +88,7 @@ def _print_info(info: Dict[str, Any]) -> None:
           + (f" ({cupti['library']})" if cupti["library"] else ""))
     path = info["torch_allocator"]
     print(f"torch allocator  {path['why']} (bridge {path['built']})")
+    print(f"optimizer reads  {info['optimizer_reads']}")
     print()
     print("options (environment variable, current value, accepted values):")
     env_w = max(len(row["env"]) for row in info["options"])

@@ -18,13 +18,14 @@ import torch
 from .. import _memtide
 from ..grad_copies import copy_of
 from .distributed import local
+from .torch_reads import NOT_SENT, ParamReads, int64s, int64s_of
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ROUTE = _memtide.GradRoute
 _GRAD = operator.attrgetter("grad")
 VERSION = operator.attrgetter("_version")  # torch's count of in-place writes to a tensor
 _DATA_PTR = torch.Tensor.data_ptr  # torch's own (Accelerate sets an int attribute of that name on some params)
-#: A gradient sent before `.grad` holds it (DDP's bucket): record() takes its address at the end of backward.
+#: The address of a gradient sent before `.grad` holds it (DDP's bucket): record() takes it at the end of backward.
 _UNKNOWN = -1
 
 
@@ -48,11 +49,14 @@ class GradientPath:
         #: The CUDA gradients travel the engine's own path (a real GPU); else they are copied here.
         self.device_path = opt.engine is not None and not opt.engine.host_memory
         n = len(params)
-        #: What each param's hook sent: the gradient's address and in-place version (None: nothing
-        #: sent; _UNKNOWN: sent before `.grad` held it), and a CPU gradient the step reads where it
-        #: lies, kept alive until then. Parallel lists, so that step() compares them whole (gather).
-        self.addresses: List[Optional[int]] = [None] * n
-        self.versions: List[Optional[int]] = [None] * n
+        #: What each param's hook sent: the gradient's address and in-place version (NOT_SENT:
+        #: nothing; address _UNKNOWN: sent before `.grad` held it), and a CPU gradient the step
+        #: reads where it lies, kept alive until then. int64 arrays, so that step() compares them
+        #: whole with what it reads (gather).
+        self.addresses, self.versions = int64s(n, NOT_SENT), int64s(n, NOT_SENT)
+        # reset() copies it over them: no allocation after the step (the first sizable one after
+        # backward costs tens of us: glibc consolidates the small blocks backward freed).
+        self._unsent = int64s(n, NOT_SENT)
         self.sources: List[Optional[torch.Tensor]] = [None] * n
         self._every = b"\x01" * n  # has_grad when every param has the gradient its hook sent
         self.index = {id(p): i for i, p in enumerate(params)}
@@ -85,8 +89,9 @@ class GradientPath:
 
     def reset(self) -> None:
         """The next backward sends its own gradients (the protocol forgets those it holds)."""
-        n = len(self.addresses)
-        self.addresses, self.versions, self.sources = [None] * n, [None] * n, [None] * n
+        self.addresses[:] = self.versions[:] = self._unsent
+        if self._direct:  # only gradients read where they lie are kept
+            self.sources = [None] * len(self.sources)
         self._sent_in_backward = []
         self._direct = None
         opt = self.opt
@@ -121,7 +126,7 @@ class GradientPath:
         addresses, versions = self.addresses, self.versions
         for i in sent:
             address, g = addresses[i], layout.params[i].grad
-            if address is not None and g is not None and local(g).data_ptr() == address:
+            if address != NOT_SENT and g is not None and local(g).data_ptr() == address:
                 versions[i] = local(g)._version
 
     def reduced(self, i: int, g: torch.Tensor) -> None:
@@ -159,7 +164,7 @@ class GradientPath:
             self._sent(i, g, known, None)
             return
         elif known and self.direct():
-            how, source = _ROUTE.in_place, g.detach()  # read where it lies by the step's own pass
+            how, source = _ROUTE.in_place, g  # read where it lies by the step's own pass (kept alive until then)
         else:
             how = _ROUTE.host_copy
         eager = opt.backward_updates if in_backward and opt.last_micro_batch else None
@@ -186,30 +191,35 @@ class GradientPath:
         if known:
             self.addresses[i], self.versions[i] = g.data_ptr(), g._version
         else:
-            self.addresses[i], self.versions[i] = _UNKNOWN, None
+            self.addresses[i], self.versions[i] = _UNKNOWN, NOT_SENT
         self.sources[i] = source
 
-    def gather(self) -> Tuple[bytes, List[bool]]:
+    def gather(self, reads: Optional[ParamReads] = None) -> Tuple[bytes, List[bool]]:
         """Makes the protocol hold every gradient: waits for the gradient path, then sends again
         those the hooks did not send or that changed since (an in-place edit between backward and
-        step: clip_grad_norm_, a framework's unscale). Returns which params have a gradient (one
-        byte each), and which were sent again (stale; empty when none was)."""
+        step: clip_grad_norm_, a framework's unscale). `reads`: the step's native read of the
+        params, made since backward ended (None: read here). Returns which params have a gradient
+        (one byte each), and which were sent again (stale; empty when none was)."""
         opt = self.opt
         self.stale = set()
-        if not opt.distribution.dtensors:
-            # Every param with the gradient its hook sent, unchanged since: three C-level passes
-            # and two list compares instead of a Python loop. What is left is torch's own cost of
-            # each read, about 100 ns warm (bench/results/step-overhead/*-gather.md).
-            # A missing gradient (None) or a sparse one raises here and takes the loop below.
+        if reads is not None:
+            # Every param with the gradient its hook sent, unchanged since: two array compares.
+            fresh = reads.grad_data == self.addresses and reads.grad_version == self.versions
+        elif not opt.distribution.dtensors:
+            # The same in Python: three C-level passes, each read costing what torch charges for
+            # it, about 100 ns warm (bench/results/step-overhead/*-gather.md). A missing gradient
+            # (None) or a sparse one raises here and takes the loop below.
             try:
                 grads = list(map(_GRAD, opt.layout.params))
-                fresh = (list(map(_DATA_PTR, grads)) == self.addresses and
-                         list(map(VERSION, grads)) == self.versions)
+                fresh = (int64s_of(map(_DATA_PTR, grads)) == self.addresses and
+                         int64s_of(map(VERSION, grads)) == self.versions)
             except (TypeError, RuntimeError):
                 fresh = False
-            if fresh:
-                opt.protocol.collect([])
-                return self._every, []
+        else:
+            fresh = False
+        if fresh:
+            opt.protocol.collect([])
+            return self._every, []
         return self._gather_each()
 
     def _gather_each(self) -> Tuple[bytes, List[bool]]:
@@ -229,13 +239,14 @@ class GradientPath:
                 raise RuntimeError("TieredAdamW does not support sparse gradients")
             has_grad[i] = 1
             address = addresses[i]
-            if address is not None and (address == g.data_ptr() and versions[i] == g._version
+            if address != NOT_SENT and (address == g.data_ptr() and versions[i] == g._version
                                         or copy_of(g) == (address, versions[i])):
                 continue  # the gradient the hook sent, or an unchanged copy of it (the layer window sent it home)
             lo, hi = layout.ranges[i]
             if hi == lo:
                 continue  # an empty shard (FSDP2 on more ranks than rows): nothing to send or copy
-            addresses[i] = versions[i] = self.sources[i] = None
+            addresses[i] = versions[i] = NOT_SENT
+            self.sources[i] = None
             stale[i] = True
             self.stale.add(i)
         opt.protocol.collect(stale)

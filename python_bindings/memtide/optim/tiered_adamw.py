@@ -29,7 +29,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple, 
 import torch
 
 from .. import _memtide, torch_bridge
-from . import checkpoint
+from . import checkpoint, torch_reads
 from .arguments import (NvmeTier, check_group, check_max_grad_norm, check_options, device_of, engine_unavailable,
                         nvme_tier, step_params, torch_group_defaults)
 from .backward_updates import BackwardUpdates
@@ -220,7 +220,15 @@ class TieredAdamW(torch.optim.Optimizer):
         self.measured_ns: Deque[float] = collections.deque(maxlen=HISTORY_STEPS)
         self.mark_update = False
         self._pending_copies: Optional[Any] = None  # CUDA event after the last write-back
-        self._host_versions: Optional[Tuple[int, ...]] = None  # _versions() after the last update
+        #: torch's in-place write counters of the host state and of the params that are views of
+        #: it, as the last step took them (_take_versions; None: not taken since host_changed).
+        self._host_versions: Optional[Tuple[int, int, int]] = None
+        self._view_versions = torch_reads.int64s(0)
+        #: The step's native read of every param (torch_reads; None: read in Python), and what it
+        #: read at the last step whose check found every param as the optimizer left it.
+        self._reads: Optional[torch_reads.ParamReads] = None
+        self._seen: Optional[Tuple[Any, Any]] = None
+        self._follow_natively = False
         #: Whether the next backward is the last before step() (gradient accumulation: set False for
         #: the micro-batches before the last). Updates during backward happen only in the last.
         self.last_micro_batch = True
@@ -271,7 +279,7 @@ class TieredAdamW(torch.optim.Optimizer):
         if self._ready:
             self._build()
 
-    def _follow_params(self) -> None:
+    def _follow_params(self, reads: Optional[torch_reads.ParamReads] = None) -> bool:
         """Keeps training the Parameter objects the user holds, as torch.optim.AdamW does, whatever
         happened to them since the last step. Frameworks move params after the optimizer is built:
 
@@ -290,13 +298,19 @@ class TieredAdamW(torch.optim.Optimizer):
           its first step is refused, naming it.
 
         The check reads one data pointer and one version counter per param: per step, not per
-        element."""
+        element. `reads`: the step's native read of the params, made just now (None: read here);
+        when every param holds what it held at the last step's check, nothing else is read.
+        Returns whether every param was as the optimizer left it (nothing taken, nothing rebuilt)."""
         layout = self.layout
         groups = self.param_groups
         held = groups[0]["params"] if len(groups) == 1 else [p for group in groups for p in group["params"]]
         swapped = len(held) != len(layout.params) or not all(map(operator.is_, held, layout.params))
+        seen = self._seen
+        if not swapped and reads is not None and seen is not None and reads.data == seen[0] and reads.version == seen[1]:
+            return True
         now = self._bindings()
-        if now != self._bound:
+        left = now == self._bound
+        if not left:
             keep = {id(p) for p in held} if swapped else None
             changed = sorted(i for watched, ours, theirs in zip(self._watched, now, self._bound)
                              for i, a, b in zip(watched, ours, theirs)
@@ -308,6 +322,14 @@ class TieredAdamW(torch.optim.Optimizer):
         if swapped:
             self._build()
             self._check_agreement()
+        elif reads is not None and self._follow_natively and left:
+            self._seen = (reads.data[:], reads.version[:])  # what "nothing moved" reads like, natively
+        return left and not swapped
+
+    def _rebind(self) -> None:
+        """What each watched param holds now is what the optimizer follows from (_follow_params)."""
+        self._bound = self._bindings()
+        self._seen = None
 
     def _bindings(self) -> List[Any]:
         """What each watched param holds now: for a view of the optimizer's buffers its data
@@ -327,7 +349,7 @@ class TieredAdamW(torch.optim.Optimizer):
             if any(self.distribution.local(layout.params[i]).numel() for i in changed):
                 self._build()
             else:
-                self._bound = self._bindings()
+                self._rebind()
             return
         b = self.buffers
         steps = torch.from_dlpack(self.engine.steps()).tolist()
@@ -370,7 +392,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self.host_changed()
         if self.spilled_subgroups:
             self.engine.spill_host(layout.numel)
-        self._bound = self._bindings()
+        self._rebind()
 
     def _where(self, i: int) -> Tuple[int, int]:
         """(group, index in the group) of the layout's param i."""
@@ -498,8 +520,14 @@ class TieredAdamW(torch.optim.Optimizer):
         self._watched_params = ([params[i] for i in self._watched[0]],
                                 [(params[i], is_dtensor(params[i])) for i in self._watched[1]])
         self._views = [p for p, a in zip(params, aliased) if a]
-        self._bound = self._bindings()
+        self._rebind()
+        # The step's reads of every param in one native call (torch_reads), where there is one:
+        # not over FSDP2's DTensors, whose local shards only Python reads. Windowed params move
+        # every iteration: the check that follows params then reads in Python.
+        self._reads = None if self.distribution.dtensors else torch_reads.for_params(params)
+        self._follow_natively = len(watched) == len(params)
         self._host_versions = None
+        self._view_versions = torch_reads.int64s(len(self._views))
         self._requested = requested(self.policy, bounds, self.k, self.gpu_static_fraction)
         if engine is not None:
             engine.plan  # planned now: the first backward's gradient path follows this plan
@@ -590,11 +618,22 @@ class TieredAdamW(torch.optim.Optimizer):
         """"simulated" on a SimDevice (virtual clocks), "wall" on a real device."""
         return "simulated" if self.engine is None or self.engine.simulated else "wall"
 
-    def _versions(self) -> Tuple[int, ...]:
-        """torch's in-place write counters of the host state and of the params that are views of it
-        (a write through ``p.data`` in place is not counted: call sync_master_from_model after one)."""
+    def _take_versions(self, reads: Optional[torch_reads.ParamReads] = None) -> bool:
+        """Takes torch's in-place write counters of the host state and of the params that are views
+        of it (a write through ``p.data`` in place is not counted: call sync_master_from_model after
+        one); returns whether they changed since they were last taken. `reads`: the step's native
+        read, made just now (the params' counters, when every param is a view). Nothing is
+        allocated: the first sizable allocation after backward costs tens of us (glibc consolidates
+        the small blocks backward freed)."""
         b = self.buffers
-        return (b.params._version, b.exp_avg._version, b.exp_avg_sq._version, *map(VERSION, self._views))
+        taken = (b.params._version, b.exp_avg._version, b.exp_avg_sq._version)
+        views = self._view_versions
+        now = (reads.version if reads is not None and len(reads.version) == len(views)
+               else torch_reads.int64s_of(map(VERSION, self._views)))
+        changed = self._host_versions is not None and (taken != self._host_versions or now != views)
+        self._host_versions = taken
+        views[:] = now
+        return changed
 
     def host_changed(self) -> None:
         self.engine.host_changed()
@@ -746,14 +785,18 @@ class TieredAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self.mark_update:
             _memtide.mark_phase("update")
-        self._follow_params()
+        reads = self._reads
+        if reads is not None and not reads.read():
+            reads = None  # one of them cannot be read natively (a sparse gradient): in Python
+        if not self._follow_params(reads):
+            reads = None  # taken from the model or rebuilt since the read: read again where needed
         if self.engine is None:
             return loss
         t0 = time.perf_counter()
         self.wait_for_copies()
         groups = self.step_groups()  # checked: a bad value set since the last step is refused before anything moves
-        has_grad, stale = self.gradient_path.gather()
-        self._note_host_writes()
+        has_grad, stale = self.gradient_path.gather(reads)
+        self._note_host_writes(reads)
         t1 = time.perf_counter()
         # The verdict, the norm, the clip factor, skip or step, the updates made during backward:
         # the engine's protocol decides them all (tiering::StepProtocol).
@@ -790,20 +833,18 @@ class TieredAdamW(torch.optim.Optimizer):
         self._write_back(has_grad)
         self._count(has_grad, engine_seconds, time.perf_counter() - t0)
 
-    def _note_host_writes(self) -> None:
+    def _note_host_writes(self, reads: Optional[torch_reads.ParamReads] = None) -> None:
         """The model's params or the state changed in place since the last step (model.load_state_dict,
         an init): copies the engine keeps on a GPU are stale. The engine's own writes leave torch's
         version counters as they are: one reading serves until the next step."""
-        versions = self._versions()
-        if self._host_versions is not None and self._host_versions != versions:
+        if self._take_versions(reads):
             self.host_changed()
-        self._host_versions = versions
 
     def _engine_ran(self, report: Any, has_grad: bytes) -> None:
         self.last_report = report
         self.measured_ns.append(float(report.measured_ns))
         if self._round_host_copy(has_grad):
-            self._host_versions = self._versions()  # torch wrote the model's copy
+            self._take_versions()  # torch wrote the model's copy
 
     def _count(self, has_grad: bytes, engine_seconds: float, step_seconds: float) -> None:
         params_in_step = (self.layout.numel if all(has_grad) else
@@ -902,7 +943,7 @@ class TieredAdamW(torch.optim.Optimizer):
         """
         self._follow_params()
         checkpoint.load_state_dict(self, state_dict)
-        self._bound = self._bindings()
+        self._rebind()
 
     def save_checkpoint(self, path: Any, *, blocking: bool = False, buffer_bytes: int = 0) -> checkpoint.AsyncSave:
         """Saves the optimizer's state and the fp32 params it holds to the folder `path` while
@@ -937,7 +978,7 @@ class TieredAdamW(torch.optim.Optimizer):
         saved values."""
         self._follow_params()
         checkpoint.load(self, path)
-        self._bound = self._bindings()
+        self._rebind()
 
     spilled_subgroups = 0  #: subgroups whose params and moments live on NVMe (0 without an NVMe tier)
     engine = None  #: memtide._memtide.UpdateEngine (None while there is nothing to update)
@@ -961,7 +1002,7 @@ class TieredAdamW(torch.optim.Optimizer):
         """
         self._follow_params()
         checkpoint.sync_master_from_model(self)
-        self._bound = self._bindings()
+        self._rebind()
 
     def __repr__(self) -> str:
         plan = self.plan.summary() if self.engine is not None else "nothing to update"

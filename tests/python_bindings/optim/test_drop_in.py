@@ -14,7 +14,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,  # noqa: E
                                    register_optimizer_step_pre_hook)
 
 from memtide.optim import POLICIES, TieredAdamW  # noqa: E402
-from memtide_testing import on_sized_device, sized_device  # noqa: E402
+from memtide_testing import READ_PATHS, on_sized_device, sized_device, use_reads  # noqa: E402
 
 POLICY_KW = {"cpu": {}, "static": dict(gpu_static_fraction=0.5), "interleaved": dict(k=2), "auto": {}}
 STEPS = 6
@@ -68,7 +68,9 @@ MOVES = {
 @pytest.mark.parametrize("policy, at", [("cpu", None), ("cpu", 2), ("static", 2), ("interleaved", 2),
                                         pytest.param("auto", 2, marks=sized_device)])
 @pytest.mark.parametrize("move", list(MOVES))
-def test_params_moved_after_the_optimizer_was_built_keep_training_as_torch_adamw(policy, move, at):
+@pytest.mark.parametrize("reads", READ_PATHS)
+def test_params_moved_after_the_optimizer_was_built_keep_training_as_torch_adamw(policy, move, at, reads, monkeypatch):
+    use_reads(monkeypatch, reads)
     ref_model = model()
     ref = train(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2), at=at, move=MOVES[move])
     m = model()
@@ -86,7 +88,9 @@ def test_params_moved_after_the_optimizer_was_built_keep_training_as_torch_adamw
     assert all(p.untyped_storage().data_ptr() == base for p in m.parameters())
 
 
-def test_nothing_is_followed_when_nothing_moved():
+@pytest.mark.parametrize("reads", READ_PATHS)
+def test_nothing_is_followed_when_nothing_moved(reads, monkeypatch):
+    use_reads(monkeypatch, reads)
     m = model()
     opt = TieredAdamW(m.parameters(), lr=1e-2, policy="cpu")
     train(m, opt)

@@ -16,7 +16,8 @@ import memtide  # noqa: E402
 from memtide.cli.gpt import TinyGPT, arithmetic_batch, lm_loss  # noqa: E402
 from memtide._memtide import UpdateEngine  # noqa: E402
 from memtide.optim import POLICIES, LossScaler, TieredAdamW, engine_unavailable  # noqa: E402
-from memtide_testing import on_sized_device, one_torch_thread, sized_device  # noqa: E402,F401
+from memtide_testing import (READ_PATHS, on_sized_device, one_torch_thread, sized_device,  # noqa: E402,F401
+                             use_reads)
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 128, 64, 4, 2, 32, 4
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -382,11 +383,13 @@ def test_gradient_accumulation_and_in_place_edits_are_exact(policy):
     assert_off_device_paths_ran(opt)
 
 
+@pytest.mark.parametrize("reads", READ_PATHS)
 @pytest.mark.parametrize("change", ["none", "in place", "replaced", "dropped", "replaced in place"])
-def test_every_change_to_a_gradient_after_its_hook_is_seen_by_the_step(change):
+def test_every_change_to_a_gradient_after_its_hook_is_seen_by_the_step(change, reads, monkeypatch):
     """step() compares what the hooks sent (address, version) with what `.grad` holds, all params
     at once: a gradient edited in place, replaced by another tensor or dropped after backward is
     taken as it is at the step, and an untouched one is not sent again."""
+    use_reads(monkeypatch, reads)
     model = make_model()
     opt = TieredAdamW(model.parameters(), subgroup_size=SUBGROUP, **HYPER)
     ref, ref_opt = mirror(model)
@@ -411,7 +414,9 @@ def test_every_change_to_a_gradient_after_its_hook_is_seen_by_the_step(change):
         assert_rel_close(p.detach(), r.detach(), what=f"param {i}")
 
 
-def test_frozen_params_get_no_hook_and_are_still_gathered():
+@pytest.mark.parametrize("reads", READ_PATHS)
+def test_frozen_params_get_no_hook_and_are_still_gathered(reads, monkeypatch):
+    use_reads(monkeypatch, reads)
     model = make_model()
     frozen = next(model.parameters())
     frozen.requires_grad_(False)
@@ -829,10 +834,12 @@ def test_add_param_group_keeps_state():
         assert opt.state[p]["step"].item() == ref_opt.state[r]["step"].item()
 
 
+@pytest.mark.parametrize("reads", READ_PATHS)
 @pytest.mark.parametrize("how", ["params", "groups"])
-def test_params_swapped_in_after_construction_are_followed(how):
+def test_params_swapped_in_after_construction_are_followed(how, reads, monkeypatch):
     # Accelerate's FSDP2 prepare builds the sharded params after the optimizer and assigns each
     # group's "params" anew ("params"); a wrapper may also replace the list of groups ("groups").
+    use_reads(monkeypatch, reads)
     old = make_model()
     opt = TieredAdamW(two_groups(old), subgroup_size=SUBGROUP, **HYPER)
     model = make_model()  # the same values in new tensors
