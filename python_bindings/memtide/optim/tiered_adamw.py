@@ -1008,3 +1008,10 @@ class TieredAdamW(torch.optim.Optimizer):
         plan = self.plan.summary() if self.engine is not None else "nothing to update"
         return (f"TieredAdamW({self.layout.numel} params in {len(self.layout.subgroups)} subgroup(s) of "
                 f"{self.subgroup_size}, {plan}, loss scale {self.scaler!r})")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch.optim.Optimizer pickles its groups and state and rebuilds nothing: a copy of this
+        # one would have no engine, buffers or hooks, and would fail at its first step instead of here.
+        raise TypeError("TieredAdamW cannot be pickled or copied (copy.deepcopy, torch.save of the optimizer "
+                        "itself): its state lives in the engine's pinned host buffers and on its device. Save "
+                        "opt.state_dict() and load it into a TieredAdamW built over the params it should train")

@@ -387,3 +387,21 @@ def test_state_dicts_move_both_ways_between_tiered_and_torch_adamw():
     mine = TieredAdamW(again.parameters(), lr=1e-2, policy="cpu")
     mine.load_state_dict(theirs.state_dict())
     assert diff(train(again, mine, steps=2), train(twin, theirs, steps=2)) <= 1e-6
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "torch.save"])
+def test_copying_or_pickling_the_optimizer_itself_is_refused_naming_the_way_out(how):
+    # torch.optim.Optimizer would pickle the groups and state and rebuild nothing: the copy had no
+    # engine and failed at its first step, far from the copy.
+    import copy
+
+    m = model()
+    opt = TieredAdamW(m.parameters(), lr=1e-2, policy="cpu")
+    copier = {"deepcopy": copy.deepcopy, "copy": copy.copy, "torch.save": lambda o: torch.save(o, io.BytesIO())}[how]
+    with pytest.raises(TypeError, match=r"cannot be pickled or copied.*opt\.state_dict\(\)"):
+        copier(opt)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)  # the way out works
+    buf.seek(0)
+    fresh = TieredAdamW(m.parameters(), lr=1e-2, policy="cpu")
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
