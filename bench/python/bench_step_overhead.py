@@ -115,6 +115,15 @@ def child(model: str, policy: str, steps: int) -> dict:
     for _ in range(blocks):
         layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width)]
     net = torch.nn.Sequential(*layers)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1:  # under torchrun (--ranks): FSDP2 over gloo, each block a unit, the params DTensors
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(net)
     opt = memtide.optim.TieredAdamW(net.parameters(), lr=1e-4, policy=policy, subgroup_size=subgroup)
     holder, attr = _native_holder(opt)
     timed = [_Timed(getattr(holder, attr))]
@@ -137,7 +146,12 @@ def child(model: str, policy: str, steps: int) -> dict:
         if i >= 2:
             rows.append((wall, engine, check.seconds - checked))
     params = sum(p.numel() for p in net.parameters())
-    return {"params": params, "tensors": len(list(net.parameters())), "rows": rows}
+    out = {"params": params, "tensors": len(list(net.parameters())), "rows": rows}
+    if ranks > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return out
 
 
 
@@ -207,12 +221,16 @@ def main() -> None:
     ap.add_argument("--models", default="1M,100M,400 tensors")
     ap.add_argument("--policy", default="auto")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="> 1: each child is that many processes (torchrun, gloo) training the model under FSDP2")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         model, steps = args.child.split(":")
-        print(json.dumps(child(model, args.policy, int(steps))))
+        out = child(model, args.policy, int(steps))
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
+            print(json.dumps(out))
         return
 
     pythons = []
@@ -231,7 +249,9 @@ def main() -> None:
         order = pythons[r % len(pythons):] + pythons[:r % len(pythons)]
         for m in models:
             for name, path in order:
-                out = subprocess.run([path, __file__, "--child", f"{m}:{MODELS[m][3]}", "--policy", args.policy],
+                launch = ([path] if args.ranks == 1 else
+                          [path, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"])
+                out = subprocess.run(launch + [__file__, "--child", f"{m}:{MODELS[m][3]}", "--policy", args.policy],
                                      capture_output=True, text=True)
                 if out.returncode != 0:
                     sys.exit(f"{name} {m}: child failed:\n{out.stderr}")
@@ -248,7 +268,9 @@ def main() -> None:
         f"- {time.strftime('%Y-%m-%d')}: {cpu_model()}, {os.cpu_count()} cores, no GPU used, "
         f"{platform.system()} {platform.release()}, Python {platform.python_version()}",
         f"- policy {args.policy}; CPU tensors, so the engine runs on the simulated device (its 'GPU' updates run on "
-        "the host); torch intra-op threads 1; medians over every timed step of every round",
+        "the host); torch intra-op threads 1; medians over every timed step of every round"
+        + (f"; FSDP2 on {args.ranks} ranks (torchrun, gloo; rank 0's steps), so every param is a DTensor"
+           if args.ranks > 1 else ""),
         "",
         "| code | model | params (tensors) | step() ms | engine ms | Python side ms | param check us |",
         "|---|---|---:|---:|---:|---:|---:|",

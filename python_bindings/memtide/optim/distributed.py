@@ -345,10 +345,17 @@ class Distribution:
         return buffer.device == p.device and not is_dtensor(p)
 
     @staticmethod
+    def write_target(p: torch.Tensor) -> torch.Tensor:
+        """What the step's new values of `p` are copied into: this rank's part of it, as a tensor
+        whose writes do not count as in-place writes of `p` (torch's version counter, which
+        TieredAdamW reads to find writes that are not its own)."""
+        return local(p).data
+
+    @staticmethod
     def write_back(p: torch.Tensor, values: torch.Tensor, non_blocking: bool) -> None:
         """Copies the step's new `values` (flat) into this rank's part of `p`."""
-        target = local(p)
-        target.data.copy_(values.view(target.shape), non_blocking=non_blocking)
+        target = Distribution.write_target(p)
+        target.copy_(values.view(target.shape), non_blocking=non_blocking)
 
     def protocol_kwargs(self) -> Dict[str, Any]:
         """The StepProtocol's view of the ranks: which params' squares sum over the shard group,

@@ -229,6 +229,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._reads: Optional[torch_reads.ParamReads] = None
         self._seen: Optional[Tuple[Any, Any]] = None
         self._follow_natively = False
+        self._copies: Optional[Tuple[List[int], List[torch.Tensor], List[torch.Tensor], bool]] = None
         #: Whether the next backward is the last before step() (gradient accumulation: set False for
         #: the micro-batches before the last). Updates during backward happen only in the last.
         self.last_micro_batch = True
@@ -330,6 +331,7 @@ class TieredAdamW(torch.optim.Optimizer):
         """What each watched param holds now is what the optimizer follows from (_follow_params)."""
         self._bound = self._bindings()
         self._seen = None
+        self._copies = None  # where the params that are not views are written: found again
 
     def _bindings(self) -> List[Any]:
         """What each watched param holds now: for a view of the optimizer's buffers its data
@@ -521,10 +523,10 @@ class TieredAdamW(torch.optim.Optimizer):
                                 [(params[i], is_dtensor(params[i])) for i in self._watched[1]])
         self._views = [p for p, a in zip(params, aliased) if a]
         self._rebind()
-        # The step's reads of every param in one native call (torch_reads), where there is one:
-        # not over FSDP2's DTensors, whose local shards only Python reads. Windowed params move
-        # every iteration: the check that follows params then reads in Python.
-        self._reads = None if self.distribution.dtensors else torch_reads.for_params(params)
+        # The step's reads of every param in one native call (torch_reads), where there is one
+        # (FSDP2's DTensors through their local shards). Windowed params move every iteration:
+        # the check that follows params then reads in Python.
+        self._reads = torch_reads.for_params(params)
         self._follow_natively = len(watched) == len(params)
         self._host_versions = None
         self._view_versions = torch_reads.int64s(len(self._views))
@@ -889,21 +891,34 @@ class TieredAdamW(torch.optim.Optimizer):
         return [step_params(g) for g in self.param_groups]
 
     def _write_back(self, has_grad: bytes) -> None:
-        """Copies the new values into model params that are not views of the flat buffers."""
-        layout, b = self.layout, self.buffers
-        any_cuda = False
-        for i in layout.copied:
-            if not has_grad[i]:
-                continue
-            p, (lo, hi) = layout.params[i], layout.ranges[i]
-            source = b.lowp if layout.lowp_of[i] else b.params
-            self.distribution.write_back(p, source[lo:hi], non_blocking=b.pinned and p.is_cuda)
-            any_cuda |= p.is_cuda
+        """Copies the new values into model params that are not views of the flat buffers (FSDP2's
+        shards, GPU params), in one foreach copy: from Python, torch charges about 10 us for each
+        copy_ call, most of an FSDP2 step's Python side with a few hundred shards. Where the params
+        are and what they are copied from is kept between steps (_copies), since both stay unless
+        a param is moved, which makes it anew (_rebind)."""
+        if not self.layout.copied:
+            return
+        if self._copies is None:
+            self._copies = self._copy_plan()
+        copied, targets, sources, any_cuda = self._copies
+        if not all(has_grad):
+            keep = [k for k, i in enumerate(copied) if has_grad[i]]
+            targets, sources = [targets[k] for k in keep], [sources[k] for k in keep]
+        torch._foreach_copy_(targets, sources, non_blocking=self.buffers.pinned)  # a CPU target ignores it
         if any_cuda:
             # The next step overwrites the pinned sources: it waits for these copies first.
             event = torch.cuda.Event()
             event.record()
             self._pending_copies = event
+
+    def _copy_plan(self) -> Tuple[List[int], List[torch.Tensor], List[torch.Tensor], bool]:
+        """The params _write_back copies into (indices; the tensors it writes, as Distribution.write_back
+        would; their new values in the flat buffers) and whether any is on a GPU."""
+        layout, b = self.layout, self.buffers
+        targets = [self.distribution.write_target(layout.params[i]) for i in layout.copied]
+        sources = [(b.lowp if layout.lowp_of[i] else b.params)[layout.ranges[i][0]:layout.ranges[i][1]].view(t.shape)
+                   for i, t in zip(layout.copied, targets)]
+        return list(layout.copied), targets, sources, any(t.is_cuda for t in targets)
 
     def wait_for_copies(self) -> None:
         if self._pending_copies is not None:

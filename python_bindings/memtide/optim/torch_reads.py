@@ -23,6 +23,7 @@ import torch
 
 from .. import _memtide
 from ..torch_bridge import install_status, package_file, why_unusable
+from .distributed import DTensor, is_dtensor
 
 LIBRARY = "libmemtide_torch_reads.so"
 STATUS_FILE = "torch_reads_status.txt"
@@ -61,7 +62,7 @@ def _load() -> Optional[Callable[..., int]]:
             _why = f"{library_path()} does not load: {e}"
             return None
         fn.restype = ctypes.c_long
-        fn.argtypes = [ctypes.py_object] + [ctypes.c_void_p] * 4 + [ctypes.c_long]
+        fn.argtypes = [ctypes.py_object] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_long]
         no_grad.restype = ctypes.c_int64
         if no_grad() != NO_GRAD:
             _why = f"{library_path()} marks a missing gradient otherwise than this package"
@@ -91,18 +92,19 @@ def int64s_of(values: Iterable[int]) -> array.array:
 
 
 class ParamReads:
-    """Reads `tensors` (plain tensors or Parameters) natively, one call a step: each one's data
-    pointer and version into `data` and `version`, its gradient's into `grad_data` and
-    `grad_version` (NO_GRAD when it has none). Made only where the native read exists
-    (:func:`for_params`)."""
+    """Reads `tensors` (plain tensors, Parameters, DTensors) natively, one call a step: each one's
+    data pointer and version into `data` and `version`, its gradient's into `grad_data` and
+    `grad_version` (NO_GRAD when it has none); a DTensor's are its local shard's, and its
+    gradient's local shard's (what TieredAdamW keeps and steps). Made only where the native read
+    exists (:func:`for_params`)."""
 
     def __init__(self, read: Callable[..., int], tensors: Sequence[torch.Tensor]) -> None:
         self.tensors: List[torch.Tensor] = list(tensors)
         n = len(self.tensors)
         self.data, self.version, self.grad_data, self.grad_version = (int64s(n) for _ in range(4))
         # The arrays never grow, so their addresses hold for the object's life.
-        self._args = (self.tensors, *(a.buffer_info()[0] for a in (self.data, self.version, self.grad_data,
-                                                                     self.grad_version)), n)
+        self._args = (self.tensors, DTensor, *(a.buffer_info()[0] for a in (self.data, self.version, self.grad_data,
+                                                                              self.grad_version)), n)
         self._read = read
 
     def read(self) -> bool:
@@ -113,8 +115,12 @@ class ParamReads:
 
 def for_params(params: Sequence[torch.Tensor]) -> Optional[ParamReads]:
     """A native reader of `params`, or None where there is none or some param is a subclass of
-    torch's tensor other than Parameter (DTensor, a quantized param's class): those answer in Python."""
+    torch's tensor other than Parameter and DTensor (a quantized param's class): those answer in
+    Python."""
     read = _load()
-    if read is None or not all(type(p) in (torch.nn.Parameter, torch.Tensor) for p in params):
+    if read is None or not all(type(p) in _PLAIN or is_dtensor(p) for p in params):
         return None
     return ParamReads(read, params)
+
+
+_PLAIN = (torch.nn.Parameter, torch.Tensor)

@@ -152,10 +152,31 @@ def train(tiered: bool):
         out["host_bytes"] = opt.buffers.nbytes()
         out["numel"] = opt.layout.numel
         out["regathered"] = opt.stats.regathered
+        out["native_reads"] = opt._reads is not None  # the step read its params natively (torch_reads)
+        if opt._reads is not None:
+            # What it reads is what Python reads: a DTensor's local shard, and its gradient's
+            # (none after zero_grad; then one after another backward).
+            out["reads_match"] = [reads_match(opt)]
+            x = torch.randn(4, 7, generator=gen).to(torch.bfloat16 if WRAP == "fsdp2-mp" else torch.float32)
+            model(x, False).float().square().mean().backward()
+            out["reads_match"].append(reads_match(opt))
         if EAGER:
             stats = opt.backward_updates.native.stats
             out["eager"] = {"speculated": stats.speculated, "kept": stats.kept, "rolled_back": stats.rolled_back}
     return out
+
+
+def reads_match(opt) -> bool:
+    """Whether the step's native read of the params gives what Python reads of them."""
+    from memtide.optim.distributed import local
+    from memtide.optim.torch_reads import NO_GRAD
+
+    ps, reads = opt.layout.params, opt._reads
+    grads = [None if p.grad is None else local(p.grad) for p in ps]
+    return (reads.read() and list(reads.data) == [local(p).data_ptr() for p in ps]
+            and list(reads.version) == [local(p)._version for p in ps]
+            and list(reads.grad_data) == [NO_GRAD if g is None else g.data_ptr() for g in grads]
+            and list(reads.grad_version) == [NO_GRAD if g is None else g._version for g in grads])
 
 
 def main() -> None:
@@ -168,6 +189,7 @@ def main() -> None:
     # them all, not rank 0's alone.
     record = {"max_diff": diff, "moved": moved, "skipped": [mine["skipped"], ref["skipped"]],
               "numel": mine["numel"], "regathered": mine["regathered"], "eager": mine.get("eager"),
+              "native_reads": mine["native_reads"], "reads_match": mine.get("reads_match"),
               "host_bytes": mine["host_bytes"], "first_diff": first_diff, "frozen_moved": mine.get("frozen_moved"),
               "side_steps": [mine.get("side_steps"), ref.get("side_steps")]}
     records = [None] * dist.get_world_size()

@@ -13,6 +13,7 @@ from typing import List
 import pytest
 import torch
 
+from memtide.optim import torch_reads
 from memtide_testing import clean_env
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -68,6 +69,9 @@ def test_many_ranks_train_as_torch_adamw_does(wrap, scenario, ranks, tmp_path):
         # scenarios writes its inf into after backward, which step() must have seen and copied.
         edited = wrap.startswith("fsdp2") and scenario.startswith("scaled") and rank == 1
         assert (r["regathered"] > 0) if edited else (r["regathered"] == 0), (rank, r)
+        # ... and saw it where the step reads every param natively, FSDP2's DTensors included.
+        assert r["native_reads"] == (torch_reads.status() == "native"), (rank, r)
+        assert r["reads_match"] in (None, [True, True]) and (r["reads_match"] is not None) == r["native_reads"], (rank, r)
         assert r["host_bytes"] == 16 * r["numel"], (rank, r)
     numels = [r["numel"] for r in out["ranks"]]
     if wrap.startswith("fsdp2"):
