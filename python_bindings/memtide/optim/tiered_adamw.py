@@ -898,9 +898,12 @@ class TieredAdamW(torch.optim.Optimizer):
         a param is moved, which makes it anew (_rebind)."""
         if not self.layout.copied:
             return
-        if self._copies is None:
-            self._copies = self._copy_plan()
-        copied, targets, sources, any_cuda = self._copies
+        copies = self._copies
+        if copies is None:
+            copies = self._copy_plan()
+            if not any(getattr(self.layout.params[i], "_memtide_windowed", False) for i in copies[0]):
+                self._copies = copies  # a LayerWindow moves its params every iteration: found again each step
+        copied, targets, sources, any_cuda = copies
         if not all(has_grad):
             keep = [k for k, i in enumerate(copied) if has_grad[i]]
             targets, sources = [targets[k] for k in keep], [sources[k] for k in keep]

@@ -405,3 +405,28 @@ def test_copying_or_pickling_the_optimizer_itself_is_refused_naming_the_way_out(
     buf.seek(0)
     fresh = TieredAdamW(m.parameters(), lr=1e-2, policy="cpu")
     fresh.load_state_dict(torch.load(buf, weights_only=True))
+
+
+def test_params_written_back_are_written_where_they_are_now(monkeypatch):
+    # Params that are not views of the optimizer's buffers (FSDP2's shards, GPU params) are written
+    # back after each step into where they were found; one a LayerWindow moves every iteration
+    # (marked _memtide_windowed, which the follow check leaves to the window) must be found again.
+    from memtide.optim.distributed import Distribution
+
+    monkeypatch.setattr(Distribution, "can_view", staticmethod(lambda p, buffer: False))
+    m, ref_m = model(), model()
+    windowed = next(m.parameters())
+    windowed._memtide_windowed = True
+    opt = TieredAdamW(m.parameters(), lr=1e-2, policy="cpu")
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    assert opt.layout.copied == list(range(len(opt.layout.params)))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(8, 16, generator=g)
+        for net, o in ((m, opt), (ref_m, ref)):
+            net(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        windowed.data = windowed.data.clone()  # as the window moves a block between its buffers
+    for p, r in zip(m.parameters(), ref_m.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
