@@ -229,7 +229,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._reads: Optional[torch_reads.ParamReads] = None
         self._seen: Optional[Tuple[Any, Any]] = None
         self._follow_natively = False
-        self._copies: Optional[Tuple[List[int], List[torch.Tensor], List[torch.Tensor], bool]] = None
+        self._copies: Optional[Tuple[List[torch.Tensor], List[torch.Tensor], bool]] = None
         #: Whether the next backward is the last before step() (gradient accumulation: set False for
         #: the micro-batches before the last). Updates during backward happen only in the last.
         self.last_micro_batch = True
@@ -896,14 +896,16 @@ class TieredAdamW(torch.optim.Optimizer):
         copy_ call, most of an FSDP2 step's Python side with a few hundred shards. Where the params
         are and what they are copied from is kept between steps (_copies), since both stay unless
         a param is moved, which makes it anew (_rebind)."""
-        if not self.layout.copied:
+        layout = self.layout
+        copied = layout.copied
+        if not copied:
             return
         copies = self._copies
         if copies is None:
             copies = self._copy_plan()
-            if not any(getattr(self.layout.params[i], "_memtide_windowed", False) for i in copies[0]):
+            if not any(getattr(layout.params[i], "_memtide_windowed", False) for i in copied):
                 self._copies = copies  # a LayerWindow moves its params every iteration: found again each step
-        copied, targets, sources, any_cuda = copies
+        targets, sources, any_cuda = copies
         if not all(has_grad):
             keep = [k for k, i in enumerate(copied) if has_grad[i]]
             targets, sources = [targets[k] for k in keep], [sources[k] for k in keep]
@@ -914,14 +916,15 @@ class TieredAdamW(torch.optim.Optimizer):
             event.record()
             self._pending_copies = event
 
-    def _copy_plan(self) -> Tuple[List[int], List[torch.Tensor], List[torch.Tensor], bool]:
-        """The params _write_back copies into (indices; the tensors it writes, as Distribution.write_back
-        would; their new values in the flat buffers) and whether any is on a GPU."""
+    def _copy_plan(self) -> Tuple[List[torch.Tensor], List[torch.Tensor], bool]:
+        """For the params _write_back copies into (layout.copied): the tensors it writes, as
+        Distribution.write_back would, their new values in the flat buffers, and whether any is on
+        a GPU."""
         layout, b = self.layout, self.buffers
         targets = [self.distribution.write_target(layout.params[i]) for i in layout.copied]
         sources = [(b.lowp if layout.lowp_of[i] else b.params)[layout.ranges[i][0]:layout.ranges[i][1]].view(t.shape)
                    for i, t in zip(layout.copied, targets)]
-        return list(layout.copied), targets, sources, any(t.is_cuda for t in targets)
+        return targets, sources, any(t.is_cuda for t in targets)
 
     def wait_for_copies(self) -> None:
         if self._pending_copies is not None:
