@@ -122,7 +122,7 @@ const std::vector<Row>& rows() {
       {"torch_bridge", "boolean", "use_with_torch() makes memtide torch's own CUDA allocator, and the CPU optimizer step runs on torch's threads (off: the pluggable allocator, and memtide's own pool)",
        [](Options& o, std::string_view v) { o.torch_bridge = parse_bool("torch_bridge", v); },
        [](const Options& o) { return std::string(o.torch_bridge ? "true" : "false"); }},
-      {"torch_reads", "boolean", "TieredAdamW reads its params' pointers and versions each step in C++ where that library was built (off: in Python)",
+      {"torch_reads", "boolean", "TieredAdamW reads its params' pointers and versions each step, and hooks their gradients, in C++ where that library was built (off: in Python)",
        [](Options& o, std::string_view v) { o.torch_reads = parse_bool("torch_reads", v); },
        [](const Options& o) { return std::string(o.torch_reads ? "true" : "false"); }},
       {"history_entries", "1..100000000", "trace entries kept (ring buffer)",

@@ -95,11 +95,13 @@ READ_PATHS = ["native", "python"]
 
 
 def use_reads(monkeypatch, path: str) -> None:
-    """Makes the optimizers built from now on read their params natively ("native": skipped where
-    that library was not built; test_torch_reads says whether it must be) or in Python ("python")."""
+    """Makes the optimizers built from now on read their params and hook their gradients natively
+    ("native": skipped where that library was not built; test_torch_reads says whether it must be)
+    or in Python ("python")."""
     from memtide.optim import torch_reads
 
     if path == "python":
         monkeypatch.setattr(torch_reads, "for_params", lambda params: None)
+        monkeypatch.setattr(torch_reads, "library", lambda: None)
     elif torch_reads.status() != "native":
         pytest.skip(f"TieredAdamW reads in Python here: {torch_reads.status()}")

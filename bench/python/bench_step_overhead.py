@@ -9,7 +9,8 @@ LayerNorm on CPU tensors, so one large and three small tensors per block) trains
 timed whole, and every call of the native engine's methods (and of its step protocol's, where
 there is one) is timed by a proxy put around the native object, so the difference is everything the torch adapter does around the engine (gathering
 gradients, building the step's segments, checks, write-back, bookkeeping); the check that
-follows params a framework moved after the optimizer was built is timed on its own too. Without a GPU the
+follows params a framework moved after the optimizer was built is timed on its own too, and so is
+each backward, in which the optimizer's gradient hooks run. Without a GPU the
 engine runs on the simulated device, whose "GPU" updates run on the host: the engine's own time
 is real work either way, and the Python-side cost is what this page is about.
 
@@ -136,7 +137,10 @@ def child(model: str, policy: str, steps: int) -> dict:
     x = torch.randn(2, width)
     rows = []
     for i in range(steps + 2):  # two warm-up steps
-        net(x).square().mean().backward()
+        loss = net(x).square().mean()
+        t0 = time.perf_counter()
+        loss.backward()  # the optimizer's gradient hooks run in it
+        backward = time.perf_counter() - t0
         before, checked = sum(t.seconds for t in timed), check.seconds
         t0 = time.perf_counter()
         opt.step()
@@ -144,7 +148,7 @@ def child(model: str, policy: str, steps: int) -> dict:
         engine = sum(t.seconds for t in timed) - before
         opt.zero_grad(set_to_none=True)
         if i >= 2:
-            rows.append((wall, engine, check.seconds - checked))
+            rows.append((wall, engine, check.seconds - checked, backward))
     params = sum(p.numel() for p in net.parameters())
     out = {"params": params, "tensors": len(list(net.parameters())), "rows": rows}
     if ranks > 1:
@@ -272,8 +276,8 @@ def main() -> None:
         + (f"; FSDP2 on {args.ranks} ranks (torchrun, gloo; rank 0's steps), so every param is a DTensor"
            if args.ranks > 1 else ""),
         "",
-        "| code | model | params (tensors) | step() ms | engine ms | Python side ms | param check us |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| code | model | params (tensors) | step() ms | engine ms | Python side ms | param check us | backward ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for m in models:
         params, tensors = meta[m]
@@ -283,8 +287,9 @@ def main() -> None:
             engine = statistics.median(r[1] for r in rows)
             side = statistics.median(r[0] - r[1] for r in rows)
             checked = statistics.median(r[2] if len(r) > 2 else 0.0 for r in rows)
+            backward = statistics.median(r[3] for r in rows) if all(len(r) > 3 for r in rows) else float("nan")
             lines.append(f"| {name} | {m} | {params / 1e6:.2f}M ({tensors}) | {wall * 1e3:.3f} | {engine * 1e3:.3f} | "
-                         f"{side * 1e3:.3f} | {checked * 1e6:.1f} |")
+                         f"{side * 1e3:.3f} | {checked * 1e6:.1f} | {backward * 1e3:.3f} |")
     lines.append("")
     reads = torch_reads()
     lines += ["What torch charges Python per tensor for the reads the step's checks make (warm: 96 Parameters "

@@ -11,6 +11,7 @@
 #include "memtide/core/error.hpp"
 #include "memtide/core/thread_pool.hpp"
 #include "memtide/tiering/engine/backward_updates.hpp"
+#include "memtide/tiering/engine/grad_entry.h"
 #include "memtide/tiering/engine/step_protocol.hpp"
 #include "memtide/tiering/engine/update_engine.hpp"
 #include "common.hpp"
@@ -830,6 +831,14 @@ void bind_engine(nb::module_& m) {
           "param"_a, "address"_a, "dtype"_a, "n"_a, "how"_a, "stream"_a = 0, "speculate"_a = false,
           "Param's gradient is final: sent on its way, its verdict kept. Returns the subgroups of the updates\n"
           "during backward it completed (start each with BackwardUpdates.submit).")
+      .def_prop_ro(
+          "grad_entry",
+          [](SP& self) {
+            return std::make_tuple(reinterpret_cast<std::uintptr_t>(&memtide_step_protocol_grad_ready),
+                                   reinterpret_cast<std::uintptr_t>(&self));
+          },
+          "(function, protocol): the addresses of grad_ready's C entry (memtide/tiering/engine/grad_entry.h)\n"
+          "and of this protocol, for gradient hooks in C++; valid while this object lives.")
       .def("grad_written", &SP::grad_written, "param"_a,
            "The front end wrote param's gradient into the engine's array itself (no verdict).")
       .def("collect", &SP::collect, "stale"_a, nb::call_guard<nb::gil_scoped_release>(),

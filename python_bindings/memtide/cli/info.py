@@ -54,7 +54,8 @@ def _torch_allocator_path() -> Dict[str, Any]:
 
 
 def _optimizer_reads() -> str:
-    """How TieredAdamW's step reads its params here: "native", or "python: why"."""
+    """How TieredAdamW reads its params each step and hooks their gradients here (one library does
+    both): "native", or "python: why"."""
     try:
         from ..optim import torch_reads
     except ImportError as e:  # no torch
@@ -88,7 +89,7 @@ def _print_info(info: Dict[str, Any]) -> None:
           + (f" ({cupti['library']})" if cupti["library"] else ""))
     path = info["torch_allocator"]
     print(f"torch allocator  {path['why']} (bridge {path['built']})")
-    print(f"optimizer reads  {info['optimizer_reads']}")
+    print(f"optimizer reads and gradient hooks  {info['optimizer_reads']}")
     print()
     print("options (environment variable, current value, accepted values):")
     env_w = max(len(row["env"]) for row in info["options"])

@@ -8,15 +8,18 @@ version counters); step() sends again what changed."""
 
 from __future__ import annotations
 
+import array
+import ctypes
 import functools
 import operator
 import weakref
-from typing import Any, List, Optional, Set, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from .. import _memtide
 from ..grad_copies import copy_of
+from . import torch_reads
 from .distributed import local
 from .torch_reads import NOT_SENT, ParamReads, int64s, int64s_of
 
@@ -62,21 +65,48 @@ class GradientPath:
         self.index = {id(p): i for i, p in enumerate(params)}
         #: Params whose gradients come reduced from DDP's bucket hook (register_ddp), not the hooks.
         self.reduced_by_ddp: Set[int] = set()
-        self.follow_ddp(opt.distribution.ddp)
         #: Params whose gradient step() had to send itself (changed after its hook ran).
         self.stale: Set[int] = set()
         self._sent_in_backward: List[int] = []  # by the hooks, in the backward now running
         self._direct: Optional[bool] = None  # direct(), once per step: every hook asks it
         me = weakref.ref(self)
-        # Frozen params get none (step() gathers whatever gradient they have later).
+        # Frozen params get none (step() gathers whatever gradient they have later). The hooks are
+        # C++ where the library is in use (GradientHooks), but for FSDP2's DTensors, whose gradients
+        # FSDP2 finalizes itself, and for a LayerWindow's params, whose own hook, registered at its
+        # first forward, would take the one slot torch keeps for a C++ hook.
+        hooked = [p.requires_grad and p.is_leaf for p in params]
+        native = [h and not getattr(p, "_memtide_windowed", False) for h, p in zip(hooked, params)]
+        #: The C++ hooks, or None (every hook is Python's).
+        self.native: Optional[GradientHooks] = None
+        if opt.protocol is not None and not opt.distribution.dtensors and any(native):
+            self.native = GradientHooks.make(params, [hi - lo for lo, hi in opt.layout.ranges], native,
+                                             functools.partial(_hook, me), opt.protocol, self.addresses, self.versions)
+        if self.native is not None:
+            hooked = [h and not n for h, n in zip(hooked, native)]
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hook, me, i))
-                       for i, p in enumerate(params) if p.requires_grad and p.is_leaf]
+                       for i, p in enumerate(params) if hooked[i]]
+        self._native_keeps = False  # the C++ hooks keep the gradients they send (read where they lie)
+        self.follow_ddp(opt.distribution.ddp)
 
     def follow_ddp(self, ddp: Any) -> None:
         """The params of DDP's model (a DdpGradients, or None) take their gradients from its
         bucket hook from now on."""
         self.reduced_by_ddp = set() if ddp is None else {i for p, i in self.index.items() if p in ddp.params}
         self._direct = None
+        self._route_native()
+
+    def _route_native(self) -> None:
+        """Tells the C++ hooks the route a CPU gradient takes, as send() would choose it; Python's
+        hook where send() does more than hand it over (DDP's params, updates during backward)."""
+        if self.native is None:
+            return
+        opt = self.opt
+        if opt.backward_updates is not None or self.reduced_by_ddp:
+            route = GradientHooks.PYTHON
+        else:
+            route = (_ROUTE.in_place if self.direct() else _ROUTE.host_copy).value
+        self._native_keeps = route == _ROUTE.in_place.value
+        self.native.route(route)
 
     @property
     def opt(self) -> Any:
@@ -86,12 +116,17 @@ class GradientPath:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self.native is not None:
+            self.native.remove()
+            self.native = None
 
     def reset(self) -> None:
         """The next backward sends its own gradients (the protocol forgets those it holds)."""
         self.addresses[:] = self.versions[:] = self._unsent
         if self._direct:  # only gradients read where they lie are kept
             self.sources = [None] * len(self.sources)
+        if self._native_keeps:
+            self.native.reset()
         self._sent_in_backward = []
         self._direct = None
         opt = self.opt
@@ -104,8 +139,13 @@ class GradientPath:
         sends the accumulated gradient again: the last, complete one is what step() finds."""
         if i in self.reduced_by_ddp:
             return  # the local gradient, before DDP's all-reduce: the bucket hook sends the reduced one
-        g = None if p.grad is None else local(p.grad)  # FSDP2: this rank's reduced shard
+        grad = p.grad
+        g = None if grad is None else local(grad)  # FSDP2: this rank's reduced shard
         self.send(i, g)
+        if g is grad:
+            # A plain gradient: what it holds at step() is what was sent unless something wrote it
+            # since, such as a hook registered after this one (a new version, which step() sends).
+            return
         if not self._sent_in_backward:
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
@@ -114,11 +154,12 @@ class GradientPath:
         self._sent_in_backward.append(i)
 
     def _backward_ended(self) -> None:
-        """The gradients the hooks sent in this backward are what `.grad` holds at its end: their
-        version counters are taken again. FSDP2's sharded gradients are views of one reduce-scatter
-        output and share its counter, so accumulating into one param's gradient (a reduce in every
-        micro-batch) counts as a write to the others sent before it; nothing else writes them
-        between their hook and the end of backward."""
+        """The sharded gradients the hooks sent in this backward are what `.grad` holds at its end:
+        their version counters are taken again. FSDP2's sharded gradients are views of one
+        reduce-scatter output and share its counter, so accumulating into one param's gradient (a
+        reduce in every micro-batch) counts as a write to the others sent before it; nothing else
+        writes them between their hook and the end of backward. (Not so for plain gradients: a hook
+        registered after this path's may edit one in place, and the step must send that again.)"""
         sent, self._sent_in_backward = self._sent_in_backward, []
         layout = self.opt.layout if self.opt is not None else None
         if layout is None:
@@ -149,8 +190,8 @@ class GradientPath:
         `in_backward`: the updates during backward may use it (not at step(): they are settled)."""
         opt = self.opt
         lo, hi = opt.layout.ranges[i]
-        if g is None or g.is_sparse or hi == lo:
-            return
+        if g is None or g.is_sparse or hi == lo or g.numel() != hi - lo:
+            return  # nothing to send; or a param resized since the layout was made, which step() refuses
         stream, source = 0, None
         if g.is_cuda:
             if not (self.device_path and g.device.index == opt.engine.device and g.is_contiguous()
@@ -262,3 +303,74 @@ class GradientPath:
         if any_cuda:
             torch.cuda.synchronize()
         return bytes(has_grad), stale
+
+
+class GradientHooks:
+    """The gradient hooks in C++ (torch_bridge/gradient_hooks.cpp, in the library of
+    memtide.optim.torch_reads): each hooked param's post-accumulate-grad hook hands its gradient to
+    the step protocol from autograd's thread, without the GIL, and writes what it sent into the
+    path's `addresses` and `versions`. Where it cannot (a GPU, sparse or non-contiguous gradient),
+    or while the route is PYTHON, it calls `fallback(i, param)`: the Python hook. A Python hook
+    registered on the param later takes its place (torch keeps one C++ hook object per param):
+    step() then sends that gradient itself, as it sends any it finds unsent.
+
+    Why: a Python hook runs in the middle of backward, whose kernels have just streamed the layer
+    through the caches; each object it touches misses (about 20 us a hook on a 50M-param MLP,
+    against 1-2 us warm) and it must take the GIL."""
+
+    #: The route that sends every gradient through the Python hook (the others are GradRoute's values).
+    PYTHON = -1
+    _declared: Set[int] = set()
+
+    def __init__(self, lib: ctypes.PyDLL, params: Sequence[torch.Tensor], sizes: Sequence[int], hooked: Sequence[bool],
+                 fallback: Callable[[int, torch.Tensor], None], protocol: Any,
+                 addresses: array.array, versions: array.array) -> None:
+        entry, native = protocol.grad_entry
+        # The arrays never grow (GradientPath assigns into them), so their addresses hold.
+        sizes = torch_reads.int64s_of(sizes)
+        handle = lib.memtide_gradient_hooks_make(list(params), bytes(map(bool, hooked)), fallback, protocol, entry,
+                                                 native, addresses.buffer_info()[0], versions.buffer_info()[0],
+                                                 sizes.buffer_info()[0], (addresses, versions, sizes), len(params))
+        self._lib, self._handle = lib, handle
+        # Taken off when this object goes, or at exit (the hooks call into Python).
+        self._free = weakref.finalize(self, lib.memtide_gradient_hooks_free, handle)
+
+    @classmethod
+    def make(cls, params: Sequence[torch.Tensor], sizes: Sequence[int], hooked: Sequence[bool],
+             fallback: Callable[[int, torch.Tensor], None], protocol: Any, addresses: array.array,
+             versions: array.array) -> Optional["GradientHooks"]:
+        """Hooks on the `hooked` params, whose gradients have `sizes` elements (a gradient of
+        another size is left to step(), which refuses a resized param), or None where the library is not in use
+        (memtide.optim.torch_reads.status()): Python's hooks serve then."""
+        lib = torch_reads.library()
+        if lib is None:
+            return None
+        if id(lib) not in cls._declared:
+            p = ctypes.c_void_p
+            for name, restype, argtypes in (
+                    ("make", p, [ctypes.py_object, ctypes.c_char_p, ctypes.py_object, ctypes.py_object, p, p, p, p, p,
+                                 ctypes.py_object, ctypes.c_long]),
+                    ("route", None, [p, ctypes.c_int]), ("reset", None, [p]), ("sent", ctypes.c_int64, [p]),
+                    ("free", None, [p])):
+                fn = getattr(lib, "memtide_gradient_hooks_" + name)
+                fn.restype, fn.argtypes = restype, argtypes
+            cls._declared.add(id(lib))
+        return cls(lib, params, sizes, hooked, fallback, protocol, addresses, versions)
+
+    def route(self, route: int) -> None:
+        """Every gradient from now on takes `route` (a GradRoute's value), or Python's hook (PYTHON)."""
+        if self._free.alive:
+            self._lib.memtide_gradient_hooks_route(self._handle, route)
+
+    def reset(self) -> None:
+        """The next backward sends its own: the gradients kept for the step to read are let go."""
+        if self._free.alive:
+            self._lib.memtide_gradient_hooks_reset(self._handle)
+
+    @property
+    def sent(self) -> int:
+        """How many gradients these hooks handed over themselves (not through Python)."""
+        return self._lib.memtide_gradient_hooks_sent(self._handle) if self._free.alive else 0
+
+    def remove(self) -> None:
+        self._free()

@@ -6,7 +6,8 @@ gradient's hook: ``clip_grad_norm_``, a framework's unscale). torch charges Pyth
 for each of those reads even warm, several times that right after backward
 (bench/results/step-overhead/). ``libmemtide_torch_reads.so``, compiled against the installed
 torch's headers when memtide is installed (torch_bridge/torch_reads.cpp), reads them from the
-tensors themselves in one call into four int64 arrays, which the step compares whole.
+tensors themselves in one call into four int64 arrays, which the step compares whole. The same
+library holds the gradient hooks in C++ (memtide.optim.gradients, torch_bridge/gradient_hooks.cpp).
 
 It is optional: without it (a torch without CUDA, whose bridge is not built; headers that did not
 compile; another torch than the one it was built against; ``MEMTIDE_TORCH_READS=false``) the step
@@ -33,6 +34,7 @@ NOT_SENT = -(2 ** 63)
 NO_GRAD = NOT_SENT + 1
 
 _read: Optional[Callable[..., int]] = None
+_lib: Optional[ctypes.PyDLL] = None
 _why: Optional[str] = None  # why there is no native read (None: not tried yet, or there is one)
 
 
@@ -47,7 +49,7 @@ def build_status() -> str:
 
 
 def _load() -> Optional[Callable[..., int]]:
-    global _read, _why
+    global _read, _lib, _why
     if _read is not None or _why is not None:
         return _read
     if _memtide.options().get("torch_reads", "true") != "true":
@@ -67,7 +69,7 @@ def _load() -> Optional[Callable[..., int]]:
         if no_grad() != NO_GRAD:
             _why = f"{library_path()} marks a missing gradient otherwise than this package"
             return None
-        _read = fn
+        _read, _lib = fn, lib
     return _read
 
 
@@ -78,8 +80,8 @@ def status() -> str:
 
 def reset() -> None:
     """Forgets the loaded state, so that the next use looks again (the tests switch the option)."""
-    global _read, _why
-    _read = _why = None
+    global _read, _lib, _why
+    _read = _lib = _why = None
 
 
 def int64s(n: int, fill: int = 0) -> array.array:
@@ -124,3 +126,10 @@ def for_params(params: Sequence[torch.Tensor]) -> Optional[ParamReads]:
 
 
 _PLAIN = (torch.nn.Parameter, torch.Tensor)
+
+
+
+def library() -> Optional[ctypes.PyDLL]:
+    """The loaded library, where it is in use (:func:`status`): the gradient hooks
+    (memtide.optim.gradients) are in it too."""
+    return _lib if _load() is not None else None

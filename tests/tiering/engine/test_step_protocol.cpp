@@ -8,10 +8,12 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "memtide/core/error.hpp"
 #include "memtide/tiering/engine/backward_updates.hpp"
+#include "memtide/tiering/engine/grad_entry.h"
 #include "memtide/tiering/engine/step_protocol.hpp"
 #include "sim_engine.hpp"
 
@@ -240,6 +242,39 @@ TEST(StepProtocol, RefusesWhatItCannotDecide) {
   StepRequest few = rig.request;
   few.has_grad.pop_back();
   EXPECT_THROW((void)p.step(few, {}), InvalidArgument);
+}
+
+// The C entry the torch hooks call (grad_entry.h): the same arrivals, and every refusal a message,
+// never an exception (it is called across a library boundary, from autograd's threads).
+TEST(StepProtocol, TheCEntryIsGradReadyWithRefusalsAsMessages) {
+  Rig rig;
+  StepProtocol p(rig.engine, ProtocolOptions{});
+  char error[64] = {};
+  for (std::size_t i = 0; i < rig.params(); ++i) {
+    ASSERT_EQ(memtide_step_protocol_grad_ready(&p, i, rig.grads.data() + i * kParam, MEMTIDE_GRAD_FP32, kParam,
+                                               MEMTIDE_GRAD_IN_PLACE, nullptr, error, sizeof error),
+              0);
+  }
+  EXPECT_EQ(p.in_place_count(), rig.params());
+  p.collect({});
+  EXPECT_EQ(p.step(rig.request, {}).ran, true);
+  EXPECT_EQ(rig.state(), reference(1.0));
+
+  const float* g = rig.grads.data();
+  EXPECT_EQ(memtide_step_protocol_grad_ready(&p, 0, g, MEMTIDE_GRAD_FP32, kParam - 1, MEMTIDE_GRAD_HOST_COPY, nullptr,
+                                             error, sizeof error),
+            -1);
+  EXPECT_NE(std::string(error).find("param 0 has 2000 elements"), std::string::npos) << error;
+  EXPECT_EQ(std::string(error).size(), sizeof error - 1) << "cut to the buffer, NUL-terminated";
+  EXPECT_EQ(memtide_step_protocol_grad_ready(&p, 6, g, MEMTIDE_GRAD_FP32, kParam, MEMTIDE_GRAD_HOST_COPY, nullptr,
+                                             error, sizeof error),
+            -1);
+  EXPECT_EQ(memtide_step_protocol_grad_ready(&p, 0, g, 7, kParam, MEMTIDE_GRAD_HOST_COPY, nullptr, error, sizeof error),
+            -1);
+  EXPECT_STREQ(error, "grad_ready: unknown gradient dtype code 7");
+  EXPECT_EQ(memtide_step_protocol_grad_ready(&p, 0, g, MEMTIDE_GRAD_FP32, kParam, 3, nullptr, nullptr, 0), -1)
+      << "no buffer for the message: refused all the same";
+  EXPECT_EQ(p.in_place_count(), 0U) << "nothing refused arrived";
 }
 
 TEST(StepProtocol, NoGradientDecidesNothing) {

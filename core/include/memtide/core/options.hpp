@@ -30,7 +30,7 @@ struct Options {
   std::string preload_log = "memtide_preload.jsonl";  ///< LD_PRELOAD observer output file
   bool expandable_segments = true;          ///< grow large-pool segments with virtual memory where the device can
   bool torch_bridge = true;                 ///< memtide.use_with_torch(): the bridge when built, else pluggable
-  bool torch_reads = true;                  ///< TieredAdamW's per-step reads in C++ (libmemtide_torch_reads.so) when built
+  bool torch_reads = true;                  ///< TieredAdamW's per-step reads and gradient hooks in C++ (libmemtide_torch_reads.so) when built
   std::string cpu_isa = "auto";             ///< auto | scalar | avx2 | avx512 (CPU optimizer kernels)
   double calibration_alpha = 0.3;           ///< EWMA weight of a new rate measurement
   std::uint64_t calibration_history = 100;  ///< update-phase prediction errors kept for reports
