@@ -44,7 +44,7 @@ constexpr int kRoutePython = -1;
 class Hooks;
 
 struct Hook final : PostAccumulateGradHook {
-  Hook(std::weak_ptr<Hooks> owner, const Hooks* owned_by, std::size_t index, std::unique_ptr<PostAccumulateGradHook> inner)
+  Hook(std::weak_ptr<Hooks> owner, std::uint64_t owned_by, std::size_t index, std::unique_ptr<PostAccumulateGradHook> inner)
       : owner(std::move(owner)), owned_by(owned_by), index(index), inner(std::move(inner)) {}
   void operator()(const Variable& param) override;
   // Compiled autograd sees the Python hooks this one holds, not this one: the step then sends
@@ -56,7 +56,7 @@ struct Hook final : PostAccumulateGradHook {
     if (inner) inner->apply_with_saved(param, saved);
   }
   std::weak_ptr<Hooks> owner;  // weak: the param (its autograd metadata) owns this hook
-  const Hooks* owned_by;       // which Hooks installed it (compared, never followed)
+  std::uint64_t owned_by;      // which Hooks installed it (Hooks::id)
   std::size_t index;
   std::unique_ptr<PostAccumulateGradHook> inner;  // the Python hooks it replaced in torch's slot, or null
 };
@@ -103,18 +103,23 @@ class Hooks : public std::enable_shared_from_this<Hooks> {
   // Hooks param `i` (a leaf that requires grad), taking torch's slot for it.
   void add(std::size_t i, const Variable& param) {
     auto& slot = torch::autograd::impl::post_acc_grad_hooks(param);
-    slot = std::make_unique<Hook>(weak_from_this(), this, i, std::move(slot));
+    slot = std::make_unique<Hook>(weak_from_this(), id_, i, std::move(slot));
     params_[i] = param;
   }
 
-  // Gives each param's slot back what it held before (where this hook still holds it) and lets the
-  // params go (the GIL is held: a param's Python object may go with it).
+  // Takes this object's hook out of each param's slot, giving back what it held (a second
+  // optimizer over the same params holds the first's hook inside its own: it is cut out of the
+  // chain), and lets the params go (the GIL is held: a param's Python object may go with it).
   void remove() {
     for (auto& param : params_) {
       if (!param.defined()) continue;
-      auto& slot = torch::autograd::impl::post_acc_grad_hooks(param);
-      if (auto* mine = dynamic_cast<Hook*>(slot.get()); mine != nullptr && mine->owned_by == this) {
-        slot = std::move(mine->inner);
+      std::unique_ptr<PostAccumulateGradHook>* link = &torch::autograd::impl::post_acc_grad_hooks(param);
+      while (auto* hook = dynamic_cast<Hook*>(link->get())) {  // a Python hooks object ends the chain
+        if (hook->owned_by == id_) {
+          *link = std::move(hook->inner);
+          break;
+        }
+        link = &hook->inner;
       }
       param.reset();
     }
@@ -189,6 +194,8 @@ class Hooks : public std::enable_shared_from_this<Hooks> {
   std::vector<Variable> params_;  // the hooked params (undefined: not hooked)
   std::atomic<int> route_{kRoutePython};
   std::atomic<std::int64_t> native_sends_{0};
+  const std::uint64_t id_ = next_id_.fetch_add(1);  // never reused, unlike an address
+  static inline std::atomic<std::uint64_t> next_id_{1};
 };
 
 void Hook::operator()(const Variable& param) {
@@ -258,6 +265,19 @@ __attribute__((visibility("default"))) void memtide_gradient_hooks_reset(void* h
 /// How many gradients the hooks have handed over themselves (not through Python).
 __attribute__((visibility("default"))) std::int64_t memtide_gradient_hooks_sent(void* handle) {
   return (*static_cast<Handle*>(handle))->native_sends();
+}
+
+/// How many memtide hooks torch's post-accumulate-grad slot of the tensor `param` holds, one
+/// inside the other (each optimizer alive over it adds one), or -1 when `param` is not a tensor.
+__attribute__((visibility("default"))) long memtide_gradient_hooks_depth(PyObject* param) {
+  if (!THPVariable_Check(param)) return -1;
+  long depth = 0;
+  const auto* link = &torch::autograd::impl::post_acc_grad_hooks(THPVariable_Unpack(param));
+  while (const auto* hook = dynamic_cast<const Hook*>(link->get())) {
+    ++depth;
+    link = &hook->inner;
+  }
+  return depth;
 }
 
 /// Takes the hooks off and frees the handle (the GIL is held).

@@ -351,7 +351,7 @@ class GradientHooks:
                     ("make", p, [ctypes.py_object, ctypes.c_char_p, ctypes.py_object, ctypes.py_object, p, p, p, p, p,
                                  ctypes.py_object, ctypes.c_long]),
                     ("route", None, [p, ctypes.c_int]), ("reset", None, [p]), ("sent", ctypes.c_int64, [p]),
-                    ("free", None, [p])):
+                    ("free", None, [p]), ("depth", ctypes.c_long, [ctypes.py_object])):
                 fn = getattr(lib, "memtide_gradient_hooks_" + name)
                 fn.restype, fn.argtypes = restype, argtypes
             cls._declared.add(id(lib))
@@ -374,3 +374,10 @@ class GradientHooks:
 
     def remove(self) -> None:
         self._free()
+
+    @staticmethod
+    def depth(param: torch.Tensor) -> int:
+        """How many memtide hooks `param` holds now (one per live optimizer over it; 0 where the
+        library is not in use)."""
+        lib = torch_reads.library()
+        return 0 if lib is None or id(lib) not in GradientHooks._declared else lib.memtide_gradient_hooks_depth(param)

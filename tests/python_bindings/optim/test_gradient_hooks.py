@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from memtide.optim import TieredAdamW  # noqa: E402
-from memtide.optim.gradients import GradientPath  # noqa: E402
+from memtide.optim.gradients import GradientHooks, GradientPath  # noqa: E402
 from memtide_testing import READ_PATHS, use_reads  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("native")
@@ -162,9 +162,10 @@ def test_the_hooks_go_with_the_optimizer_and_leave_torch_s_slot_as_it_was():
     opt = TieredAdamW(m.parameters(), lr=1e-2, policy="cpu")
     train(m, opt, steps=1)
     gone = weakref.ref(opt)
+    assert GradientHooks.depth(first) == 1
     del opt
     gc.collect()
-    assert gone() is None
+    assert gone() is None and GradientHooks.depth(first) == 0
     m(torch.randn(4, 16)).sum().backward()  # no hook of the dead optimizer runs; the user's still does
     assert seen == [1, 1]
     # Nor do the hooks keep the params alive.
@@ -201,3 +202,29 @@ def test_a_param_resized_after_the_optimizer_was_built_trains_as_before():
     (p * p).sum().backward()
     opt.step()
     assert opt.gradient_path.native.sent == 1 and int(opt.state[p]["step"]) == 2
+
+
+def test_a_second_optimizer_over_the_same_params_and_the_first_one_going():
+    # A careless loop makes a new optimizer each epoch: each one's hook takes torch's slot and holds
+    # the previous one's; a dead optimizer's hook is cut out, so no chain grows.
+    m = model()
+    first = TieredAdamW(m.parameters(), lr=1e-2, policy="cpu")
+    second = TieredAdamW(m.parameters(), lr=1e-2, policy="cpu")
+    train(m, second, steps=1)
+    assert first.gradient_path.native.sent == 4 and second.gradient_path.native.sent == 4
+    p = next(m.parameters())
+    assert GradientHooks.depth(p) == 2
+    hooks = weakref.ref(first.gradient_path.native)
+    del first
+    gc.collect()
+    assert hooks() is None and GradientHooks.depth(p) == 1  # the first's cut out of the second's
+    for _ in range(3):  # and again: every new one replaces the last
+        second = TieredAdamW(m.parameters(), lr=1e-2, policy="cpu")
+        gc.collect()
+        assert GradientHooks.depth(p) == 1
+    m2 = model()
+    opt = TieredAdamW(m2.parameters(), lr=1e-2, policy="cpu")
+    train(m2, opt)
+    same_as_torch(m2)
+    train(m, second, steps=2, seed=1)
+    assert second.gradient_path.native.sent == 2 * 4 and second.stats.regathered == 0
