@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "memtide/device/device.hpp"
@@ -352,6 +354,66 @@ void Tracer::buffer_completed(void* context, std::uint32_t stream, std::uint8_t*
   } catch (...) {
   }
   std::free(buffer);
+}
+
+// ---- the process's tracer --------------------------------------------------------------------
+
+namespace {
+
+struct Process {
+  std::mutex mutex;
+  std::unique_ptr<Tracer> tracer;
+  double offset_ns = 0;  // steady clock - CUPTI's clock
+};
+
+Process& process() {
+  static auto* p = new Process;  // never destroyed: CUPTI may call back at exit
+  return *p;
+}
+
+double steady_ns() {
+  return static_cast<double>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+bool tracing(Status s) { return s == Status::active || s == Status::partial; }
+
+}  // namespace
+
+ProcessTrace::Started ProcessTrace::start(Api api) {
+  Process& p = process();
+  std::lock_guard lock(p.mutex);
+  Started out;
+  out.library = api.library;
+  if (p.tracer) p.tracer->stop();
+  p.tracer = std::make_unique<Tracer>(std::move(api));
+  out.status = p.tracer->start();
+  if (tracing(out.status)) p.offset_ns = steady_ns() - static_cast<double>(p.tracer->now_ns());
+  out.detail = p.tracer->detail();
+  out.dropped = p.tracer->dropped();
+  return out;
+}
+
+std::vector<ProcessTrace::Timed> ProcessTrace::stop() {
+  Process& p = process();
+  std::lock_guard lock(p.mutex);
+  std::vector<Timed> out;
+  if (!p.tracer) return out;
+  p.tracer->stop();
+  for (const Activity& a : p.tracer->take()) {
+    out.push_back({a, static_cast<double>(a.start_ns) + p.offset_ns, static_cast<double>(a.end_ns) + p.offset_ns});
+  }
+  return out;
+}
+
+std::optional<PcieUse> ProcessTrace::pcie(double from_ns, double to_ns) {
+  Process& p = process();
+  std::lock_guard lock(p.mutex);
+  if (!p.tracer || !tracing(p.tracer->status())) return std::nullopt;
+  p.tracer->flush();
+  const double from = from_ns - p.offset_ns, to = to_ns - p.offset_ns;
+  if (!(to > from) || from < 0) return std::nullopt;
+  return p.tracer->pcie_between(static_cast<std::uint64_t>(from), static_cast<std::uint64_t>(to));
 }
 
 }  // namespace memtide::cupti

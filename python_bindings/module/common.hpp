@@ -66,10 +66,6 @@ void bind_tiering(nb::module_& m);
 void bind_engine(nb::module_& m);
 /// CUPTI activity tracing.
 void bind_tracing(nb::module_& m);
-/// What the process's CUPTI tracer saw on the PCIe links in [from_ns, to_ns) of the steady clock
-/// (the host clock of a CUDA device); nullopt when it is not tracing.
-std::optional<cupti::PcieUse> traced_pcie(double from_ns, double to_ns);
-
 // Shared by the tiering, engine and simulator bindings (conversions.cpp, compiled into both extensions;
 // count_arg and policy_arg in tiering.cpp).
 std::size_t count_arg(const char* name, std::int64_t value);

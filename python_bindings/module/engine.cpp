@@ -69,7 +69,7 @@ class PyUpdateEngine {
     engine_ = std::make_unique<tiering::UpdateEngine>(a, arena, count, std::move(ranges), &pool, config);
     // The process's CUPTI tracer (when it runs) tells the engine what others do on the links.
     engine_->set_traffic_source([](double from_ns, double to_ns) -> std::optional<tiering::LinkTraffic> {
-      const auto use = traced_pcie(from_ns, to_ns);
+      const auto use = cupti::ProcessTrace::pcie(from_ns, to_ns);
       if (!use) return std::nullopt;
       return tiering::LinkTraffic{use->h2d.busy_ns, use->d2h.busy_ns};
     });

@@ -5,7 +5,6 @@
 #include <cstring>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <tuple>
 #include <vector>

@@ -1,9 +1,10 @@
 // The CUPTI tracer without a GPU: synthetic activity records decoded the way CUPTI hands them over
 // (as Kineto tests its CUPTI code), and every status through a fake CUPTI: active, partial, busy,
-// no_gpu, no_cupti; plus the real loader on this machine.
+// no_gpu, no_cupti; the process's tracer on the steady clock; plus the real loader on this machine.
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -199,6 +200,54 @@ TEST(CuptiTracer, NoGpuAndNoCuptiNeverCallCupti) {
   EXPECT_EQ(t.detail(), "libcupti could not be loaded");
   EXPECT_EQ(Fake::calls, 0);
   t.stop();  // harmless
+}
+
+double steady_now_ns() {
+  return static_cast<double>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+// The process's tracer puts CUPTI's times on the steady clock: the fake's clock reads 42 at start,
+// so a copy at CUPTI's 42 + 1 s ran 1 s after start on the steady clock.
+TEST(CuptiProcessTrace, RecordsAndPcieUseAreOnTheSteadyClock) {
+  Fake::reset();
+  const double before = steady_now_ns();
+  const ProcessTrace::Started started = ProcessTrace::start(Fake::api());
+  const double after = steady_now_ns();
+  ASSERT_EQ(started.status, Status::active) << started.detail;
+  Buffer b;
+  constexpr std::uint64_t kSecond = 1'000'000'000;
+  b.add(copy(CUPTI_ACTIVITY_MEMCPY_KIND_HTOD, CUPTI_ACTIVITY_MEMORY_KIND_PINNED, 42 + kSecond, 47 + kSecond, 1000));
+  b.add(copy(CUPTI_ACTIVITY_MEMCPY_KIND_DTOH, CUPTI_ACTIVITY_MEMORY_KIND_PAGEABLE, 52 + kSecond, 62 + kSecond, 10));
+  std::uint8_t* buffer = nullptr;
+  std::size_t size = 0, max_records = 0;
+  Fake::requested(&buffer, &size, &max_records);
+  std::memcpy(buffer, b.bytes.data(), b.bytes.size());
+  Fake::completed(nullptr, 0, buffer, size, b.bytes.size());
+
+  const auto use = ProcessTrace::pcie(after, after + 2 * kSecond);
+  ASSERT_TRUE(use.has_value());
+  EXPECT_DOUBLE_EQ(use->h2d.bytes, 1000);
+  EXPECT_DOUBLE_EQ(use->d2h.bytes, 10);
+  EXPECT_DOUBLE_EQ(ProcessTrace::pcie(after, after + 0.5 * kSecond)->h2d.bytes, 0) << "before the copies";
+  EXPECT_FALSE(ProcessTrace::pcie(after + kSecond, after).has_value()) << "an empty window";
+  EXPECT_FALSE(ProcessTrace::pcie(before - kSecond, after).has_value()) << "a window from before the trace";
+
+  const std::vector<ProcessTrace::Timed> got = ProcessTrace::stop();
+  ASSERT_EQ(got.size(), 2U);
+  EXPECT_EQ(got[0].activity.kind, Activity::Kind::h2d);
+  EXPECT_GE(got[0].start_ns, before + kSecond);
+  EXPECT_LE(got[0].start_ns, after + kSecond);
+  EXPECT_DOUBLE_EQ(got[0].end_ns - got[0].start_ns, 5);
+  EXPECT_FALSE(got[1].activity.pinned);
+  EXPECT_FALSE(ProcessTrace::pcie(after, after + 2 * kSecond).has_value()) << "stopped: nothing traces";
+  EXPECT_TRUE(ProcessTrace::stop().empty()) << "taken once";
+
+  const ProcessTrace::Started none = ProcessTrace::start(Fake::api(0));
+  EXPECT_EQ(none.status, Status::no_gpu);
+  EXPECT_FALSE(none.detail.empty());
+  EXPECT_FALSE(ProcessTrace::pcie(before, after).has_value());
+  EXPECT_TRUE(ProcessTrace::stop().empty());
 }
 
 TEST(CuptiTracer, TheRealLoaderReportsAStatusNotAnError) {

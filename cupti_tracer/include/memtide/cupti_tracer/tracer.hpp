@@ -122,4 +122,34 @@ class Tracer {
   std::uint64_t dropped_ = 0;
 };
 
+/// The process's one tracer (CUPTI takes one subscriber per process), its records put on the
+/// steady clock (std::chrono::steady_clock, which the allocator's trace uses): what the Python
+/// module's device_trace_start/stop and the engine's PCIe calibration share. Thread-safe; the
+/// tracer is never destroyed (CUPTI may call back at exit).
+class ProcessTrace {
+ public:
+  struct Started {
+    Status status = Status::off;
+    std::string detail;   ///< Tracer::detail()
+    std::string library;  ///< where libcupti was loaded from
+    std::uint64_t dropped = 0;
+  };
+  /// One activity with its times on the steady clock (ns since its epoch).
+  struct Timed {
+    Activity activity;
+    double start_ns = 0;
+    double end_ns = 0;
+  };
+
+  /// (Re)starts tracing through `api` (Api::load() in use; a test passes a fake), stopping a
+  /// tracer started before. Never throws for a missing GPU, library or a busy CUPTI.
+  static Started start(Api api);
+  /// Stops tracing (synchronize the device first) and takes its activities; empty when none was started.
+  static std::vector<Timed> stop();
+  /// The PCIe use in [from_ns, to_ns) on the steady clock of the activities CUPTI has handed over
+  /// (completed buffers only: records it still holds are missed, not waited for); nullopt when
+  /// nothing traces or the window is empty or before the trace.
+  static std::optional<PcieUse> pcie(double from_ns, double to_ns);
+};
+
 }  // namespace memtide::cupti
