@@ -401,7 +401,8 @@ std::vector<ProcessTrace::Timed> ProcessTrace::stop() {
   if (!p.tracer) return out;
   p.tracer->stop();
   for (const Activity& a : p.tracer->take()) {
-    out.push_back({a, static_cast<double>(a.start_ns) + p.offset_ns, static_cast<double>(a.end_ns) + p.offset_ns});
+    out.push_back(
+        {a, static_cast<double>(a.start_ns) + p.offset_ns, static_cast<double>(a.end_ns) + p.offset_ns});
   }
   return out;
 }

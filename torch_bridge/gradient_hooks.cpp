@@ -11,8 +11,9 @@
 // installs one: torch calls it after writing `.grad`, from whichever gradient accumulator the
 // param has now (one is made anew for each graph, and when `p.data` changes its shape, dtype or
 // device). torch keeps one such hook object per param; where Python hooks are already there, this
-// one holds them and calls them first, as they ran before a Python hook registered after them. One registered from Python later replaces it: the
-// step then finds that param's gradient unsent and sends it itself (stats.regathered), as before.
+// one holds them and calls them first, as they would run before a Python hook registered after
+// them. A Python hook registered later, on a param that had none, replaces it: the step then
+// finds that param's gradient unsent and sends it itself (stats.regathered), as before.
 // Where the hook cannot hand the gradient over itself (the route is "python": DDP, updates during
 // backward; a gradient on a GPU, sparse, conjugated, not contiguous, of another dtype) it calls the
 // Python hook instead, which does what it always did.
@@ -44,7 +45,8 @@ constexpr int kRoutePython = -1;
 class Hooks;
 
 struct Hook final : PostAccumulateGradHook {
-  Hook(std::weak_ptr<Hooks> owner, std::uint64_t owned_by, std::size_t index, std::unique_ptr<PostAccumulateGradHook> inner)
+  Hook(std::weak_ptr<Hooks> owner, std::uint64_t owned_by, std::size_t index,
+       std::unique_ptr<PostAccumulateGradHook> inner)
       : owner(std::move(owner)), owned_by(owned_by), index(index), inner(std::move(inner)) {}
   void operator()(const Variable& param) override;
   // Compiled autograd sees the Python hooks this one holds, not this one: the step then sends
@@ -227,9 +229,10 @@ __attribute__((visibility("default"))) void* memtide_gradient_hooks_make(
     PyErr_SetString(PyExc_ValueError, "memtide_gradient_hooks_make: params must be a list of n tensors");
     return nullptr;
   }
-  if (ready == nullptr || native_protocol == nullptr || addresses == nullptr || versions == nullptr || sizes == nullptr ||
-      !PyCallable_Check(fallback)) {
-    PyErr_SetString(PyExc_ValueError, "memtide_gradient_hooks_make: a null entry, protocol or array, or a fallback that is not callable");
+  if (ready == nullptr || native_protocol == nullptr || addresses == nullptr || versions == nullptr ||
+      sizes == nullptr || !PyCallable_Check(fallback)) {
+    PyErr_SetString(PyExc_ValueError,
+                    "memtide_gradient_hooks_make: a null entry, protocol or array, or a fallback that is not callable");
     return nullptr;
   }
   try {
