@@ -14,9 +14,10 @@
 // one holds them and calls them first, as they would run before a Python hook registered after
 // them. A Python hook registered later, on a param that had none, replaces it: the step then
 // finds that param's gradient unsent and sends it itself (stats.regathered), as before.
-// Where the hook cannot hand the gradient over itself (the route is "python": DDP, updates during
+// Where the hook cannot hand the gradient over itself (the route is "python": updates during
 // backward; a gradient on a GPU, sparse, conjugated, not contiguous, of another dtype) it calls the
-// Python hook instead, which does what it always did.
+// Python hook instead, which does what it always did. DDP's params are skipped: their gradients
+// come reduced from DDP's bucket hook.
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -98,7 +99,8 @@ class Hooks : public std::enable_shared_from_this<Hooks> {
         versions_(versions),
         sizes_(sizes),
         sources_(n),
-        params_(n) {}
+        params_(n),
+        skip_(n, 0) {}
 
   ~Hooks() { remove(); }
 
@@ -128,6 +130,10 @@ class Hooks : public std::enable_shared_from_this<Hooks> {
   }
 
   void set_route(int route) { route_.store(route, std::memory_order_relaxed); }
+  // Params whose hook does nothing (DDP's: their gradients come reduced from its bucket hook).
+  void set_skip(const unsigned char* skip) {
+    for (std::size_t i = 0; i < skip_.size(); ++i) skip_[i] = skip[i] != 0;
+  }
   // The next backward sends its own: the gradients read where they lay are let go.
   void reset() {
     for (auto& s : sources_) s.reset();
@@ -136,6 +142,7 @@ class Hooks : public std::enable_shared_from_this<Hooks> {
 
   // Autograd has accumulated param i's gradient into `.grad`.
   void ready(std::size_t i, const Variable& param) {
+    if (skip_[i]) return;
     const int route = route_.load(std::memory_order_relaxed);
     const at::Tensor& g = param.grad();
     if (route == kRoutePython || (g.defined() && !native(g))) {
@@ -194,6 +201,7 @@ class Hooks : public std::enable_shared_from_this<Hooks> {
   const std::int64_t* sizes_;  // each param's element count in the layout
   std::vector<at::Tensor> sources_;
   std::vector<Variable> params_;  // the hooked params (undefined: not hooked)
+  std::vector<unsigned char> skip_;  // set between backwards only
   std::atomic<int> route_{kRoutePython};
   std::atomic<std::int64_t> native_sends_{0};
   const std::uint64_t id_ = next_id_.fetch_add(1);  // never reused, unlike an address
@@ -258,6 +266,11 @@ __attribute__((visibility("default"))) void* memtide_gradient_hooks_make(
 /// Every gradient from now on takes `route` (memtide_grad_route), or goes through Python (-1).
 __attribute__((visibility("default"))) void memtide_gradient_hooks_route(void* handle, int route) {
   (*static_cast<Handle*>(handle))->set_route(route);
+}
+
+/// From the next backward on, the hook of each param i with `skip[i]` nonzero does nothing (n bytes).
+__attribute__((visibility("default"))) void memtide_gradient_hooks_skip(void* handle, const unsigned char* skip) {
+  (*static_cast<Handle*>(handle))->set_skip(skip);
 }
 
 /// The next backward sends its own: the gradients kept for the step to read are let go.

@@ -96,17 +96,17 @@ class GradientPath:
         self._route_native()
 
     def _route_native(self) -> None:
-        """Tells the C++ hooks the route a CPU gradient takes, as send() would choose it; Python's
-        hook where send() does more than hand it over (DDP's params, updates during backward)."""
+        """Tells the C++ hooks the route a CPU gradient takes, as send() would choose it (Python's
+        hook where send() does more than hand it over: updates during backward), and which params'
+        hooks do nothing, as ready() does nothing for them (DDP's)."""
         if self.native is None:
             return
-        opt = self.opt
-        if opt.backward_updates is not None or self.reduced_by_ddp:
+        if self.opt.backward_updates is not None:
             route = GradientHooks.PYTHON
         else:
             route = (_ROUTE.in_place if self.direct() else _ROUTE.host_copy).value
         self._native_keeps = route == _ROUTE.in_place.value
-        self.native.route(route)
+        self.native.route(route, skip=self.reduced_by_ddp)
 
     @property
     def opt(self) -> Any:
@@ -331,7 +331,7 @@ class GradientHooks:
         handle = lib.memtide_gradient_hooks_make(list(params), bytes(map(bool, hooked)), fallback, protocol, entry,
                                                  native, addresses.buffer_info()[0], versions.buffer_info()[0],
                                                  sizes.buffer_info()[0], (addresses, versions, sizes), len(params))
-        self._lib, self._handle = lib, handle
+        self._lib, self._handle, self._n = lib, handle, len(params)
         # Taken off when this object goes, or at exit (the hooks call into Python).
         self._free = weakref.finalize(self, lib.memtide_gradient_hooks_free, handle)
 
@@ -350,17 +350,20 @@ class GradientHooks:
             for name, restype, argtypes in (
                     ("make", p, [ctypes.py_object, ctypes.c_char_p, ctypes.py_object, ctypes.py_object, p, p, p, p, p,
                                  ctypes.py_object, ctypes.c_long]),
-                    ("route", None, [p, ctypes.c_int]), ("reset", None, [p]), ("sent", ctypes.c_int64, [p]),
+                    ("route", None, [p, ctypes.c_int]), ("skip", None, [p, ctypes.c_char_p]),
+                    ("reset", None, [p]), ("sent", ctypes.c_int64, [p]),
                     ("free", None, [p]), ("depth", ctypes.c_long, [ctypes.py_object])):
                 fn = getattr(lib, "memtide_gradient_hooks_" + name)
                 fn.restype, fn.argtypes = restype, argtypes
             cls._declared.add(id(lib))
         return cls(lib, params, sizes, hooked, fallback, protocol, addresses, versions)
 
-    def route(self, route: int) -> None:
-        """Every gradient from now on takes `route` (a GradRoute's value), or Python's hook (PYTHON)."""
+    def route(self, route: int, skip: Set[int] = frozenset()) -> None:
+        """Every gradient from now on takes `route` (a GradRoute's value), or Python's hook (PYTHON),
+        but those of the params in `skip`, whose hooks do nothing."""
         if self._free.alive:
             self._lib.memtide_gradient_hooks_route(self._handle, route)
+            self._lib.memtide_gradient_hooks_skip(self._handle, bytes(i in skip for i in range(self._n)))
 
     def reset(self) -> None:
         """The next backward sends its own: the gradients kept for the step to read are let go."""

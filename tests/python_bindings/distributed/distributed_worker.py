@@ -93,7 +93,37 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
+class PythonHooks:
+    """Counts the gradient path's Python hook calls (GradientPath.ready) while it is entered."""
+
+    def __enter__(self):
+        from memtide.optim.gradients import GradientPath
+
+        self.calls, self._ready = 0, GradientPath.ready
+
+        def counted(path, i, p):
+            self.calls += 1
+            return self._ready(path, i, p)
+
+        GradientPath.ready = counted
+        return self
+
+    def __exit__(self, *exc):
+        from memtide.optim.gradients import GradientPath
+
+        GradientPath.ready = self._ready
+
+
 def train(tiered: bool):
+    if tiered:
+        with PythonHooks() as hooks:
+            out = _train(True)
+        out["python_hooks"] = hooks.calls
+        return out
+    return _train(False)
+
+
+def _train(tiered: bool):
     model = wrap(build())
     if tiered:
         opt = TieredAdamW(groups(model), lr=1e-2, policy="cpu", subgroup_size=64,
@@ -153,6 +183,8 @@ def train(tiered: bool):
         out["numel"] = opt.layout.numel
         out["regathered"] = opt.stats.regathered
         out["native_reads"] = opt._reads is not None  # the step read its params natively (torch_reads)
+        native = opt.gradient_path.native
+        out["native_hooks"] = None if native is None else native.sent  # gradients its C++ hooks sent
         if opt._reads is not None:
             # What it reads is what Python reads: a DTensor's local shard, and its gradient's
             # (none after zero_grad; then one after another backward).
@@ -190,6 +222,7 @@ def main() -> None:
     record = {"max_diff": diff, "moved": moved, "skipped": [mine["skipped"], ref["skipped"]],
               "numel": mine["numel"], "regathered": mine["regathered"], "eager": mine.get("eager"),
               "native_reads": mine["native_reads"], "reads_match": mine.get("reads_match"),
+              "python_hooks": mine["python_hooks"], "native_hooks": mine["native_hooks"],
               "host_bytes": mine["host_bytes"], "first_diff": first_diff, "frozen_moved": mine.get("frozen_moved"),
               "side_steps": [mine.get("side_steps"), ref.get("side_steps")]}
     records = [None] * dist.get_world_size()

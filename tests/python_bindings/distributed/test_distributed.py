@@ -72,6 +72,12 @@ def test_many_ranks_train_as_torch_adamw_does(wrap, scenario, ranks, tmp_path):
         # ... and saw it where the step reads every param natively, FSDP2's DTensors included.
         assert r["native_reads"] == (torch_reads.status() == "native"), (rank, r)
         assert r["reads_match"] in (None, [True, True]) and (r["reads_match"] is not None) == r["native_reads"], (rank, r)
+        # DDP's params take their reduced gradients from its bucket hook: with the C++ hooks none of
+        # theirs runs Python or sends anything; FSDP2's DTensors keep the Python hook.
+        if wrap.startswith("ddp") and r["native_reads"]:
+            assert r["python_hooks"] == 0 and r["native_hooks"] == 0, (rank, r)
+        if wrap.startswith("fsdp2"):
+            assert r["python_hooks"] > 0 and r["native_hooks"] is None, (rank, r)
         assert r["host_bytes"] == 16 * r["numel"], (rank, r)
     numels = [r["numel"] for r in out["ranks"]]
     if wrap.startswith("fsdp2"):
