@@ -263,8 +263,11 @@ finally:
 
 def _spilling_child(spill_dir, prelude=""):
     """A started child that spills into `spill_dir`, once its folder is there."""
+    # SIGHUP as a fresh process has it: under nohup (which the test run may be) it is inherited
+    # ignored, and memtide rightly leaves an ignored signal alone.
     p = subprocess.Popen([sys.executable, "-c", _SPILLING_CHILD.format(prelude=prelude, subgroup=SUBGROUP),
-                          str(spill_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+                          str(spill_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     line = p.stdout.readline()
     assert line.startswith("ready "), (line, p.communicate(timeout=60))
     assert spills(spill_dir), "the child spills nothing: the test would prove nothing"
