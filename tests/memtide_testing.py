@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -34,6 +35,15 @@ def clean_env(**overrides: str) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMTIDE_")}
     env.update(overrides)
     return env
+
+
+def default_signals() -> None:
+    """A child's preexec_fn for the tests that signal it: SIGINT, SIGTERM and SIGHUP at their
+    defaults, as a fresh process has them. A test run started as `cmd &` ignores SIGINT, one under
+    nohup SIGHUP; a child inherits that, Python then installs no KeyboardInterrupt handler, and
+    memtide rightly leaves an ignored signal alone: the signal the test sends would do nothing."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def run_python(args: Sequence[str], env: Optional[Dict[str, str]] = None,

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import memtide  # noqa: E402
 from memtide.optim import TieredAdamW  # noqa: E402
 from memtide.window import LayerWindow  # noqa: E402
-from memtide_testing import clean_env, direct_io_dir, one_torch_thread, run_python  # noqa: E402,F401
+from memtide_testing import clean_env, default_signals, direct_io_dir, one_torch_thread, run_python  # noqa: E402,F401
 
 SUBGROUP = 8192
 
@@ -81,7 +81,8 @@ def test_ctrl_c_in_memtide_run_reports_what_ran_exits_130_and_removes_the_spill_
     report = tmp_path / "t.html"
     p = subprocess.Popen([sys.executable, "-m", "memtide.cli", "run", *SMALL_RUN, "--iterations", "100000",
                           "--host-budget", "1MiB", "--nvme-dir", str(spill_dir), "--timeline", str(report)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                         preexec_fn=default_signals)
     seen = ""
     deadline = time.monotonic() + 240
     while "step   2/" not in seen:
@@ -263,11 +264,9 @@ finally:
 
 def _spilling_child(spill_dir, prelude=""):
     """A started child that spills into `spill_dir`, once its folder is there."""
-    # SIGHUP as a fresh process has it: under nohup (which the test run may be) it is inherited
-    # ignored, and memtide rightly leaves an ignored signal alone.
     p = subprocess.Popen([sys.executable, "-c", _SPILLING_CHILD.format(prelude=prelude, subgroup=SUBGROUP),
                           str(spill_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+                         preexec_fn=default_signals)
     line = p.stdout.readline()
     assert line.startswith("ready "), (line, p.communicate(timeout=60))
     assert spills(spill_dir), "the child spills nothing: the test would prove nothing"

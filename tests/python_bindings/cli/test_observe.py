@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import memtide
-from memtide_testing import clean_env
+from memtide_testing import clean_env, default_signals
 
 FAKE_CUDART = r"""
 #include <stdlib.h>
@@ -224,7 +224,8 @@ def test_ctrl_c_is_passed_on_and_what_was_observed_is_kept(tmp_path, fake_cudart
 
     p = subprocess.Popen([sys.executable, "-m", "memtide.cli", "observe", "--log", "t.jsonl", "--timeline", "obs.html",
                           "--", sys.executable, "-c", WAITS, fake_cudart, "0"], cwd=tmp_path, env=clean_env(),
-                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=default_signals)
     try:
         assert p.stdout.readline() == "ready\n"
         p.send_signal(signal.SIGINT)  # to memtide alone, as `kill -INT` would: it passes it on

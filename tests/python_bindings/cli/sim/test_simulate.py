@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import memtide
-from memtide_testing import clean_env
+from memtide_testing import clean_env, default_signals
 
 SMALL = {"layers": 4, "hidden": 1024, "heads": 8, "seq": 512, "vocab": 8192}
 SMALL_NODE = {"subgroup_params": 2_000_000, "capacity_bytes": 2**30}
@@ -477,7 +477,7 @@ def _interrupted(args, started_line, sig=None):
 
     p = subprocess.Popen([sys.executable, "-m", "memtide.cli", "simulate", *args], env=clean_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored as in `cmd &`
+                         preexec_fn=default_signals)
     seen = ""
     while started_line not in seen:
         line = p.stderr.readline()
